@@ -1,0 +1,36 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both set up .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+EXTRAS := torch,ucx,examples,metrics,bench,dev
+
+.PHONY: demo test test-slow lint bench env clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo ">> installing tensorx[$(EXTRAS)] into $(VENV) (first run takes a few minutes)"
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/train_digits.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check tensorx tests benchmarks examples
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/transfer.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,443 @@
+"""Memory regions: memory registered once, and the descriptors a peer needs to reach it.
+
+This is the edge where buffers are normalised (numpy, torch, bytearray, buffer protocol,
+DLPack, ``__cuda_array_interface__``); below it only :class:`MemoryRegion` exists.
+"""
+
+from __future__ import annotations
+
+import mmap
+import secrets
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from tensorx.errors import ClosedError, ProtocolError, RegionError, UsageError
+
+__all__ = ["ExportTable", "MemoryRegion", "RegionDescriptor"]
+
+DESCRIPTOR_VERSION = 1
+ACCESS_MODES = ("r", "w", "rw")
+PAGE = mmap.PAGESIZE
+
+# One id per process: the owner identity of regions that no node exported yet.
+_PROCESS_OWNER = secrets.token_hex(8)
+_cache_lock = threading.Lock()
+_registered: weakref.WeakValueDictionary[tuple[int, int, str], MemoryRegion] = (
+    weakref.WeakValueDictionary()
+)
+
+
+@dataclass(frozen=True)
+class RegionDescriptor:
+    """Everything a peer needs to read or write a region: plain data, safe to send."""
+
+    owner: str
+    region_id: int
+    cookie: int
+    nbytes: int
+    device: str
+    access: str
+    keys: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            [DESCRIPTOR_VERSION, self.owner, self.region_id, self.cookie, self.nbytes,
+             self.device, self.access, dict(self.keys)],
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RegionDescriptor:
+        try:
+            fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as exc:
+            raise ProtocolError(f"not a region descriptor: {exc}") from exc
+        if not isinstance(fields, list) or len(fields) != 8:
+            raise ProtocolError("not a region descriptor: wrong shape")
+        version, owner, region_id, cookie, nbytes, device, access, keys = fields
+        if version != DESCRIPTOR_VERSION:
+            raise ProtocolError(
+                f"region descriptor version {version!r}; this tensorx reads {DESCRIPTOR_VERSION}"
+            )
+        desc = cls(owner, region_id, cookie, nbytes, device, access, keys)
+        desc.validate()
+        return desc
+
+    def validate(self) -> None:
+        """Raise ProtocolError unless every field has the right type and range."""
+        ok = (
+            isinstance(self.owner, str)
+            and all(_is_uint(v) for v in (self.region_id, self.cookie, self.nbytes))
+            and self.device in ("cpu", "cuda")
+            and self.access in ACCESS_MODES
+            and isinstance(self.keys, Mapping)
+        )
+        if not ok:
+            raise ProtocolError(f"malformed region descriptor: {self!r}")
+
+    def allows(self, need: str) -> bool:
+        return need in self.access
+
+
+def _is_uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64
+
+
+class MemoryRegion:
+    """A contiguous range of host or GPU memory that transports may read and write.
+
+    Build one with :meth:`register` (zero-copy over an existing object) or :meth:`allocate`.
+    The region keeps the underlying object alive until :meth:`close`.
+    """
+
+    def __init__(self, obj: Any, address: int, nbytes: int, device: str,
+                 readonly: bool, buffer: memoryview | None) -> None:
+        self._obj = obj
+        self.address = address
+        self.nbytes = nbytes
+        self.device = device
+        self.readonly = readonly
+        self.region_id = secrets.randbits(62)
+        self._buffer = buffer
+        self._closed = False
+        self._close_callbacks: list[Callable[[MemoryRegion], None]] = []
+        self._descriptor: RegionDescriptor | None = None
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def register(cls, obj: Any, *, writable: bool = True) -> MemoryRegion:
+        """Register ``obj``'s memory without copying it.
+
+        ``writable=True`` (the default) needs writable memory, because peers may write it;
+        pass ``writable=False`` to export read-only memory. Registering the same memory
+        twice returns the same region while it is open.
+        """
+        if isinstance(obj, MemoryRegion):
+            return obj
+        address, nbytes, device, readonly, buffer = _normalise(obj)
+        if writable and readonly:
+            raise UsageError(
+                f"{type(obj).__name__} is read-only; pass writable=False to register it for reads"
+            )
+        key = (address, nbytes, device)
+        with _cache_lock:
+            cached = _registered.get(key)
+            if cached is not None and not cached.closed:
+                return cached
+            region = cls(obj, address, nbytes, device, readonly, buffer)
+            if nbytes:
+                _registered[key] = region
+        return region
+
+    @classmethod
+    def allocate(cls, nbytes: int, device: str = "cpu") -> MemoryRegion:
+        """Allocate ``nbytes`` of zeroed, page-aligned memory (``device="cpu"``) or on a GPU."""
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise UsageError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if device.startswith("cuda"):
+            return cls.register(_cuda_empty(nbytes, device))
+        if device != "cpu":
+            raise UsageError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'")
+        mm = mmap.mmap(-1, max(nbytes, 1))
+        buf = memoryview(mm)[:nbytes]
+        address = np.frombuffer(memoryview(mm), dtype=np.uint8).ctypes.data
+        return cls(mm, address, nbytes, "cpu", False, buf)
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def obj(self) -> Any:
+        """The object whose memory this region covers."""
+        self._check_open()
+        return self._obj
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"memory region {self.region_id:#x} is closed")
+
+    def add_close_callback(self, fn: Callable[[MemoryRegion], None]) -> None:
+        """Call ``fn(region)`` when the region is closed (transports deregister here)."""
+        self._check_open()
+        self._close_callbacks.append(fn)
+
+    def close(self) -> None:
+        """Deregister. Idempotent; later use of the region or its descriptors is an error."""
+        if self._closed:
+            return
+        self._closed = True
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # a failing callback must not keep memory registered
+                import logging
+
+                logging.getLogger(__name__).exception("region close callback failed")
+        self._buffer = None
+
+    def __enter__(self) -> MemoryRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<MemoryRegion {self.region_id:#x} {self.nbytes} B on {self.device} {state}>"
+
+    # -- access -------------------------------------------------------------------------
+    def buffer(self) -> memoryview:
+        """The region's bytes as a flat ``uint8`` memoryview (host memory only)."""
+        self._check_open()
+        if self._buffer is None:
+            raise UsageError(f"{self.device} memory has no host buffer; use a GPU transport")
+        return self._buffer
+
+    def view(self, dtype: Any, shape: tuple[int, ...] | int | None = None,
+             offset: int = 0) -> Any:
+        """A numpy array (numpy dtype) or torch tensor (torch dtype) over the region; no copy."""
+        self._check_open()
+        if _is_torch_dtype(dtype):
+            return self._torch_view(dtype, shape, offset)
+        dt = np.dtype(dtype)
+        count = self._count(dt.itemsize, shape, offset)
+        arr = np.frombuffer(self.buffer(), dtype=dt, count=count, offset=offset)
+        return arr.reshape(_shape(shape, count))
+
+    def _count(self, itemsize: int, shape: tuple[int, ...] | int | None, offset: int) -> int:
+        if offset < 0 or offset > self.nbytes:
+            raise UsageError(f"offset {offset} outside region of {self.nbytes} B")
+        if offset % itemsize:
+            raise UsageError(f"offset {offset} is not a multiple of the item size {itemsize}")
+        if shape is None:
+            return (self.nbytes - offset) // itemsize
+        count = int(np.prod(_shape(shape, 0), dtype=np.int64))
+        if offset + count * itemsize > self.nbytes:
+            raise UsageError(
+                f"view of {count * itemsize} B at offset {offset} exceeds region of {self.nbytes} B"
+            )
+        return count
+
+    def _torch_view(self, dtype: Any, shape: tuple[int, ...] | int | None, offset: int) -> Any:
+        import torch
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = self._count(itemsize, shape, offset)
+        if self.is_cuda:
+            return _cuda_torch_view(self, dtype, count, offset).reshape(_shape(shape, count))
+        if count == 0:
+            return torch.empty(_shape(shape, 0), dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffers warn; the region enforces rights
+            t = torch.frombuffer(self.buffer(), dtype=dtype, count=count, offset=offset)
+        return t.reshape(_shape(shape, count))
+
+    def descriptor(self, access: str | None = None) -> RegionDescriptor:
+        """The descriptor of the latest export, or a local (unexported) one.
+
+        A peer can use only descriptors returned by ``Node.export``; an unexported one names
+        this process as owner and is refused by every node.
+        """
+        self._check_open()
+        if self._descriptor is not None and access in (None, self._descriptor.access):
+            return self._descriptor
+        access = access or ("r" if self.readonly else "rw")
+        return RegionDescriptor(_PROCESS_OWNER, self.region_id, 0, self.nbytes,
+                                "cuda" if self.is_cuda else "cpu", access, {})
+
+
+# -- normalisation helpers ---------------------------------------------------------------
+def _normalise(obj: Any) -> tuple[int, int, str, bool, memoryview | None]:
+    """(address, nbytes, device, readonly, host buffer) for any supported object."""
+    torch = _torch_module(obj)
+    if torch is not None:
+        return _from_torch(obj)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _from_cuda_interface(obj)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        mv = None
+    if mv is not None:
+        return _from_buffer(mv, type(obj).__name__)
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj)
+    raise UsageError(
+        f"cannot register {type(obj).__name__}: need the buffer protocol, DLPack, "
+        "__cuda_array_interface__ or a torch tensor"
+    )
+
+
+def _from_buffer(mv: memoryview, name: str) -> tuple[int, int, str, bool, memoryview]:
+    if not mv.c_contiguous:
+        raise UsageError(f"{name} is not contiguous; register a contiguous copy")
+    flat = mv.cast("B") if mv.nbytes else memoryview(bytearray())
+    address = np.frombuffer(flat, dtype=np.uint8).ctypes.data if mv.nbytes else 0
+    return address, mv.nbytes, "cpu", mv.readonly, flat
+
+
+def _from_torch(t: Any) -> tuple[int, int, str, bool, memoryview | None]:
+    if not t.is_contiguous():
+        raise UsageError("torch tensor is not contiguous; register t.contiguous()")
+    nbytes = t.numel() * t.element_size()
+    if t.is_cuda:
+        return t.data_ptr(), nbytes, f"cuda:{t.device.index or 0}", False, None
+    if t.device.type != "cpu":
+        raise UsageError(f"torch tensors on {t.device} are not supported")
+    import torch
+
+    raw = t.detach().reshape(-1).view(torch.uint8) if nbytes else None
+    buf = memoryview(raw.numpy()) if raw is not None else memoryview(bytearray())
+    return t.data_ptr(), nbytes, "cpu", False, buf
+
+
+def _from_cuda_interface(obj: Any) -> tuple[int, int, str, bool, None]:
+    cai = obj.__cuda_array_interface__
+    shape, strides = tuple(cai["shape"]), cai.get("strides")
+    itemsize = np.dtype(cai["typestr"]).itemsize
+    count = int(np.prod(shape, dtype=np.int64))
+    if strides is not None and strides != _c_strides(shape, itemsize):
+        raise UsageError(f"{type(obj).__name__} is not contiguous; register a contiguous copy")
+    address, readonly = cai["data"]
+    return address, count * itemsize, f"cuda:{_cuda_device_of(obj)}", bool(readonly), None
+
+
+def _from_dlpack(obj: Any) -> tuple[int, int, str, bool, memoryview | None]:
+    device_type, device_id = obj.__dlpack_device__()
+    if device_type == 2:  # kDLCUDA
+        import torch
+
+        return _from_torch(torch.from_dlpack(obj))
+    try:
+        arr = np.from_dlpack(obj)
+    except Exception as exc:
+        raise UsageError(f"cannot import {type(obj).__name__} through DLPack: {exc}") from exc
+    return _from_buffer(memoryview(arr), type(obj).__name__)
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
+
+
+def _cuda_device_of(obj: Any) -> int:
+    dev = getattr(obj, "device", None)
+    return int(getattr(dev, "id", getattr(dev, "index", 0)) or 0)
+
+
+def _torch_module(obj: Any) -> Any:
+    mod = type(obj).__module__
+    if not mod.startswith("torch"):
+        return None
+    import torch
+
+    return torch if isinstance(obj, torch.Tensor) else None
+
+
+def _is_torch_dtype(dtype: Any) -> bool:
+    return type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype"
+
+
+def _shape(shape: tuple[int, ...] | int | None, count: int) -> tuple[int, ...]:
+    if shape is None:
+        return (count,)
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
+def _cuda_empty(nbytes: int, device: str) -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise UsageError("allocating GPU memory needs torch (pip install tensorx[torch])") from exc
+    if not torch.cuda.is_available():
+        raise UsageError(f"no CUDA device here to allocate on {device!r}")
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+def _cuda_torch_view(region: MemoryRegion, dtype: Any, count: int, offset: int) -> Any:
+    import torch
+
+    base = region.obj
+    if not isinstance(base, torch.Tensor):
+        base = torch.as_tensor(base, device=region.device)
+    flat = base.reshape(-1).view(torch.uint8)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return flat[offset: offset + count * itemsize].view(dtype)
+
+
+# -- the owner's table of exported regions ----------------------------------------------
+@dataclass
+class _Export:
+    region: MemoryRegion
+    descriptor: RegionDescriptor
+
+
+class ExportTable:
+    """The owner's authority on what peers may touch: every remote op is resolved here."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._by_id: dict[int, _Export] = {}
+
+    def add(self, region: MemoryRegion, access: str,
+            keys: Mapping[str, Any] | None = None) -> RegionDescriptor:
+        if access not in ACCESS_MODES:
+            raise UsageError(f"access must be one of {ACCESS_MODES}, got {access!r}")
+        if "w" in access and region.readonly:
+            raise UsageError("cannot export read-only memory for writing; use access='r'")
+        desc = RegionDescriptor(self.owner, region.region_id, secrets.randbits(63), region.nbytes,
+                                "cuda" if region.is_cuda else "cpu", access, dict(keys or {}))
+        self._by_id[region.region_id] = _Export(region, desc)
+        region._descriptor = desc
+        return desc
+
+    def remove(self, region: MemoryRegion) -> None:
+        self._by_id.pop(region.region_id, None)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def regions(self) -> list[RegionDescriptor]:
+        return [e.descriptor for e in self._by_id.values()]
+
+    def lookup(self, region_id: int, cookie: int) -> _Export:
+        export = self._by_id.get(region_id)
+        if export is None or export.descriptor.cookie != cookie:
+            raise RegionError(f"region {region_id:#x} is not exported here (closed or forged)")
+        if export.region.closed:
+            raise RegionError(f"region {region_id:#x} was closed by its owner")
+        return export
+
+    def resolve(self, region_id: int, cookie: int, offset: int, nbytes: int,
+                need: str) -> MemoryRegion:
+        """Check rights and bounds for one remote op; return the region or raise RegionError."""
+        export = self.lookup(region_id, cookie)
+        if need not in export.descriptor.access:
+            verb = "written" if need == "w" else "read"
+            raise RegionError(f"region {region_id:#x} is exported "
+                              f"'{export.descriptor.access}' and cannot be {verb}")
+        check_bounds(export.descriptor.nbytes, offset, nbytes)
+        return export.region
+
+
+def check_bounds(size: int, offset: int, nbytes: int) -> None:
+    """RegionError unless [offset, offset+nbytes) lies inside a region of ``size`` bytes."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise RegionError(f"range [{offset}, {offset + nbytes}) is outside the region of {size} B")
