@@ -50,7 +50,7 @@ class RegionError(TensorxError):
     """The remote region is gone, unknown, out of range, or lacks the access right asked for."""
 
 
-class TimeoutError(TensorxError, builtins.TimeoutError):  # noqa: A001 - deliberate: also a TimeoutError
+class TimeoutError(TensorxError, builtins.TimeoutError):
     """An operation did not finish within its timeout."""
 
 

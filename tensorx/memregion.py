@@ -317,7 +317,7 @@ def _from_cuda_interface(obj: Any) -> tuple[int, int, str, bool, None]:
 
 
 def _from_dlpack(obj: Any) -> tuple[int, int, str, bool, memoryview | None]:
-    device_type, device_id = obj.__dlpack_device__()
+    device_type, _device_id = obj.__dlpack_device__()
     if device_type == 2:  # kDLCUDA
         import torch
 

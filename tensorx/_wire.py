@@ -1,0 +1,127 @@
+"""Frame encoding for the tensorx control protocol. Pure: no asyncio, no sockets.
+
+A frame is a 16-byte prefix, a msgpack header (a map with short string keys) and an
+optional raw payload that the transport moves straight between socket and region memory::
+
+    prefix  = magic b"TX" | version u8 | kind u8 | header_len u32 | payload_len u64   (big endian)
+
+Every header is validated against the schema of its kind before anything acts on it.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any
+
+import msgpack
+
+from tensorx.errors import ProtocolError
+
+__all__ = [
+    "MAX_HEADER",
+    "MAX_NOTIFY",
+    "MAX_PAYLOAD",
+    "PREFIX",
+    "PROTOCOL_VERSION",
+    "Kind",
+    "decode_header",
+    "decode_prefix",
+    "encode",
+]
+
+MAGIC = b"TX"
+PROTOCOL_VERSION = 1
+PREFIX = struct.Struct("!2sBBIQ")
+MAX_HEADER = 64 * 1024
+MAX_NOTIFY = 16 * 1024 * 1024
+MAX_PAYLOAD = 1 << 40
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1       # client -> server: who I am, my nonce
+    CHALLENGE = 2   # server -> client: who I am, my nonce, my proof
+    AUTH = 3        # client -> server: my proof, my capabilities
+    WELCOME = 4     # server -> client: your proof is good, my capabilities
+    WRITE = 10      # payload = data to land in the owner's region
+    WRITE_ACK = 11
+    READ = 12
+    READ_DATA = 13  # payload = data read from the owner's region
+    NOTIFY = 14     # payload = user bytes
+    ERROR = 15
+    VALIDATE = 16   # is this descriptor valid? (lanes that bypass the owner, e.g. UCX)
+    VALID = 17
+    BYE = 18
+
+
+_INT, _BYTES, _STR, _BOOL, _DICT = int, bytes, str, bool, dict
+SCHEMAS: dict[Kind, dict[str, type]] = {
+    Kind.HELLO: {"id": _STR, "nonce": _BYTES},
+    Kind.CHALLENGE: {"id": _STR, "nonce": _BYTES, "proof": _BYTES},
+    Kind.AUTH: {"proof": _BYTES, "caps": _DICT},
+    Kind.WELCOME: {"caps": _DICT},
+    Kind.WRITE: {"req": _INT, "rid": _INT, "ck": _INT, "off": _INT, "n": _INT, "last": _BOOL},
+    Kind.WRITE_ACK: {"req": _INT},
+    Kind.READ: {"req": _INT, "rid": _INT, "ck": _INT, "off": _INT, "n": _INT},
+    Kind.READ_DATA: {"req": _INT},
+    Kind.NOTIFY: {},
+    Kind.ERROR: {"req": _INT, "code": _STR, "msg": _STR},
+    Kind.VALIDATE: {"req": _INT, "rid": _INT, "ck": _INT},
+    Kind.VALID: {"req": _INT, "n": _INT, "access": _STR},
+    Kind.BYE: {},
+}
+# Kinds whose payload is region data; every other kind but NOTIFY carries none.
+DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
+
+
+def encode(kind: Kind, header: dict[str, Any], payload_len: int = 0) -> bytes:
+    """Prefix + header bytes of one frame; the payload (if any) is sent after them."""
+    raw = msgpack.packb(header, use_bin_type=True)
+    if len(raw) > MAX_HEADER:
+        raise ProtocolError(f"{kind.name} header of {len(raw)} B exceeds {MAX_HEADER} B")
+    return PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, len(raw), payload_len) + raw
+
+
+def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[Kind, int, int]:
+    """(kind, header_len, payload_len) of a 16-byte prefix; ProtocolError if it is bad."""
+    magic, version, kind, header_len, payload_len = PREFIX.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}: not a tensorx peer")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer speaks tensorx protocol v{version}; this process speaks v{PROTOCOL_VERSION}"
+        )
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    if header_len > MAX_HEADER:
+        raise ProtocolError(f"header of {header_len} B exceeds the {MAX_HEADER} B limit")
+    _check_payload_len(k, payload_len)
+    return k, header_len, payload_len
+
+
+def _check_payload_len(kind: Kind, payload_len: int) -> None:
+    limit = MAX_PAYLOAD if kind in DATA_KINDS else MAX_NOTIFY if kind is Kind.NOTIFY else 0
+    if payload_len > limit:
+        raise ProtocolError(f"{kind.name} payload of {payload_len} B exceeds {limit} B")
+
+
+def decode_header(kind: Kind, raw: bytes | bytearray | memoryview,
+                  payload_len: int = 0) -> dict[str, Any]:
+    """Unpack and validate a header against its kind's schema."""
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER)
+    except Exception as exc:
+        raise ProtocolError(f"undecodable {kind.name} header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(f"{kind.name} header is not a map")
+    for name, typ in SCHEMAS[kind].items():
+        value = header.get(name)
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise ProtocolError(f"{kind.name} header field {name!r} missing or not {typ.__name__}")
+        if typ is int and not 0 <= value < 2**64:
+            raise ProtocolError(f"{kind.name} header field {name!r} out of range")
+    if kind is Kind.WRITE and header["n"] != payload_len:
+        raise ProtocolError(f"WRITE says {header['n']} B but carries {payload_len} B")
+    return header

@@ -1,0 +1,212 @@
+"""Endpoint: one authenticated connection to a peer node, with its data lane.
+
+The endpoint checks every op against the local region and the remote descriptor before it
+reaches a lane, routes data to the lane (TCP frames or UCX RMA) and notifications over the
+control channel, flushing the lane first so a notification never overtakes its data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tensorx.errors import (
+    ClosedError,
+    RegionError,
+    TransportUnavailableError,
+    UsageError,
+)
+from tensorx.memregion import MemoryRegion, RegionDescriptor, check_bounds
+from tensorx.transport.base import DataLane, Op
+from tensorx.transport.tcp import Connection
+
+if TYPE_CHECKING:
+    from tensorx.node import Node
+
+__all__ = ["DEFAULT", "Endpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _Default()
+"""Timeout sentinel: use the node's ``timeout``. ``None`` means wait forever."""
+
+OpSpec = tuple[MemoryRegion, RegionDescriptor, int, int, "int | None"]
+
+
+class Endpoint:
+    """A connection to one peer; both sides of a connection get one and can use it fully."""
+
+    def __init__(self, node: Node, conn: Connection, lane: DataLane, address: str) -> None:
+        self._node = node
+        self._conn = conn
+        self._lane = lane
+        self.address = address
+        self._validated: dict[tuple[int, int], tuple[int, str]] = {}
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<Endpoint to {self.peer} at {self.address} over {self._lane.name}>"
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def peer(self) -> str:
+        """The peer node's id (``Node.id`` on the other side)."""
+        return self._conn.peer
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """``{"transport", "lanes", "why", "peer", "address", "stats"}``."""
+        return {**self._lane.info, "peer": self.peer, "address": self.address,
+                "stats": dict(self._conn.stats)}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._conn.broken is not None
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedError(f"endpoint to {self.peer} is closed")
+        if self._conn.broken is not None:
+            raise type(self._conn.broken)(str(self._conn.broken))
+
+    def _timeout(self, timeout: Any) -> float | None:
+        return self._node.timeout if timeout is DEFAULT else timeout  # type: ignore[no-any-return]
+
+    # -- data ---------------------------------------------------------------------------
+    async def write(self, region: MemoryRegion, remote: RegionDescriptor | bytes,
+                    offset: int = 0, remote_offset: int = 0, nbytes: int | None = None, *,
+                    timeout: float | None = DEFAULT) -> None:
+        """Write ``nbytes`` (default: the rest of ``region`` from ``offset``) into the peer's
+        region at ``remote_offset``. Returns when the data is in the peer's memory."""
+        op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
+        await self._lane.write(op, timeout=self._timeout(timeout))
+
+    async def read(self, region: MemoryRegion, remote: RegionDescriptor | bytes,
+                   offset: int = 0, remote_offset: int = 0, nbytes: int | None = None, *,
+                   timeout: float | None = DEFAULT) -> None:
+        """Read ``nbytes`` (default: the rest of ``region`` from ``offset``) from the peer's
+        region at ``remote_offset`` into ``region``. Returns when the data is local."""
+        op = await self._op(region, remote, offset, remote_offset, nbytes, "r")
+        await self._lane.read(op, timeout=self._timeout(timeout))
+
+    async def write_many(self, ops: Iterable[Sequence[Any]], *,
+                         timeout: float | None = DEFAULT) -> None:
+        """Issue several writes ``(region, desc, offset, remote_offset, nbytes)``; one
+        completion covers them all. Raises the first error."""
+        checked = [await self._op(*_spec(spec), "w") for spec in ops]
+        if checked:
+            await self._lane.write_many(checked, timeout=self._timeout(timeout))
+
+    async def notify(self, payload: bytes = b"", *, timeout: float | None = DEFAULT) -> None:
+        """Send ``payload`` to the peer's ``node.notifications``. The peer never sees it
+        before the data of any write issued earlier on this endpoint."""
+        self._check_usable()
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            raise UsageError(f"notify payload must be bytes, not {type(payload).__name__}")
+        t = self._timeout(timeout)
+        await self._lane.flush(timeout=t)
+        await self._conn.notify(bytes(payload), t)
+
+    async def _op(self, region: MemoryRegion, remote: RegionDescriptor | bytes, offset: int,
+                  remote_offset: int, nbytes: int | None, need: str) -> Op:
+        self._check_usable()
+        desc = _descriptor(remote)
+        _check_local(region, offset, nbytes, need)
+        if nbytes is None:
+            nbytes = region.nbytes - offset
+        size, access = await self._remote_limits(desc)
+        if need not in access:
+            verb = "written" if need == "w" else "read"
+            raise RegionError(f"remote region {desc.region_id:#x} is exported '{access}' "
+                              f"and cannot be {verb}")
+        check_bounds(size, remote_offset, nbytes)
+        self._check_device(region, desc)
+        return Op(region, desc, offset, remote_offset, nbytes)
+
+    async def _remote_limits(self, desc: RegionDescriptor) -> tuple[int, str]:
+        """Size and rights of the remote region: from the owner (once) for lanes that
+        bypass it, else from the descriptor (the owner re-checks every TCP op)."""
+        if desc.owner != self.peer:
+            raise RegionError(f"descriptor of region {desc.region_id:#x} belongs to node "
+                              f"{desc.owner or '?'}, but this endpoint reaches {self.peer}")
+        if self._lane.name == "tcp":
+            return desc.nbytes, desc.access
+        key = (desc.region_id, desc.cookie)
+        if key not in self._validated:
+            n, access = await self._conn.request_validate(*key, self._node.timeout)
+            if n != desc.nbytes or not set(desc.access) <= set(access):
+                raise RegionError(f"descriptor of region {desc.region_id:#x} does not match "
+                                  "what its owner exported")
+            self._validated[key] = (n, desc.access)
+        return self._validated[key]
+
+    def _check_device(self, region: MemoryRegion, desc: RegionDescriptor) -> None:
+        if self._lane.name == "tcp" and (region.is_cuda or desc.device == "cuda"):
+            raise TransportUnavailableError(
+                "GPU memory needs a GPU-capable transport (UCX with cuda_copy/cuda_ipc); "
+                f"this endpoint uses TCP because: {self._lane.info.get('why')}")
+
+    # -- closing ------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Close the lane and the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._lane.aclose()
+        finally:
+            await self._conn.aclose()
+            self._node._forget(self)
+
+    def abort(self) -> None:
+        """Close at once; ops in flight fail with ClosedError. Idempotent."""
+        self._closed = True
+        self._lane.abort()
+        self._conn.abort()
+        self._node._forget(self)
+
+    async def __aenter__(self) -> Endpoint:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _descriptor(remote: RegionDescriptor | bytes) -> RegionDescriptor:
+    if isinstance(remote, RegionDescriptor):
+        return remote
+    if isinstance(remote, bytes | bytearray):
+        return RegionDescriptor.from_bytes(bytes(remote))
+    raise UsageError(f"expected a RegionDescriptor, got {type(remote).__name__}")
+
+
+def _check_local(region: MemoryRegion, offset: int, nbytes: int | None, need: str) -> None:
+    if not isinstance(region, MemoryRegion):
+        raise UsageError(f"expected a MemoryRegion, got {type(region).__name__}; "
+                         "wrap it with tx.MemoryRegion.register(obj)")
+    if region.closed:
+        raise ClosedError(f"local region {region.region_id:#x} is closed")
+    if need == "r" and region.readonly:
+        raise UsageError("cannot read into a read-only region")
+    n = region.nbytes - offset if nbytes is None else nbytes
+    for name, value in (("offset", offset), ("nbytes", n)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise UsageError(f"{name} must be a non-negative int, got {value!r}")
+    if offset + n > region.nbytes:
+        raise UsageError(f"local range [{offset}, {offset + n}) is outside the local region "
+                         f"of {region.nbytes} B")
+
+
+def _spec(spec: Sequence[Any]) -> tuple[Any, ...]:
+    if not 2 <= len(spec) <= 5:
+        raise UsageError("write_many takes (region, desc[, offset[, remote_offset[, nbytes]]])")
+    defaults = (None, None, 0, 0, None)
+    return tuple(spec) + defaults[len(spec):]
+

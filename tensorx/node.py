@@ -1,0 +1,273 @@
+"""Node: one process's presence on the network. Exports regions, makes and accepts endpoints.
+
+The transport is chosen per endpoint and always reported: UCX when both peers have it and a
+lane opens, TCP otherwise, with one INFO line per endpoint naming transport, lanes and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+from tensorx import _auth
+from tensorx.endpoint import DEFAULT, Endpoint
+from tensorx.errors import (
+    ClosedError,
+    TensorxError,
+    TransportUnavailableError,
+    UsageError,
+)
+from tensorx.memregion import ExportTable, MemoryRegion, RegionDescriptor
+from tensorx.transport import handshake
+from tensorx.transport.base import DataLane, LaneFactory
+from tensorx.transport.tcp import Connection, TcpLane, TcpListener, open_socket
+
+__all__ = ["Node"]
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "tcp", "ucx")
+REQUIREMENTS = (None, "ucx", "rdma")
+RDMA_LANES = ("rc", "dc", "ud", "ib", "roce", "mlx", "verbs", "efa")
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """``"tcp://host:port"`` or ``"ucx://host:port"`` -> (scheme, host, port)."""
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    if parts.scheme not in ("tcp", "ucx") or not parts.hostname or parts.port is None:
+        raise UsageError(f"bad address {address!r}; expected tcp://HOST:PORT or ucx://HOST:PORT")
+    return parts.scheme, parts.hostname, parts.port
+
+
+class Node:
+    """A process's tensorx node. Use as ``async with Node(...) as node:``.
+
+    ``listen``: ``"tcp://HOST:PORT"`` (port 0 picks one) or ``None`` for a client-only node.
+    ``transport``: ``"auto"`` (UCX when both peers have it, else TCP), ``"tcp"`` or ``"ucx"``.
+    ``token``: shared secret (default ``$TENSORX_TOKEN``); peers prove it before anything else.
+    ``timeout``: default seconds for every wait (``None``: forever).
+    ``require``: ``"ucx"`` or ``"rdma"`` (default ``$TENSORX_REQUIRE``): fail instead of
+    falling back to a slower transport.
+    """
+
+    def __init__(self, listen: str | None = "tcp://127.0.0.1:0", *, transport: str = "auto",
+                 token: str | bytes | None = None, timeout: float | None = 30.0,
+                 require: str | None = None, ucx_options: dict[str, Any] | None = None) -> None:
+        if transport not in TRANSPORTS:
+            raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        require = require if require is not None else os.environ.get("TENSORX_REQUIRE") or None
+        if require not in REQUIREMENTS:
+            raise UsageError(f"require must be one of {REQUIREMENTS}, got {require!r}")
+        self.id = secrets.token_hex(8)
+        self.transport = transport
+        self.require = require
+        self.timeout = timeout
+        self._listen = listen
+        self._token = _auth.resolve_token(token)
+        self._ucx_options = dict(ucx_options or {})
+        self._exports = ExportTable(self.id)
+        self._factory: LaneFactory | None = None
+        self._factory_why = ""
+        self._listener: TcpListener | None = None
+        self._endpoints: set[Endpoint] = set()
+        self._state = "new"
+        self.notifications: asyncio.Queue[tuple[Endpoint, bytes]] = asyncio.Queue()
+        self.disconnected: asyncio.Queue[Endpoint] = asyncio.Queue()
+
+    def __repr__(self) -> str:
+        return f"<Node {self.id} {self._state} {self.address if self._listener else ''}>"
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> Node:
+        if self._state != "new":
+            raise UsageError(f"node already {self._state}")
+        self._state = "starting"
+        self._factory, self._factory_why = self._make_factory()
+        if self._listen is not None:
+            scheme, host, port = parse_address(self._listen)
+            if scheme == "ucx" and self._factory is None:
+                raise TransportUnavailableError(f"cannot listen on ucx://: {self._factory_why}")
+            self._listener = await TcpListener.start(host, port, self._on_accept)
+        self._state = "running"
+        logger.info("node %s up: %s; data transport %s", self.id,
+                    self.address if self._listener else "client only", self._factory_why)
+        return self
+
+    def _make_factory(self) -> tuple[LaneFactory | None, str]:
+        if self.transport == "tcp":
+            return None, "tcp (asked for transport='tcp')"
+        try:
+            from tensorx.transport.ucx import UcxFactory
+
+            factory: LaneFactory = UcxFactory(**self._ucx_options)
+        except (ImportError, TransportUnavailableError) as exc:
+            why = f"UCX unavailable ({exc})"
+            if self.transport == "ucx" or self.require is not None:
+                raise TransportUnavailableError(why) from exc
+            return None, f"tcp ({why})"
+        return factory, "ucx when the peer has it, else tcp"
+
+    async def aclose(self) -> None:
+        """Close every endpoint, the listener and all registrations. Idempotent."""
+        if self._state in ("closed", "new"):
+            self._state = "closed"
+            return
+        self._state = "closed"
+        try:
+            if self._listener is not None:
+                await self._listener.aclose()
+            await asyncio.gather(*(ep.aclose() for ep in list(self._endpoints)),
+                                 return_exceptions=True)
+        finally:
+            if self._factory is not None:
+                await self._factory.aclose()
+
+    def abort(self) -> None:
+        for ep in list(self._endpoints):
+            ep.abort()
+        self._state = "closed"
+
+    async def __aenter__(self) -> Node:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _check_running(self) -> None:
+        if self._state != "running":
+            raise ClosedError(f"node {self.id} is {self._state}") if self._state == "closed" \
+                else UsageError("node is not started; use 'async with Node(...)'")
+
+    @property
+    def address(self) -> str:
+        """Where peers connect: ``tcp://HOST:PORT``, or ``ucx://HOST:PORT`` with UCX data."""
+        if self._listener is None:
+            raise UsageError("this node does not listen (listen=None) or is not started")
+        host, port = self._listener.host_port
+        scheme = "ucx" if self._factory is not None else "tcp"
+        return f"{scheme}://{host}:{port}"
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return list(self._endpoints)
+
+    # -- memory -------------------------------------------------------------------------
+    def export(self, region: MemoryRegion | Any, access: str = "rw") -> RegionDescriptor:
+        """Make ``region`` reachable by authenticated peers with ``access`` ("r", "w", "rw").
+        Returns the descriptor to hand to peers. Closing the region unexports it."""
+        self._check_running()
+        if not isinstance(region, MemoryRegion):
+            region = MemoryRegion.register(region, writable="w" in access)
+        keys: dict[str, Any] = {}
+        if self._factory is not None:
+            keys[self._factory.name] = self._factory.register(region)
+        desc = self._exports.add(region, access, keys)
+        region.add_close_callback(self._exports.remove)
+        logger.debug("exported %r as %s", region, access)
+        return desc
+
+    def unexport(self, region: MemoryRegion) -> None:
+        self._exports.remove(region)
+
+    def exports(self) -> list[RegionDescriptor]:
+        """Descriptors of every region this node exports now."""
+        return self._exports.regions()
+
+    # -- endpoints ----------------------------------------------------------------------
+    def _caps(self) -> dict[str, Any]:
+        caps: dict[str, Any] = {"transport": self.transport}
+        if self._factory is not None:
+            caps[self._factory.name] = self._factory.local_info()
+        return caps
+
+    async def connect(self, address: str, *, timeout: float | None = DEFAULT) -> Endpoint:
+        """Connect and authenticate to the node at ``address``."""
+        self._check_running()
+        t = self.timeout if timeout is DEFAULT else timeout
+        _, host, port = parse_address(address)
+        sock = await asyncio.wait_for(open_socket(host, port), t)
+        conn = Connection(sock, self._exports, f"{self.id}->{address}")
+        try:
+            await handshake.initiate(conn, self.id, self._token, self._caps(), t)
+            return await self._finish(conn, address, t)
+        except BaseException:
+            conn.abort()
+            raise
+
+    async def _on_accept(self, sock: socket.socket) -> None:
+        peer = "{}:{}".format(*sock.getpeername()[:2])
+        conn = Connection(sock, self._exports, f"{self.id}<-{peer}")
+        try:
+            await handshake.accept(conn, self.id, self._token, self._caps(), self.timeout)
+            await self._finish(conn, f"tcp://{peer}", self.timeout)
+        except TensorxError as exc:
+            logger.warning("refused connection from %s: %s", peer, exc)
+            conn.abort()
+        except BaseException:
+            conn.abort()
+            raise
+
+    async def _finish(self, conn: Connection, address: str, timeout: float | None) -> Endpoint:
+        lane = await self._choose_lane(conn, timeout)
+        ep = Endpoint(self, conn, lane, address)
+        conn.on_notify = lambda c, payload: self.notifications.put_nowait((ep, payload))
+        conn.on_closed = lambda c, exc: self._on_broken(ep, exc)
+        conn.start()
+        self._endpoints.add(ep)
+        info = lane.info
+        logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s why=%s", self.id,
+                    conn.peer, address, info["transport"], ",".join(info["lanes"]), info["why"])
+        return ep
+
+    async def _choose_lane(self, conn: Connection, timeout: float | None) -> DataLane:
+        lane = await self._try_ucx(conn, timeout)
+        if lane is None:
+            lane = TcpLane(conn, self._tcp_why(conn))
+        self._enforce_require(lane)
+        return lane
+
+    async def _try_ucx(self, conn: Connection, timeout: float | None) -> DataLane | None:
+        peer_info = conn.peer_caps.get("ucx")
+        if self._factory is None or not isinstance(peer_info, dict):
+            return None
+        try:
+            return await self._factory.open_lane(peer_info, peer=conn.peer, timeout=timeout)
+        except TransportUnavailableError as exc:
+            if self.transport == "ucx" or self.require is not None:
+                raise
+            conn.peer_caps["ucx_error"] = str(exc)
+            return None
+
+    def _tcp_why(self, conn: Connection) -> str:
+        if self._factory is None:
+            return self._factory_why
+        if "ucx_error" in conn.peer_caps:
+            return f"UCX lane failed to open: {conn.peer_caps['ucx_error']}"
+        return f"peer has no UCX (its transport={conn.peer_caps.get('transport')!r})"
+
+    def _enforce_require(self, lane: DataLane) -> None:
+        if self.require is None:
+            return
+        lanes = lane.info["lanes"]
+        ok = lane.name == "ucx" if self.require == "ucx" else any(
+            name.split("/")[0].startswith(RDMA_LANES) for name in lanes)
+        if not ok:
+            lane.abort()
+            raise TransportUnavailableError(
+                f"require={self.require!r} but this endpoint would use {lane.name} over "
+                f"{', '.join(lanes) or 'no lanes'} ({lane.info['why']})")
+
+    def _on_broken(self, ep: Endpoint, exc: BaseException | None) -> None:
+        if exc is not None:
+            logger.warning("endpoint to %s broke: %s", ep.peer, exc)
+        if ep in self._endpoints:
+            self._endpoints.discard(ep)
+            self.disconnected.put_nowait(ep)
+
+    def _forget(self, ep: Endpoint) -> None:
+        self._endpoints.discard(ep)

@@ -1,0 +1,559 @@
+"""Pure-asyncio TCP: the control channel of every connection, and the fallback data lane.
+
+Payloads never pass through an intermediate bytes object: the owner receives a WRITE
+straight into the region (``sock_recv_into`` on a slice of it) and sends READ data straight
+out of it (``sock_sendall`` on a memoryview); the requester does the same on its side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tensorx import _wire
+from tensorx._wire import Kind
+from tensorx.errors import (
+    AuthError,
+    BrokenError,
+    ClosedError,
+    ProtocolError,
+    RegionError,
+    TensorxError,
+    TimeoutError,
+    UsageError,
+)
+from tensorx.memregion import ExportTable
+from tensorx.transport.base import DataLane, Op
+
+__all__ = ["Connection", "TcpLane", "TcpListener", "open_socket"]
+
+logger = logging.getLogger(__name__)
+
+BUFFER_BYTES = 256 * 1024
+SOCKET_BUFFER = 4 * 1024 * 1024
+ERROR_CODES: dict[str, type[TensorxError]] = {
+    "region": RegionError, "protocol": ProtocolError, "auth": AuthError, "usage": UsageError,
+}
+
+
+def error_code(exc: BaseException) -> str:
+    for code, cls in ERROR_CODES.items():
+        if isinstance(exc, cls):
+            return code
+    return "broken"
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+
+
+async def open_socket(host: str, port: int) -> socket.socket:
+    """A connected, tuned non-blocking socket; OSError becomes BrokenError."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise BrokenError(f"cannot resolve {host}:{port}: {exc}") from exc
+    try:
+        tune(sock)
+        await loop.sock_connect(sock, addr)
+    except OSError as exc:
+        sock.close()
+        raise BrokenError(f"cannot connect to {host}:{port}: {exc}") from exc
+    return sock
+
+
+class _FrameReader:
+    """Buffered small reads (prefix, header) and unbuffered large reads into caller memory."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._buf = bytearray(BUFFER_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    async def _recv(self, into: memoryview) -> int:
+        try:
+            n = await self._loop.sock_recv_into(self._sock, into)
+        except OSError as exc:
+            raise BrokenError(f"connection lost: {exc}") from exc
+        if n == 0:
+            raise BrokenError("peer closed the connection")
+        return n
+
+    async def _fill(self, need: int) -> None:
+        if len(self._buf) - self._start < need:
+            size = self._end - self._start
+            self._buf[:size] = self._buf[self._start:self._end]
+            self._start, self._end = 0, size
+        while self._end - self._start < need:
+            self._end += await self._recv(self._view[self._end:])
+
+    async def read_exact(self, n: int) -> bytes:
+        await self._fill(n)
+        data = bytes(self._view[self._start:self._start + n])
+        self._start += n
+        return data
+
+    async def read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` exactly: buffered bytes first, then straight from the socket."""
+        have = min(len(dest), self._end - self._start)
+        if have:
+            dest[:have] = self._view[self._start:self._start + have]
+            self._start += have
+        pos = have
+        while pos < len(dest):
+            pos += await self._recv(dest[pos:])
+
+    async def discard(self, n: int) -> None:
+        while n:
+            step = min(n, len(self._buf))
+            await self._fill(min(step, len(self._buf)))
+            taken = min(step, self._end - self._start)
+            self._start += taken
+            n -= taken
+
+    async def frame(self) -> tuple[Kind, dict[str, Any], int]:
+        prefix = await self.read_exact(_wire.PREFIX.size)
+        kind, header_len, payload_len = _wire.decode_prefix(prefix)
+        header = _wire.decode_header(kind, await self.read_exact(header_len), payload_len)
+        return kind, header, payload_len
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future[Any]
+    dest: memoryview | None = None
+
+
+NotifyHandler = Callable[["Connection", bytes], None]
+ClosedHandler = Callable[["Connection", BaseException | None], None]
+
+
+class Connection:
+    """One TCP connection to a peer: frames in, frames out, requests in flight.
+
+    Before :meth:`start`, the handshake uses :meth:`send_now` and :meth:`recv_frame`.
+    After it, a reader task serves the peer's requests against ``exports`` and completes
+    ours, and a writer task sends queued frames in the order they were queued.
+    """
+
+    def __init__(self, sock: socket.socket, exports: ExportTable, label: str) -> None:
+        self.sock = sock
+        self.label = label
+        self.peer = ""
+        self.peer_caps: dict[str, Any] = {}
+        self._exports = exports
+        self._loop = asyncio.get_running_loop()
+        self._reader = _FrameReader(sock)
+        self._sendq: collections.deque[tuple[list[Any], asyncio.Future[None] | None]] = (
+            collections.deque())
+        self._wakeup = asyncio.Event()
+        self._pending: dict[int, _Pending] = {}
+        self._req_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._error: TensorxError | None = None
+        self.on_notify: NotifyHandler = lambda conn, payload: None
+        self.on_closed: ClosedHandler = lambda conn, exc: None
+        self.stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0}
+
+    # -- handshake phase ----------------------------------------------------------------
+    async def send_now(self, kind: Kind, header: dict[str, Any]) -> None:
+        try:
+            await self._loop.sock_sendall(self.sock, _wire.encode(kind, header))
+        except OSError as exc:
+            raise BrokenError(f"{self.label}: connection lost: {exc}") from exc
+
+    async def recv_frame(self, expect: Kind) -> dict[str, Any]:
+        kind, header, payload_len = await self._reader.frame()
+        if kind is Kind.ERROR:
+            raise ERROR_CODES.get(header["code"], BrokenError)(header["msg"])
+        if kind is not expect or payload_len:
+            raise ProtocolError(f"expected {expect.name} during handshake, got {kind.name}")
+        return header
+
+    def start(self) -> None:
+        self._tasks = [self._loop.create_task(self._read_loop(), name=f"tx-read {self.label}"),
+                       self._loop.create_task(self._write_loop(), name=f"tx-write {self.label}")]
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def broken(self) -> TensorxError | None:
+        return self._error
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _fail(self, exc: TensorxError, graceful: bool = False) -> None:
+        """Mark the connection dead, fail every request in flight, close the socket."""
+        if self._error is not None:
+            return
+        self._error = exc
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(_copy(exc))
+        self._pending.clear()
+        for _, fut in self._sendq:
+            if fut is not None and not fut.done():
+                fut.set_exception(_copy(exc))
+        self._sendq.clear()
+        self._wakeup.set()
+        self.sock.close()
+        self.on_closed(self, None if graceful or isinstance(exc, ClosedError) else exc)
+
+    async def aclose(self) -> None:
+        """Say BYE, stop both tasks and close the socket. Idempotent."""
+        if self._error is None and self._tasks:
+            with _suppress():
+                await asyncio.wait_for(self._send_frame(Kind.BYE, {}), 1.0)
+        self._fail(ClosedError(f"{self.label}: endpoint closed"))
+        await self._join_tasks()
+
+    def abort(self) -> None:
+        self._fail(ClosedError(f"{self.label}: endpoint aborted"))
+        for task in self._tasks:
+            task.cancel()
+
+    async def _join_tasks(self) -> None:
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        await asyncio.gather(*(t for t in self._tasks if t is not current),
+                             return_exceptions=True)
+
+    # -- sending ------------------------------------------------------------------------
+    def _enqueue(self, parts: list[Any], done: asyncio.Future[None] | None = None) -> None:
+        self._check()
+        self._sendq.append((parts, done))
+        self._wakeup.set()
+
+    def _send_frame(self, kind: Kind, header: dict[str, Any],
+                    payload: Any = None) -> asyncio.Future[None]:
+        """Queue one frame; the future completes once it has been handed to the kernel."""
+        done: asyncio.Future[None] = self._loop.create_future()
+        size = len(payload) if payload is not None else 0
+        parts = [_wire.encode(kind, header, size)]
+        if size:
+            parts.append(payload)
+        self._enqueue(parts, done)
+        return done
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                while self._sendq:
+                    await self._send_batch()
+        except OSError as exc:
+            self._fail(BrokenError(f"{self.label}: connection lost: {exc}"))
+        except asyncio.CancelledError:
+            raise
+
+    async def _send_batch(self) -> None:
+        """Send what is queued, joining small parts so many small frames cost one syscall."""
+        small: list[bytes] = []
+        done: list[asyncio.Future[None]] = []
+        while self._sendq:
+            parts, fut = self._sendq.popleft()
+            for part in parts:
+                if isinstance(part, bytes) and len(part) <= 65536:
+                    small.append(part)
+                    continue
+                await self._flush_small(small)
+                await self._sock_send(part)
+            if fut is not None:
+                done.append(fut)
+        await self._flush_small(small)
+        self.stats["frames_out"] += len(done)
+        for fut in done:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _flush_small(self, small: list[bytes]) -> None:
+        if small:
+            await self._sock_send(b"".join(small))
+            small.clear()
+
+    async def _sock_send(self, data: Any) -> None:
+        await self._loop.sock_sendall(self.sock, data)
+        self.stats["bytes_out"] += len(data)
+
+    # -- requests -----------------------------------------------------------------------
+    def _new_request(self, dest: memoryview | None = None) -> tuple[int, _Pending]:
+        req = next(self._req_ids)
+        pending = _Pending(self._loop.create_future(), dest)
+        self._pending[req] = pending
+        return req, pending
+
+    async def _await(self, req: int, pending: _Pending, timeout: float | None, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(pending.future, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.label}: {what} timed out after {timeout} s") from None
+        finally:
+            self._pending.pop(req, None)
+
+    async def request_write(self, ops: Sequence[tuple[memoryview, int, int, int]],
+                            timeout: float | None) -> None:
+        """Send WRITE frames for (src, region_id, cookie, offset); one ACK covers them all."""
+        req, pending = self._new_request()
+        try:
+            for i, (src, rid, ck, off) in enumerate(ops):
+                header = {"req": req, "rid": rid, "ck": ck, "off": off, "n": len(src),
+                          "last": i == len(ops) - 1}
+                self._enqueue([_wire.encode(Kind.WRITE, header, len(src)), src])
+        except BaseException:
+            self._pending.pop(req, None)
+            raise
+        await self._await(req, pending, timeout, "write")
+
+    async def request_read(self, dest: memoryview, rid: int, ck: int, off: int,
+                           timeout: float | None) -> None:
+        req, pending = self._new_request(dest)
+        try:
+            header = {"req": req, "rid": rid, "ck": ck, "off": off, "n": len(dest)}
+            self._enqueue([_wire.encode(Kind.READ, header)])
+        except BaseException:
+            self._pending.pop(req, None)
+            raise
+        await self._await(req, pending, timeout, "read")
+
+    async def request_validate(self, rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
+        req, pending = self._new_request()
+        self._enqueue([_wire.encode(Kind.VALIDATE, {"req": req, "rid": rid, "ck": ck})])
+        result: tuple[int, str] = await self._await(req, pending, timeout, "descriptor check")
+        return result
+
+    async def notify(self, payload: bytes, timeout: float | None) -> None:
+        if len(payload) > _wire.MAX_NOTIFY:
+            raise UsageError(f"notification of {len(payload)} B exceeds {_wire.MAX_NOTIFY} B")
+        done = self._send_frame(Kind.NOTIFY, {}, bytes(payload) if payload else None)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.label}: notify timed out after {timeout} s") from None
+
+    # -- receiving ----------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                kind, header, payload_len = await self._reader.frame()
+                self.stats["frames_in"] += 1
+                self.stats["bytes_in"] += payload_len
+                if kind is Kind.BYE:
+                    self._fail(BrokenError(f"{self.label}: peer closed the endpoint"), True)
+                    return
+                await self._dispatch(kind, header, payload_len)
+        except ProtocolError as exc:
+            logger.warning("%s: closing connection after protocol error: %s", self.label, exc)
+            with _suppress():
+                await asyncio.wait_for(
+                    self._loop.sock_sendall(self.sock, _wire.encode(
+                        Kind.ERROR, {"req": 0, "code": "protocol", "msg": str(exc)})), 1.0)
+            self._fail(BrokenError(f"{self.label}: protocol error: {exc}"))
+        except TensorxError as exc:
+            self._fail(exc if isinstance(exc, BrokenError | ClosedError)
+                       else BrokenError(f"{self.label}: {exc}"))
+
+    async def _dispatch(self, kind: Kind, header: dict[str, Any], payload_len: int) -> None:
+        handler = self._HANDLERS.get(kind)
+        if handler is None:
+            raise ProtocolError(f"unexpected {kind.name} frame after the handshake")
+        await handler(self, header, payload_len)
+
+    async def _on_write(self, h: dict[str, Any], payload_len: int) -> None:
+        try:
+            region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "w")
+            dest = region.buffer()[h["off"]:h["off"] + h["n"]]
+        except TensorxError as exc:
+            await self._reader.discard(payload_len)
+            self._reply_error(h["req"], exc)
+            return
+        await self._reader.read_into(dest)
+        if h["last"]:
+            self._send_frame(Kind.WRITE_ACK, {"req": h["req"]})
+
+    async def _on_read(self, h: dict[str, Any], payload_len: int) -> None:
+        try:
+            region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "r")
+            src = region.buffer()[h["off"]:h["off"] + h["n"]]
+        except TensorxError as exc:
+            self._reply_error(h["req"], exc)
+            return
+        self._send_frame(Kind.READ_DATA, {"req": h["req"]}, src if len(src) else None)
+
+    async def _on_read_data(self, h: dict[str, Any], payload_len: int) -> None:
+        pending = self._pending.get(h["req"])
+        if pending is None or pending.dest is None or pending.future.done():
+            await self._reader.discard(payload_len)  # timed out or cancelled meanwhile
+            return
+        if len(pending.dest) != payload_len:
+            await self._reader.discard(payload_len)
+            pending.future.set_exception(ProtocolError(
+                f"{self.label}: read of {len(pending.dest)} B answered with {payload_len} B"))
+            return
+        await self._reader.read_into(pending.dest)
+        pending.future.set_result(None)
+
+    async def _on_ack(self, h: dict[str, Any], payload_len: int) -> None:
+        self._resolve(h["req"], None)
+
+    async def _on_valid(self, h: dict[str, Any], payload_len: int) -> None:
+        self._resolve(h["req"], (h["n"], h["access"]))
+
+    async def _on_error(self, h: dict[str, Any], payload_len: int) -> None:
+        exc = ERROR_CODES.get(h["code"], BrokenError)(f"{self.label}: peer says: {h['msg']}")
+        if h["req"] == 0:
+            raise BrokenError(str(exc)) from exc
+        pending = self._pending.get(h["req"])
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(exc)
+
+    async def _on_notify(self, h: dict[str, Any], payload_len: int) -> None:
+        payload = bytearray(payload_len)
+        await self._reader.read_into(memoryview(payload))
+        self.on_notify(self, bytes(payload))
+
+    async def _on_validate(self, h: dict[str, Any], payload_len: int) -> None:
+        try:
+            export = self._exports.lookup(h["rid"], h["ck"])
+        except TensorxError as exc:
+            self._reply_error(h["req"], exc)
+            return
+        desc = export.descriptor
+        self._send_frame(Kind.VALID, {"req": h["req"], "n": desc.nbytes, "access": desc.access})
+
+    _HANDLERS: dict[Kind, Callable[[Connection, dict[str, Any], int], Any]] = {
+        Kind.WRITE: _on_write, Kind.READ: _on_read, Kind.READ_DATA: _on_read_data,
+        Kind.WRITE_ACK: _on_ack, Kind.VALID: _on_valid, Kind.ERROR: _on_error,
+        Kind.NOTIFY: _on_notify, Kind.VALIDATE: _on_validate,
+    }
+
+    def _resolve(self, req: int, value: Any) -> None:
+        pending = self._pending.get(req)
+        if pending is not None and not pending.future.done():
+            pending.future.set_result(value)
+
+    def _reply_error(self, req: int, exc: TensorxError) -> None:
+        logger.info("%s: refused request %d: %s", self.label, req, exc)
+        self._send_frame(Kind.ERROR, {"req": req, "code": error_code(exc), "msg": str(exc)})
+
+
+def _copy(exc: TensorxError) -> TensorxError:
+    """A fresh exception per waiter, so tracebacks do not pile up on one shared object."""
+    new = type(exc)(str(exc))
+    new.__cause__ = exc.__cause__
+    return new
+
+
+class _suppress:
+    """Swallow failures of best-effort steps during shutdown (and only there)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> bool:
+        return typ is not None and issubclass(typ, Exception | asyncio.TimeoutError)
+
+
+class TcpLane(DataLane):
+    """The fallback data lane: WRITE/READ frames on the connection's own socket."""
+
+    name = "tcp"
+
+    def __init__(self, conn: Connection, why: str) -> None:
+        self._conn = conn
+        self._why = why
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return {"transport": "tcp", "lanes": ["tcp/socket"], "why": self._why}
+
+    async def write(self, op: Op, *, timeout: float | None) -> None:
+        await self.write_many([op], timeout=timeout)
+
+    async def read(self, op: Op, *, timeout: float | None) -> None:
+        dest = op.local.buffer()[op.local_offset:op.local_offset + op.nbytes]
+        await self._conn.request_read(dest, op.remote.region_id, op.remote.cookie,
+                                      op.remote_offset, timeout)
+
+    async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
+        frames = [(op.local.buffer()[op.local_offset:op.local_offset + op.nbytes],
+                   op.remote.region_id, op.remote.cookie, op.remote_offset) for op in ops]
+        await self._conn.request_write(frames, timeout)
+
+    async def flush(self, *, timeout: float | None) -> None:
+        """Nothing to do: the owner lands each WRITE before it parses the next frame."""
+
+    async def aclose(self) -> None:
+        """The connection owns the socket; the endpoint closes it."""
+
+    def abort(self) -> None:
+        """See :meth:`aclose`."""
+
+
+class TcpListener:
+    """Accepts TCP connections and hands each socket to ``on_accept`` in its own task."""
+
+    def __init__(self, sock: socket.socket, on_accept: Callable[[socket.socket], Any]) -> None:
+        self._sock = sock
+        self._on_accept = on_accept
+        self._task = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._children: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def start(cls, host: str, port: int,
+                    on_accept: Callable[[socket.socket], Any]) -> TcpListener:
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(512)
+            sock.setblocking(False)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc}") from exc
+        return cls(sock, on_accept)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, port = self._sock.getsockname()[:2]
+        return host, port
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # EMFILE and friends: keep serving, slowly
+                logger.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            tune(conn)
+            task = loop.create_task(self._on_accept(conn))
+            self._children.add(task)
+            task.add_done_callback(self._children.discard)
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        for task in list(self._children):
+            task.cancel()
+        await asyncio.gather(self._task, *self._children, return_exceptions=True)
+        self._sock.close()
