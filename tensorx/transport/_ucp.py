@@ -1,0 +1,152 @@
+"""libucp RMA bindings: the cffi module is compiled on first use, cached per UCX and ABI.
+
+Nothing is built or loaded at import. :func:`load` compiles the C source in
+``_ucp_build.py`` against the headers shipped in the ``libucx`` wheel, links it with an
+rpath to the wheel's ``lib/`` (the very libucp ucxx uses, so ucxx's handles are valid here)
+and caches it under ``$TENSORX_CACHE_DIR`` or ``~/.cache/tensorx``. Every failure becomes
+:class:`~tensorx.errors.TransportUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from tensorx.errors import TransportUnavailableError
+
+__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "load", "status_string", "ucx_paths"]
+
+logger = logging.getLogger("tensorx.transport.ucx")
+
+UCS_OK = 0
+UCS_INPROGRESS = 1
+UCS_ERR_CANCELED = -16
+UCS_ERR_NO_MEMORY = -4
+_MODULE = "_tensorx_ucp"
+_lock = threading.Lock()
+_loaded: UcpLib | None = None
+
+
+class UcpLib:
+    """The compiled module: ``ffi`` and ``lib`` (functions named ``tx_*``)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.ffi: Any = module.ffi  # type: ignore[attr-defined]
+        self.lib: Any = module.lib  # type: ignore[attr-defined]
+
+    def status_string(self, status: int) -> str:
+        return str(self.ffi.string(self.lib.tx_status_string(status)).decode())
+
+    def version(self) -> str:
+        return str(self.ffi.string(self.lib.tx_version()).decode())
+
+
+def ucx_paths() -> tuple[str, Path, Path]:
+    """(version, include dir, lib dir) of the ``libucx`` wheel; TransportUnavailableError."""
+    try:
+        import libucx
+    except ImportError as exc:
+        raise TransportUnavailableError(
+            "UCX is not installed (pip install 'tensorx[ucx]')") from exc
+    root = Path(libucx.__file__).parent
+    include, lib = root / "include", root / "lib"
+    if not (include / "ucp" / "api" / "ucp.h").is_file() or not (lib / "libucp.so").exists():
+        raise TransportUnavailableError(f"the libucx package at {root} lacks headers or libucp")
+    return str(libucx.__version__), include, lib
+
+
+def load() -> UcpLib:
+    """Build (once per UCX version and Python ABI) and load the binding module."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = UcpLib(_import_or_build())
+        return _loaded
+
+
+def status_string(status: int) -> str:
+    try:
+        return load().status_string(status)
+    except TransportUnavailableError:
+        return f"UCS status {status}"
+
+
+def _cache_dir(version: str) -> Path:
+    base = os.environ.get("TENSORX_CACHE_DIR")
+    root = Path(base) if base else Path(
+        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tensorx"
+    abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
+    return root / f"ucp-{version}-{abi}"
+
+
+def _import_or_build() -> ModuleType:
+    version, include, lib = ucx_paths()
+    try:
+        import libucx
+
+        libucx.load_library()
+    except Exception as exc:
+        raise TransportUnavailableError(f"cannot load libucx: {exc}") from exc
+    target = _cache_dir(version)
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target / ".lock", "w") as lockfile:
+        fcntl.flock(lockfile, fcntl.LOCK_EX)  # concurrent processes build once
+        path = _find_built(target)
+        if path is None:
+            path = _build(target, include, lib)
+    return _import_from(path)
+
+
+def _find_built(target: Path) -> Path | None:
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    path = target / f"{_MODULE}{suffix}"
+    return path if path.is_file() else None
+
+
+def _build(target: Path, include: Path, lib: Path) -> Path:
+    try:
+        import cffi
+    except ImportError as exc:
+        raise TransportUnavailableError("the UCX transport needs cffi (pip install cffi)") from exc
+    from tensorx.transport._ucp_build import CDEF, SOURCE
+
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source(_MODULE, SOURCE, include_dirs=[str(include)], library_dirs=[str(lib)],
+                   libraries=["ucp", "ucs"], extra_link_args=[f"-Wl,-rpath,{lib}"],
+                   extra_compile_args=["-O2"])
+    logger.info("building the UCX RMA binding into %s (once per UCX version)", target)
+    with tempfile.TemporaryDirectory(prefix="tensorx-ucp-") as tmp:
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                built = Path(ffi.compile(tmpdir=tmp, verbose=False))
+        except Exception as exc:
+            raise TransportUnavailableError(
+                f"cannot compile the UCX binding (is a C compiler installed?): {exc}") from exc
+        final = target / built.name
+        shutil.copy2(built, target / (built.name + ".tmp"))
+        os.replace(target / (built.name + ".tmp"), final)
+    return final
+
+
+def _import_from(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise TransportUnavailableError(f"cannot load the UCX binding from {path}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        raise TransportUnavailableError(f"cannot load the UCX binding {path}: {exc}") from exc
+    return module

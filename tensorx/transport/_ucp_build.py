@@ -1,0 +1,324 @@
+"""C source of the small cffi module that binds libucp's RMA calls (API mode).
+
+ucxx brings the UCP context, the worker and its progress thread; this module adds what
+ucxx's Python API lacks: memory registration, rkeys, endpoints we own, put/get/flush.
+Handles cross the boundary as ``uintptr_t`` so no UCX struct is declared to cffi.
+
+Completion: every op is issued against a ``tx_wait_t``. ``pending`` counts the ops still
+in flight plus one guard held by the issuer; the last decrement (from a UCX callback, on
+whichever thread progresses the worker, or from :c:func:`tx_wait_release`) marks it done
+and writes the factory's eventfd so the asyncio loop wakes up.
+"""
+
+from __future__ import annotations
+
+CDEF = """
+typedef struct {
+    volatile long pending;
+    volatile int status;
+    int efd;
+} tx_wait_t;
+
+typedef struct {
+    volatile int failed;
+    volatile int status;
+    int efd;
+} tx_peer_t;
+
+int tx_mem_map(uintptr_t ctx, uintptr_t addr, size_t len, int cuda, uintptr_t *memh);
+int tx_mem_unmap(uintptr_t ctx, uintptr_t memh);
+int tx_rkey_pack(uintptr_t ctx, uintptr_t memh, void **buf, size_t *size);
+void tx_rkey_buffer_release(void *buf);
+int tx_rkey_unpack(uintptr_t ep, const void *buf, uintptr_t *rkey);
+void tx_rkey_destroy(uintptr_t rkey);
+
+int tx_ep_create(uintptr_t worker, const void *address, int error_handling, tx_peer_t *peer,
+                 uintptr_t *ep);
+int tx_ep_close(uintptr_t ep, int force, tx_wait_t *w);
+int tx_ep_transports(uintptr_t ep, char *out, size_t outlen);
+char *tx_ep_info(uintptr_t ep);
+void tx_free(void *p);
+
+int tx_put(uintptr_t ep, uintptr_t buf, size_t len, uint64_t raddr, uintptr_t rkey,
+           uintptr_t memh, tx_wait_t *w);
+int tx_get(uintptr_t ep, uintptr_t buf, size_t len, uint64_t raddr, uintptr_t rkey,
+           uintptr_t memh, tx_wait_t *w);
+int tx_flush(uintptr_t ep, tx_wait_t *w);
+void tx_wait_init(tx_wait_t *w, int efd);
+int tx_wait_release(tx_wait_t *w);
+
+unsigned tx_progress(uintptr_t worker, unsigned rounds, tx_wait_t *w);
+int tx_signal(uintptr_t worker);
+const char *tx_status_string(int status);
+const char *tx_version(void);
+"""
+
+SOURCE = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <stdint.h>
+#include <ucp/api/ucp.h>
+
+typedef struct {
+    volatile long pending;
+    volatile int status;
+    int efd;
+} tx_wait_t;
+
+typedef struct {
+    volatile int failed;
+    volatile int status;
+    int efd;
+} tx_peer_t;
+
+static void tx_kick(int efd)
+{
+    uint64_t one = 1;
+    if (efd >= 0) {
+        ssize_t r = write(efd, &one, sizeof(one));
+        (void)r;
+    }
+}
+
+static void tx_wait_done_one(tx_wait_t *w, ucs_status_t status)
+{
+    if (status != UCS_OK) {
+        __sync_bool_compare_and_swap(&w->status, 0, (int)status);
+    }
+    if (__sync_sub_and_fetch(&w->pending, 1) == 0) {
+        tx_kick(w->efd);
+    }
+}
+
+static void tx_op_cb(void *request, ucs_status_t status, void *user_data)
+{
+    tx_wait_done_one((tx_wait_t *)user_data, status);
+    ucp_request_free(request);
+}
+
+static void tx_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    tx_peer_t *peer = (tx_peer_t *)arg;
+    (void)ep;
+    peer->status = (int)status;
+    __sync_synchronize();
+    peer->failed = 1;
+    tx_kick(peer->efd);
+}
+
+void tx_wait_init(tx_wait_t *w, int efd)
+{
+    w->pending = 1;  /* the issuer's guard */
+    w->status = 0;
+    w->efd = efd;
+}
+
+int tx_wait_release(tx_wait_t *w)
+{
+    return __sync_sub_and_fetch(&w->pending, 1) == 0;
+}
+
+/* Account for one op that returned ``ptr``: 0 done now, 1 in flight, <0 error. */
+static int tx_track(tx_wait_t *w, ucs_status_ptr_t ptr)
+{
+    if (UCS_PTR_IS_PTR(ptr)) {
+        return 1;
+    }
+    __sync_sub_and_fetch(&w->pending, 1);
+    if (UCS_PTR_IS_ERR(ptr)) {
+        __sync_bool_compare_and_swap(&w->status, 0, (int)UCS_PTR_STATUS(ptr));
+        return (int)UCS_PTR_STATUS(ptr);
+    }
+    return 0;
+}
+
+static void tx_param(ucp_request_param_t *p, tx_wait_t *w, uintptr_t memh)
+{
+    memset(p, 0, sizeof(*p));
+    p->op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p->cb.send = tx_op_cb;
+    p->user_data = w;
+    if (memh) {
+        p->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        p->memh = (ucp_mem_h)memh;
+    }
+}
+
+int tx_mem_map(uintptr_t ctx, uintptr_t addr, size_t len, int cuda, uintptr_t *memh)
+{
+    ucp_mem_map_params_t p;
+    ucp_mem_h h = NULL;
+    ucs_status_t st;
+    memset(&p, 0, sizeof(p));
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                   UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    p.address = (void *)addr;
+    p.length = len;
+    p.memory_type = cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    st = ucp_mem_map((ucp_context_h)ctx, &p, &h);
+    *memh = (uintptr_t)h;
+    return (int)st;
+}
+
+int tx_mem_unmap(uintptr_t ctx, uintptr_t memh)
+{
+    return (int)ucp_mem_unmap((ucp_context_h)ctx, (ucp_mem_h)memh);
+}
+
+int tx_rkey_pack(uintptr_t ctx, uintptr_t memh, void **buf, size_t *size)
+{
+    return (int)ucp_rkey_pack((ucp_context_h)ctx, (ucp_mem_h)memh, buf, size);
+}
+
+void tx_rkey_buffer_release(void *buf)
+{
+    ucp_rkey_buffer_release(buf);
+}
+
+int tx_rkey_unpack(uintptr_t ep, const void *buf, uintptr_t *rkey)
+{
+    ucp_rkey_h k = NULL;
+    ucs_status_t st = ucp_ep_rkey_unpack((ucp_ep_h)ep, buf, &k);
+    *rkey = (uintptr_t)k;
+    return (int)st;
+}
+
+void tx_rkey_destroy(uintptr_t rkey)
+{
+    ucp_rkey_destroy((ucp_rkey_h)rkey);
+}
+
+int tx_ep_create(uintptr_t worker, const void *address, int error_handling, tx_peer_t *peer,
+                 uintptr_t *ep)
+{
+    ucp_ep_params_t p;
+    ucp_ep_h h = NULL;
+    ucs_status_t st;
+    memset(&p, 0, sizeof(p));
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p.address = (const ucp_address_t *)address;
+    p.err_mode = error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    if (error_handling) {
+        p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        p.err_handler.cb = tx_err_cb;
+        p.err_handler.arg = peer;
+    }
+    st = ucp_ep_create((ucp_worker_h)worker, &p, &h);
+    *ep = (uintptr_t)h;
+    return (int)st;
+}
+
+int tx_ep_close(uintptr_t ep, int force, tx_wait_t *w)
+{
+    ucp_request_param_t p;
+    tx_param(&p, w, 0);
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    __sync_add_and_fetch(&w->pending, 1);
+    return tx_track(w, ucp_ep_close_nbx((ucp_ep_h)ep, &p));
+}
+
+int tx_ep_transports(uintptr_t ep, char *out, size_t outlen)
+{
+    ucp_transport_entry_t entries[16];
+    ucp_ep_attr_t attr;
+    ucs_status_t st;
+    size_t used = 0;
+    unsigned i;
+    memset(&attr, 0, sizeof(attr));
+    attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+    attr.transports.entries = entries;
+    attr.transports.num_entries = 16;
+    attr.transports.entry_size = sizeof(ucp_transport_entry_t);
+    st = ucp_ep_query((ucp_ep_h)ep, &attr);
+    if (st != UCS_OK) {
+        return (int)st;
+    }
+    out[0] = '\0';
+    for (i = 0; i < attr.transports.num_entries && used < outlen; ++i) {
+        int n = snprintf(out + used, outlen - used, "%s%s/%s", i ? "," : "",
+                         entries[i].transport_name, entries[i].device_name);
+        if (n < 0) {
+            break;
+        }
+        used += (size_t)n;
+    }
+    return 0;
+}
+
+char *tx_ep_info(uintptr_t ep)
+{
+    char *buf = NULL;
+    size_t size = 0;
+    FILE *f = open_memstream(&buf, &size);
+    if (f == NULL) {
+        return NULL;
+    }
+    ucp_ep_print_info((ucp_ep_h)ep, f);
+    fclose(f);
+    return buf;
+}
+
+void tx_free(void *p)
+{
+    free(p);
+}
+
+int tx_put(uintptr_t ep, uintptr_t buf, size_t len, uint64_t raddr, uintptr_t rkey,
+           uintptr_t memh, tx_wait_t *w)
+{
+    ucp_request_param_t p;
+    tx_param(&p, w, memh);
+    __sync_add_and_fetch(&w->pending, 1);
+    return tx_track(w, ucp_put_nbx((ucp_ep_h)ep, (const void *)buf, len, raddr,
+                                   (ucp_rkey_h)rkey, &p));
+}
+
+int tx_get(uintptr_t ep, uintptr_t buf, size_t len, uint64_t raddr, uintptr_t rkey,
+           uintptr_t memh, tx_wait_t *w)
+{
+    ucp_request_param_t p;
+    tx_param(&p, w, memh);
+    __sync_add_and_fetch(&w->pending, 1);
+    return tx_track(w, ucp_get_nbx((ucp_ep_h)ep, (void *)buf, len, raddr,
+                                   (ucp_rkey_h)rkey, &p));
+}
+
+int tx_flush(uintptr_t ep, tx_wait_t *w)
+{
+    ucp_request_param_t p;
+    tx_param(&p, w, 0);
+    __sync_add_and_fetch(&w->pending, 1);
+    return tx_track(w, ucp_ep_flush_nbx((ucp_ep_h)ep, &p));
+}
+
+/* Progress at most ``rounds`` passes, stopping early once ``w`` is done. */
+unsigned tx_progress(uintptr_t worker, unsigned rounds, tx_wait_t *w)
+{
+    unsigned i;
+    for (i = 0; i < rounds; ++i) {
+        if (w != NULL && w->pending == 0) {
+            break;
+        }
+        ucp_worker_progress((ucp_worker_h)worker);
+    }
+    return i;
+}
+
+int tx_signal(uintptr_t worker)
+{
+    return (int)ucp_worker_signal((ucp_worker_h)worker);
+}
+
+const char *tx_status_string(int status)
+{
+    return ucs_status_string((ucs_status_t)status);
+}
+
+const char *tx_version(void)
+{
+    return ucp_get_version_string();
+}
+"""
