@@ -7,8 +7,10 @@ control channel, flushing the lane first so a notification never overtakes its d
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensorx.errors import (
@@ -49,6 +51,7 @@ class Endpoint:
         self._lane = lane
         self.address = address
         self._validated: dict[tuple[int, int], tuple[int, str]] = {}
+        self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -85,7 +88,8 @@ class Endpoint:
                     timeout: float | None = DEFAULT) -> None:
         """Write ``nbytes`` (default: the rest of ``region`` from ``offset``) into the peer's
         region at ``remote_offset``. Returns when the data is in the peer's memory."""
-        op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
+        async with self._issuing_write():
+            op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
         await self._lane.write(op, timeout=self._timeout(timeout))
 
     async def read(self, region: MemoryRegion, remote: RegionDescriptor | bytes,
@@ -100,7 +104,8 @@ class Endpoint:
                          timeout: float | None = DEFAULT) -> None:
         """Issue several writes ``(region, desc, offset, remote_offset, nbytes)``; one
         completion covers them all. Raises the first error."""
-        checked = [await self._op(*_spec(spec), "w") for spec in ops]
+        async with self._issuing_write():
+            checked = [await self._op(*_spec(spec), "w") for spec in ops]
         if checked:
             await self._lane.write_many(checked, timeout=self._timeout(timeout))
 
@@ -111,8 +116,22 @@ class Endpoint:
         if not isinstance(payload, bytes | bytearray | memoryview):
             raise UsageError(f"notify payload must be bytes, not {type(payload).__name__}")
         t = self._timeout(timeout)
+        if self._issuing:  # writes started earlier but still being checked
+            await asyncio.gather(*self._issuing)
         await self._lane.flush(timeout=t)
         await self._conn.notify(bytes(payload), t)
+
+    @contextlib.asynccontextmanager
+    async def _issuing_write(self) -> AsyncIterator[None]:
+        """Mark a write as started until it is handed to the lane (which issues it without
+        yielding), so a later notify waits for it to be issued first."""
+        handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._issuing.add(handed)
+        try:
+            yield
+        finally:
+            self._issuing.discard(handed)
+            handed.set_result(None)
 
     async def _op(self, region: MemoryRegion, remote: RegionDescriptor | bytes, offset: int,
                   remote_offset: int, nbytes: int | None, need: str) -> Op:

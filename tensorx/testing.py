@@ -1,0 +1,187 @@
+"""Test helpers: a real owner process and the transport conformance checks.
+
+``OwnerProcess`` spawns a process running a :class:`tensorx.Node` that exports regions on
+command (each surrounded by guard bands, so a test can prove no byte outside an exported
+range changed). The ``check_*`` coroutines are the transport conformance suite: run them
+against every available backend (``tests/test_conformance.py`` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection as Pipe
+from typing import Any
+
+import numpy as np
+
+from tensorx.memregion import MemoryRegion, RegionDescriptor
+from tensorx.node import Node
+
+__all__ = ["GUARD", "OwnerProcess", "digest", "pattern"]
+
+GUARD = 4096
+GUARD_BYTE = 0xA5
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """Deterministic pseudo-random bytes (both processes can make the same ones)."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def digest(data: Any) -> str:
+    return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+class OwnerProcess:
+    """A spawned process with a Node that exports guarded regions on command."""
+
+    def __init__(self, transport: str = "tcp", token: str | None = None,
+                 timeout: float = 60.0) -> None:
+        self.transport = transport
+        self.token = token
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        self._pipe, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_owner_main, args=(child, transport, token), daemon=True)
+        self.address = ""
+
+    async def __aenter__(self) -> OwnerProcess:
+        self._proc.start()
+        self.address = await self.call("address")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def pid(self) -> int:
+        assert self._proc.pid is not None
+        return self._proc.pid
+
+    async def call(self, *cmd: Any) -> Any:
+        """Run a command in the owner and return its result (child errors re-raised)."""
+        return await asyncio.wait_for(asyncio.to_thread(self._roundtrip, cmd), self.timeout)
+
+    def _roundtrip(self, cmd: tuple[Any, ...]) -> Any:
+        self._pipe.send(cmd)
+        if not self._pipe.poll(self.timeout):
+            raise TimeoutError(f"owner did not answer {cmd[0]!r} in {self.timeout} s")
+        ok, value = self._pipe.recv()
+        if not ok:
+            raise RuntimeError(f"owner process failed on {cmd[0]!r}:\n{value}")
+        return value
+
+    async def export(self, nbytes: int, access: str = "rw", seed: int = 0) -> RegionDescriptor:
+        return RegionDescriptor.from_bytes(await self.call("export", nbytes, access, seed))
+
+    def kill(self) -> None:
+        if self._proc.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self._proc.join(10)
+
+    async def stop(self) -> None:
+        if self._proc.is_alive():
+            try:
+                await self.call("stop")
+            except (RuntimeError, TimeoutError, OSError, EOFError):
+                pass
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self.kill()
+        self._pipe.close()
+
+
+def _owner_main(pipe: Pipe, transport: str, token: str | None) -> None:
+    asyncio.run(_Owner(pipe, transport, token).run())
+
+
+class _Owner:
+    def __init__(self, pipe: Pipe, transport: str, token: str | None) -> None:
+        self.pipe = pipe
+        self.node = Node("tcp://127.0.0.1:0", transport=transport, token=token)
+        self.backing: dict[int, np.ndarray] = {}
+        self.regions: dict[int, MemoryRegion] = {}
+        self.notes: list[bytes] = []
+        self.violations: list[str] = []
+        self.expect: Callable[[bytes], str | None] | None = None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        async with self.node:
+            drain = loop.create_task(self._drain_notifications())
+            while True:
+                cmd = await loop.run_in_executor(None, self._recv)
+                if cmd is None or cmd[0] == "stop":
+                    drain.cancel()
+                    self._reply(True, None)
+                    return
+                try:
+                    self._reply(True, await getattr(self, "do_" + cmd[0])(*cmd[1:]))
+                except Exception:
+                    self._reply(False, traceback.format_exc())
+
+    def _recv(self) -> Any:
+        try:
+            return self.pipe.recv()
+        except EOFError:
+            return None
+
+    def _reply(self, ok: bool, value: Any) -> None:
+        threading.Thread(target=self.pipe.send, args=((ok, value),)).start()
+
+    async def _drain_notifications(self) -> None:
+        while True:
+            ep, payload = await self.node.notifications.get()
+            self.notes.append(payload)
+            if payload.startswith(b"check:"):
+                self._check_ordering(payload)
+                await ep.notify(b"checked")
+
+    def _check_ordering(self, payload: bytes) -> None:
+        """'check:<rid>:<seed>' - the region must already hold pattern(seed). The sender
+        waits for our 'checked' before it writes again, so nothing newer can be there."""
+        _, rid, seed = payload.decode().split(":")
+        region = self.regions[int(rid)]
+        want = pattern(region.nbytes, int(seed))
+        got = np.frombuffer(region.buffer(), np.uint8)
+        if not np.array_equal(got, want):
+            self.violations.append(f"notification {payload!r} arrived before its data")
+
+    async def do_address(self) -> str:
+        return self.node.address
+
+    async def do_export(self, nbytes: int, access: str, seed: int) -> bytes:
+        backing = np.full(nbytes + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)
+        backing[GUARD:GUARD + nbytes] = pattern(nbytes, seed)
+        region = MemoryRegion.register(backing[GUARD:GUARD + nbytes], writable=True)
+        desc = self.node.export(region, access)
+        self.backing[region.region_id] = backing
+        self.regions[region.region_id] = region
+        return desc.to_bytes()
+
+    async def do_digest(self, rid: int) -> str:
+        return digest(self.regions[rid].buffer())
+
+    async def do_guards_intact(self) -> bool:
+        return all(bool((b[:GUARD] == GUARD_BYTE).all() and (b[-GUARD:] == GUARD_BYTE).all())
+                   for b in self.backing.values())
+
+    async def do_close_region(self, rid: int) -> None:
+        self.regions[rid].close()
+
+    async def do_notes(self) -> list[bytes]:
+        return list(self.notes)
+
+    async def do_violations(self) -> list[str]:
+        return list(self.violations)
+
+    async def do_endpoints(self) -> int:
+        return len(self.node.endpoints)
+

@@ -1,0 +1,147 @@
+"""Transport conformance: real owner process, real sockets, every available backend."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+
+import tensorx as tx
+from tensorx.testing import OwnerProcess, digest, pattern
+
+from .conftest import transports
+
+pytestmark = pytest.mark.parametrize("transport", transports())
+
+
+@contextlib.asynccontextmanager
+async def session(transport: str, token: str | None = None):
+    async with OwnerProcess(transport, token=token) as owner, \
+            tx.Node(listen=None, transport=transport, token=token) as node:
+        ep = await node.connect(owner.address)
+        yield owner, node, ep
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4096, 16 << 20, 256 << 20])
+async def test_write_then_read_roundtrip(transport: str, nbytes: int) -> None:
+    async with session(transport) as (owner, _, ep):
+        assert ep.info["transport"] == transport
+        desc = await owner.export(nbytes, seed=1)
+        data = pattern(nbytes, seed=2)
+        await ep.write(tx.MemoryRegion.register(data), desc)
+        assert await owner.call("digest", desc.region_id) == digest(data)
+        back = np.zeros(nbytes, np.uint8)
+        await ep.read(tx.MemoryRegion.register(back), desc)
+        assert np.array_equal(back, data)
+        assert await owner.call("guards_intact")
+
+
+async def test_partial_ranges_land_at_offsets(transport: str) -> None:
+    async with session(transport) as (owner, _, ep):
+        desc = await owner.export(1000, seed=3)
+        src = np.arange(100, dtype=np.uint8)
+        await ep.write(tx.MemoryRegion.register(src), desc, offset=10, remote_offset=500,
+                       nbytes=50)
+        out = np.zeros(1000, np.uint8)
+        await ep.read(tx.MemoryRegion.register(out), desc)
+        expected = pattern(1000, 3)
+        expected[500:550] = src[10:60]
+        assert np.array_equal(out, expected)
+
+
+async def test_hundred_concurrent_ops(transport: str) -> None:
+    async with session(transport) as (owner, _, ep):
+        n, chunk = 100, 64 * 1024
+        desc = await owner.export(n * chunk)
+        src = pattern(n * chunk, seed=4)
+        region = tx.MemoryRegion.register(src)
+        await asyncio.gather(*(ep.write(region, desc, i * chunk, i * chunk, chunk)
+                               for i in range(n)))
+        out = np.zeros_like(src)
+        dst = tx.MemoryRegion.register(out)
+        await asyncio.gather(*(ep.read(dst, desc, i * chunk, i * chunk, chunk) for i in range(n)))
+        assert np.array_equal(out, src)
+
+
+async def test_write_many_is_one_completion(transport: str) -> None:
+    async with session(transport) as (owner, _, ep):
+        descs = [await owner.export(4096, seed=s) for s in range(3)]
+        src = pattern(3 * 4096, seed=9)
+        region = tx.MemoryRegion.register(src)
+        await ep.write_many([(region, d, i * 4096, 0, 4096) for i, d in enumerate(descs)])
+        for i, d in enumerate(descs):
+            assert await owner.call("digest", d.region_id) == digest(src[i * 4096:(i + 1) * 4096])
+
+
+async def test_notification_never_precedes_its_data(transport: str) -> None:
+    async with session(transport) as (owner, node, ep):
+        nbytes = 256 * 1024
+        desc = await owner.export(nbytes)
+        for seed in range(40):
+            data = pattern(nbytes, seed=100 + seed)
+            region = tx.MemoryRegion.register(data)
+            writes = [asyncio.ensure_future(ep.write(region, desc, i, i, 4096))
+                      for i in range(0, nbytes, 4096)]
+            await asyncio.sleep(0)  # the writes start (are issued); none has completed yet
+            await ep.notify(f"check:{desc.region_id}:{100 + seed}".encode())
+            await asyncio.gather(*writes)
+            assert (await asyncio.wait_for(node.notifications.get(), 10))[1] == b"checked"
+        notes = await owner.call("notes")
+        assert len([n for n in notes if n.startswith(b"check:")]) == 40
+        assert await owner.call("violations") == []
+
+
+async def test_notifications_flow_both_ways(transport: str) -> None:
+    async with session(transport) as (owner, _, ep):
+        await ep.notify(b"hello")
+        await asyncio.sleep(0.1)
+        assert b"hello" in await owner.call("notes")
+        with pytest.raises(tx.UsageError):
+            await ep.notify("not bytes")  # type: ignore[arg-type]
+
+
+async def test_cancelled_write_leaves_endpoint_usable(transport: str) -> None:
+    async with session(transport) as (owner, _, ep):
+        desc = await owner.export(64 << 20)
+        big = tx.MemoryRegion.register(pattern(64 << 20, seed=5))
+        task = asyncio.ensure_future(ep.write(big, desc))
+        await asyncio.sleep(0.005)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        small = pattern(4096, seed=6)
+        await ep.write(tx.MemoryRegion.register(small), desc, nbytes=4096)
+        out = np.zeros(4096, np.uint8)
+        await ep.read(tx.MemoryRegion.register(out), desc, nbytes=4096)
+        assert np.array_equal(out, small)
+
+
+async def test_peer_killed_mid_transfer_raises_broken(transport: str) -> None:
+    async with session(transport) as (owner, node, ep):
+        desc = await owner.export(64 << 20)
+        big = tx.MemoryRegion.register(np.zeros(64 << 20, np.uint8))
+
+        async def hammer() -> None:
+            while True:
+                await ep.read(big, desc, timeout=20)
+
+        task = asyncio.ensure_future(hammer())
+        await asyncio.sleep(0.3)
+        owner.kill()
+        with pytest.raises(tx.BrokenError):
+            await asyncio.wait_for(task, 25)
+        with pytest.raises(tx.BrokenError):
+            await ep.write(big, desc, nbytes=8)
+        gone = await asyncio.wait_for(node.disconnected.get(), 5)
+        assert gone is ep
+
+
+async def test_timeout_is_a_tensorx_and_builtin_timeout(transport: str) -> None:
+    async with session(transport) as (owner, _, ep):
+        desc = await owner.export(256 << 20)
+        big = tx.MemoryRegion.register(np.zeros(256 << 20, np.uint8))
+        with pytest.raises(tx.TimeoutError) as info:
+            await ep.read(big, desc, timeout=0.0001)
+        assert isinstance(info.value, TimeoutError)
