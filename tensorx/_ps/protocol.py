@@ -1,0 +1,76 @@
+"""The control messages between a worker and a parameter-server shard. Pure: no asyncio.
+
+They travel as ``Endpoint.notify`` payloads: msgpack maps with a type field ``"t"``, each
+validated against its schema before anything acts on it (no pickle anywhere). The data
+itself never travels here: gradients are one-sided writes into the worker's slot on the
+shard, and fresh parameters are one-sided writes into the worker's parameter arena.
+
+One step, seen from a worker::
+
+    worker: write(grads -> slot); notify(push)       # notify is ordered after the write
+    shard:  apply when the mode allows; write(params -> worker arena); notify(params)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from tensorx.errors import ProtocolError
+
+__all__ = ["MAX_CONTROL", "PROTOCOL", "decode", "encode"]
+
+PROTOCOL = 1
+MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
+
+_OPT_INT = (int, type(None))
+SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    # worker -> shard: who I am, what I planned, where my parameter arena is
+    "hello": {"proto": int, "rank": int, "num_workers": int, "shard": int, "num_shards": int,
+              "fingerprint": str, "plan": bytes, "params": bytes, "verify": bool},
+    # shard -> worker: your gradient slot; your arena now holds parameters `version`
+    "welcome": {"slot": bytes, "version": int, "mode": str, "checksum": _OPT_INT},
+    # shard -> worker: the handshake or a step failed; `code` names the error class
+    "error": {"code": str, "msg": str},
+    # worker -> shard: my slot holds the gradient of my step `step`, computed on `version`
+    "push": {"step": int, "version": int},
+    # shard -> worker: your arena now holds parameters `version` (checksum if asked)
+    "params": {"version": int, "step": int, "checksum": _OPT_INT},
+    # worker -> shard: I am leaving
+    "bye": {},
+}
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    """The payload of one control message; fields are checked against the schema."""
+    msg = {"t": kind, **fields}
+    _validate(msg)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(payload: bytes) -> dict[str, Any]:
+    """Unpack and validate one control message; ProtocolError if it is not one."""
+    if len(payload) > MAX_CONTROL:
+        raise ProtocolError(f"control message of {len(payload)} B exceeds {MAX_CONTROL} B")
+    try:
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError(f"undecodable control message: {exc}") from exc
+    if not isinstance(msg, dict):
+        raise ProtocolError("control message is not a map")
+    _validate(msg)
+    return msg
+
+
+def _validate(msg: dict[str, Any]) -> None:
+    kind = msg.get("t")
+    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown control message type {kind!r}")
+    for name, typ in schema.items():
+        value = msg.get(name)
+        if not isinstance(value, typ) or (isinstance(value, bool) and typ is int):
+            raise ProtocolError(f"{kind} message: field {name!r} missing or of the wrong type")
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < 2**63:
+            raise ProtocolError(f"{kind} message: field {name!r} out of range")

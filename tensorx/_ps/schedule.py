@@ -1,0 +1,94 @@
+"""When a shard applies gradients and when it answers a worker. Pure: no I/O, no torch.
+
+Three modes:
+
+* ``sync``: every rank ``0..num_workers-1`` pushes, the gradients are averaged, one update,
+  then everybody gets the new parameters. Same result as one process on the union of the
+  batches.
+* ``async``: each gradient is applied as it arrives and its sender is answered at once.
+* ``bounded``: applied as in ``async``, but a worker that has done more than ``staleness``
+  steps beyond the slowest active worker is answered only once the slowest catches up
+  (stale synchronous parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tensorx.errors import ProtocolError, UsageError
+
+__all__ = ["MODES", "Decision", "Scheduler"]
+
+MODES = ("sync", "async", "bounded")
+
+
+@dataclass
+class Decision:
+    """What to do after an event: average and apply ``apply``'s slots, then answer ``release``."""
+
+    apply: list[int] = field(default_factory=list)
+    release: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """Tracks which workers pushed, and decides updates and answers for one shard."""
+
+    def __init__(self, mode: str, num_workers: int, staleness: int = 0) -> None:
+        if mode not in MODES:
+            raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
+        if num_workers < 1 or staleness < 0:
+            raise UsageError("num_workers must be >= 1 and staleness >= 0")
+        self.mode = mode
+        self.num_workers = num_workers
+        self.staleness = staleness
+        self.active: set[int] = set()
+        self.pending: set[int] = set()       # pushed, not answered yet
+        self.clock: dict[int, int] = {}      # bounded: steps done per active worker
+        self.max_gap = 0                     # instrumentation: worst clock gap ever released
+
+    def join(self, rank: int) -> Decision:
+        if not 0 <= rank < self.num_workers and self.mode == "sync":
+            raise UsageError(f"rank {rank} outside 0..{self.num_workers - 1}")
+        self.active.add(rank)
+        self.pending.discard(rank)
+        self.clock[rank] = min(self.clock.values(), default=0)
+        return Decision()
+
+    def leave(self, rank: int) -> Decision:
+        self.active.discard(rank)
+        self.pending.discard(rank)
+        self.clock.pop(rank, None)
+        return self._release_bounded() if self.mode == "bounded" else Decision()
+
+    def push(self, rank: int) -> Decision:
+        if rank not in self.active:
+            raise ProtocolError(f"push from rank {rank}, which has not joined")
+        if rank in self.pending:
+            raise ProtocolError(f"rank {rank} pushed twice before its answer")
+        self.pending.add(rank)
+        if self.mode == "sync":
+            return self._sync_ready()
+        if self.mode == "async":
+            self.pending.discard(rank)
+            return Decision(apply=[rank], release=[rank])
+        self.clock[rank] += 1
+        decision = self._release_bounded()
+        decision.apply = [rank]
+        return decision
+
+    def _sync_ready(self) -> Decision:
+        if not self.pending.issuperset(range(self.num_workers)):
+            return Decision()
+        ranks = sorted(self.pending)  # fixed order: the same float sums every step
+        self.pending.clear()
+        return Decision(apply=ranks, release=ranks)
+
+    def _release_bounded(self) -> Decision:
+        if not self.clock:
+            return Decision()
+        slowest = min(self.clock.values())
+        ready = sorted(r for r in self.pending if self.clock[r] - slowest <= self.staleness)
+        for r in ready:
+            self.max_gap = max(self.max_gap, self.clock[r] - slowest)
+            self.pending.discard(r)
+        return Decision(release=ready)

@@ -1,0 +1,194 @@
+"""One shard's memory and math: parameter arena, gradient slots, optimizer, checkpoints.
+
+No I/O on the wire here; :mod:`tensorx.ps` moves the bytes. The parameter arena is the
+memory the optimizer updates *and* the memory the shard writes to workers from, so the
+service never applies an update while a write from the arena is in flight (it handles one
+event at a time), and a worker never sees a half-applied update.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tensorx.errors import UsageError
+from tensorx.memregion import MemoryRegion
+
+__all__ = ["OptimizerFactory", "SchedulerFactory", "ShardLayout", "ShardState", "checksum"]
+
+logger = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor (or chunk) of the shard: where it lives in the arena."""
+
+    key: str
+    offset: int
+    numel: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The part of a transfer plan one shard needs: its entries and its arena size."""
+
+    shard: int
+    num_shards: int
+    nbytes: int
+    slots: tuple[Slot, ...]
+    fingerprint: str
+
+    @classmethod
+    def from_plan(cls, plan: Any, shard: int) -> ShardLayout:
+        entries = sorted(plan.shard_entries(shard), key=lambda e: e.offset)
+        slots = tuple(Slot(entry_key(e), e.offset, e.numel, to_dtype(e.dtype)) for e in entries)
+        return cls(shard, plan.num_shards, plan.arena_bytes(shard), slots, plan.fingerprint)
+
+
+def entry_key(entry: Any) -> str:
+    return str(getattr(entry, "label", entry.name))
+
+
+def to_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise UsageError(f"unknown dtype {dtype!r} in plan")
+    return found
+
+
+def checksum(region: MemoryRegion) -> int:
+    """CRC-32 of the region's bytes: stamped on each update, verified on each pull."""
+    return zlib.crc32(region.buffer())
+
+
+def views(layout: ShardLayout, region: MemoryRegion) -> list[torch.Tensor]:
+    return [region.view(s.dtype, (s.numel,), s.offset) for s in layout.slots]
+
+
+class ShardState:
+    """Parameters, one gradient slot per worker, and a real ``torch.optim`` optimizer.
+
+    The optimizer's parameters are views of the arena, and their ``.grad`` views of an
+    accumulator, so momentum, Adam and LR schedulers work unchanged.
+    """
+
+    def __init__(self, layout: ShardLayout, num_workers: int,
+                 optimizer: OptimizerFactory, lr_scheduler: SchedulerFactory | None = None,
+                 verify: bool = False) -> None:
+        self.layout = layout
+        self.num_workers = num_workers
+        self.version = 0
+        self.updates = 0
+        self.params_region = MemoryRegion.allocate(layout.nbytes)
+        self._acc_region = MemoryRegion.allocate(layout.nbytes)
+        self.slot_regions = [MemoryRegion.allocate(layout.nbytes) for _ in range(num_workers)]
+        self.params = [torch.nn.Parameter(v, requires_grad=True)
+                       for v in views(layout, self.params_region)]
+        self._acc = views(layout, self._acc_region)
+        self._slots = [views(layout, r) for r in self.slot_regions]
+        for p, g in zip(self.params, self._acc, strict=True):
+            p.grad = g
+        self.optimizer = optimizer(self.params)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
+        self.verify = verify
+        self._checksum: int | None = None
+
+    def slot_region(self, rank: int) -> MemoryRegion:
+        if not 0 <= rank < self.num_workers:
+            raise UsageError(f"rank {rank} outside 0..{self.num_workers - 1}")
+        return self.slot_regions[rank]
+
+    def apply(self, ranks: Iterable[int]) -> None:
+        """Average the gradients in ``ranks``' slots and take one optimizer step."""
+        ranks = list(ranks)
+        with torch.no_grad():
+            for i, acc in enumerate(self._acc):
+                acc.copy_(self._slots[ranks[0]][i])
+                for r in ranks[1:]:
+                    acc.add_(self._slots[r][i])
+                if len(ranks) > 1:
+                    acc.div_(len(ranks))
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.version += 1
+        self._checksum = None
+
+    def checksum(self) -> int | None:
+        """The current parameters' checksum when verification is on (cached per version)."""
+        if not self.verify:
+            return None
+        if self._checksum is None:
+            self._checksum = checksum(self.params_region)
+        return self._checksum
+
+    def load_params(self, flat: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for slot, p in zip(self.layout.slots, self.params, strict=True):
+                p.copy_(flat[slot.key].reshape(-1))
+        self._checksum = None
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self, plan_bytes: bytes) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "fingerprint": self.layout.fingerprint,
+            "plan": plan_bytes,
+            "shard": self.layout.shard,
+            "num_shards": self.layout.num_shards,
+            "version": self.version,
+            "params": {s.key: p.detach().clone()
+                       for s, p in zip(self.layout.slots, self.params, strict=True)},
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("fingerprint") != self.layout.fingerprint:
+            raise UsageError("checkpoint was taken for a different plan")
+        self.load_params(state["params"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.version = int(state["version"])
+        # load_state_dict replaces .grad bindings on some optimizers; rebind to the accumulator
+        for p, g in zip(self.params, self._acc, strict=True):
+            p.grad = g
+
+    def save(self, path: Path, plan_bytes: bytes) -> None:
+        """Write atomically: a crash mid-save leaves the previous checkpoint intact."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(self.state_dict(plan_bytes), tmp)
+        os.replace(tmp, path)
+        logger.info("checkpointed shard %d at version %d to %s",
+                    self.layout.shard, self.version, path)
+
+    def close(self) -> None:
+        for region in (self.params_region, self._acc_region, *self.slot_regions):
+            region.close()
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"{path}: unknown checkpoint format {state.get('format')!r}")
+    return state
+
+
+def checkpoint_path(directory: str | os.PathLike[str], shard: int, num_shards: int) -> Path:
+    return Path(directory) / f"ps-shard{shard}-of{num_shards}.pt"

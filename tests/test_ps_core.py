@@ -1,0 +1,175 @@
+"""The pure parts of the parameter server: scheduling, shard math, checkpoints, messages."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensorx._ps import protocol
+from tensorx._ps.schedule import Scheduler
+from tensorx._ps.shard import ShardLayout, ShardState, Slot, load_checkpoint
+from tensorx.errors import ProtocolError, UsageError
+
+
+def _layout() -> ShardLayout:
+    slots = (Slot("w", 0, 6, torch.float32), Slot("b", 64, 3, torch.float32))
+    return ShardLayout(0, 1, 128, slots, "fp-test")
+
+
+# -- scheduling -------------------------------------------------------------------------
+def test_sync_applies_once_all_ranks_pushed() -> None:
+    s = Scheduler("sync", 3)
+    for r in range(3):
+        s.join(r)
+    assert s.push(2).apply == []
+    assert s.push(0).apply == []
+    d = s.push(1)
+    assert d.apply == [0, 1, 2]
+    assert d.release == [0, 1, 2]
+
+
+def test_sync_waits_for_a_missing_rank() -> None:
+    s = Scheduler("sync", 2)
+    s.join(0)
+    assert s.push(0).apply == []
+    s.join(1)
+    assert s.push(1).apply == [0, 1]
+
+
+def test_async_applies_and_answers_each_push() -> None:
+    s = Scheduler("async", 2)
+    s.join(0)
+    s.join(1)
+    d = s.push(1)
+    assert (d.apply, d.release) == ([1], [1])
+
+
+def test_double_push_and_unknown_rank_are_protocol_errors() -> None:
+    s = Scheduler("sync", 2)
+    s.join(0)
+    s.push(0)
+    with pytest.raises(ProtocolError, match="twice"):
+        s.push(0)
+    with pytest.raises(ProtocolError, match="not joined"):
+        s.push(1)
+
+
+def test_bad_mode_is_usage_error() -> None:
+    with pytest.raises(UsageError, match="mode"):
+        Scheduler("eventually", 2)
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_bounded_staleness_holds_under_random_arrivals(staleness: int) -> None:
+    rng = random.Random(staleness)
+    s = Scheduler("bounded", 3, staleness)
+    for r in range(3):
+        s.join(r)
+    ready, done = {0, 1, 2}, [0, 0, 0]
+    while min(done) < 30:
+        rank = rng.choice(sorted(ready))
+        ready.discard(rank)
+        d = s.push(rank)
+        assert d.apply == [rank]
+        done[rank] += 1
+        ready.update(d.release)
+        for r in d.release:
+            assert done[r] - min(done) <= staleness
+        assert ready, "deadlock: nobody may proceed"
+    assert s.max_gap <= staleness
+
+
+def test_bounded_leave_releases_waiters() -> None:
+    s = Scheduler("bounded", 2, 0)
+    s.join(0)
+    s.join(1)
+    assert s.push(0).release == []
+    assert s.leave(1).release == [0]
+
+
+# -- shard math -------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=0.01),
+])
+def test_shard_optimizer_matches_plain_torch(make: object) -> None:
+    state = ShardState(_layout(), 2, make)  # type: ignore[arg-type]
+    w, b = torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(3))
+    ref = make([w, b])  # type: ignore[operator]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        grads = [[torch.randn(6, generator=gen), torch.randn(3, generator=gen)] for _ in range(2)]
+        for r in range(2):
+            for i, g in enumerate(grads[r]):
+                state._slots[r][i].copy_(g)
+        state.apply([0, 1])
+        w.grad, b.grad = [(grads[0][i] + grads[1][i]) / 2 for i in range(2)]
+        ref.step()
+    assert torch.allclose(state.params[0], w)
+    assert torch.allclose(state.params[1], b)
+    assert state.version == 5
+
+
+def test_checkpoint_round_trip_resumes_identically(tmp_path: Path) -> None:
+    def make(p: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=0.05)
+
+    a = ShardState(_layout(), 1, make, verify=True)
+    a._slots[0][0].fill_(1.0)
+    a.apply([0])
+    a.save(tmp_path / "ck.pt", b"plan-bytes")
+    saved = load_checkpoint(tmp_path / "ck.pt")
+    assert saved["plan"] == b"plan-bytes"
+    b = ShardState(_layout(), 1, make, verify=True)
+    b.load_state_dict(saved)
+    assert b.version == 1
+    assert a.checksum() == b.checksum()
+    for s in (a, b):
+        s._slots[0][0].fill_(-2.0)
+        s.apply([0])
+    assert torch.equal(a.params[0], b.params[0])
+
+
+def test_checkpoint_of_another_plan_is_refused(tmp_path: Path) -> None:
+    a = ShardState(_layout(), 1, lambda p: torch.optim.SGD(p, lr=0.1))
+    a.save(tmp_path / "ck.pt", b"x")
+    other = ShardLayout(0, 1, 128, _layout().slots, "fp-other")
+    b = ShardState(other, 1, lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(UsageError, match="different plan"):
+        b.load_state_dict(load_checkpoint(tmp_path / "ck.pt"))
+
+
+def test_checksum_changes_with_every_update() -> None:
+    state = ShardState(_layout(), 1, lambda p: torch.optim.SGD(p, lr=0.1), verify=True)
+    seen = {state.checksum()}
+    for _ in range(3):
+        state._slots[0][0].fill_(1.0)
+        state.apply([0])
+        seen.add(state.checksum())
+    assert len(seen) == 4
+
+
+# -- control messages -------------------------------------------------------------------
+def test_messages_round_trip() -> None:
+    raw = protocol.encode("push", step=3, version=7)
+    assert protocol.decode(raw) == {"t": "push", "step": 3, "version": 7}
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xc1", b"\x93\x01\x02\x03", protocol.encode("bye")[:-1] + b"\x81",
+])
+def test_garbage_is_a_protocol_error(payload: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode(payload)
+
+
+def test_wrong_field_type_is_a_protocol_error() -> None:
+    import msgpack
+
+    with pytest.raises(ProtocolError, match="step"):
+        protocol.decode(msgpack.packb({"t": "push", "step": "3", "version": 1}))
+    with pytest.raises(ProtocolError, match="unknown"):
+        protocol.decode(msgpack.packb({"t": "pickle"}))
