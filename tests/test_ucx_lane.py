@@ -1,0 +1,334 @@
+"""The UCX lane between two real processes: one-sided put/get, failures, reconnects.
+
+The owner runs in a spawned process whose main thread sits in its event loop waiting for
+test commands on a pipe; only UCX's progress thread serves the reads and writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ucxx")
+
+from tensorx.errors import (
+    BrokenError,
+    ClosedError,
+    RegionError,
+    TimeoutError,
+    TransportUnavailableError,
+)
+from tensorx.memregion import MemoryRegion, RegionDescriptor
+from tensorx.transport.base import Op
+from tensorx.transport.ucx import UcxFactory, UcxLane
+
+pytestmark = pytest.mark.ucx
+
+MiB = 1 << 20
+OWNER_BYTES = 64 * MiB + 4096
+
+
+def _pattern(n: int, seed: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.uint64) * 2654435761 + seed).astype(np.uint8)
+
+
+def _digest(buf: Any) -> str:
+    return hashlib.sha1(bytes(buf)).hexdigest()
+
+
+# -- the owner process ------------------------------------------------------------------
+def _owner_main(conn: Connection, error_handling: bool) -> None:
+    asyncio.run(_owner(conn, error_handling))
+
+
+async def _owner(conn: Connection, error_handling: bool) -> None:
+    factory = UcxFactory(error_handling=error_handling)
+    region = MemoryRegion.allocate(OWNER_BYTES)
+    region.view(np.uint8)[:] = _pattern(OWNER_BYTES, 3)
+    keys = factory.register(region)
+    desc = RegionDescriptor("owner", region.region_id, 1, region.nbytes, "cpu", "rw",
+                            {"ucx": keys})
+    conn.send((factory.local_info(), desc.to_bytes(), os.getpid()))
+    loop = asyncio.get_running_loop()
+    lane: UcxLane | None = None
+    while True:
+        cmd, *args = await loop.run_in_executor(None, conn.recv)
+        if cmd == "stop":
+            break
+        if cmd == "digest":
+            off, n = args
+            conn.send(_digest(region.buffer()[off:off + n]))
+        elif cmd == "lane":  # symmetric: the owner opens its own lane to the client
+            lane = await factory.open_lane(args[0], peer="client", timeout=10)
+            conn.send(lane.info)
+        elif cmd == "write_back":  # owner writes its first n bytes into the client region
+            n, remote = args[0], RegionDescriptor.from_bytes(args[1])
+            assert lane is not None
+            await lane.write(Op(region, remote, 0, 0, n), timeout=10)
+            conn.send("ok")
+    if lane is not None:
+        await lane.aclose()
+    await factory.aclose()
+    conn.send("bye")
+
+
+class Owner:
+    def __init__(self, error_handling: bool = True) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_owner_main, args=(child, error_handling), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(60):
+            raise RuntimeError("owner process did not start")
+        info, desc, self.pid = self.conn.recv()
+        self.info: dict[str, Any] = info
+        self.desc = RegionDescriptor.from_bytes(desc)
+
+    def ask(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(30):
+            raise RuntimeError(f"owner did not answer {cmd[0]}")
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(OSError, EOFError, RuntimeError):
+                self.ask("stop")
+            self.proc.join(10)
+        self.kill()
+        self.conn.close()
+
+
+@contextlib.contextmanager
+def owner_process(error_handling: bool = True) -> Iterator[Owner]:
+    owner = Owner(error_handling)
+    try:
+        yield owner
+    finally:
+        owner.stop()
+
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[Owner]:
+    with owner_process() as o:
+        yield o
+
+
+@pytest.fixture
+async def factory() -> AsyncIterator[UcxFactory]:
+    f = UcxFactory(error_handling=True)
+    yield f
+    await f.aclose()
+
+
+@pytest.fixture
+async def lane(factory: UcxFactory, owner: Owner) -> AsyncIterator[UcxLane]:
+    lane = await factory.open_lane(owner.info, peer="owner", timeout=10)
+    yield lane
+    await lane.aclose()
+
+
+# -- data movement ------------------------------------------------------------------------
+@pytest.mark.parametrize("nbytes", [0, 1, 4096, 16 * MiB, 64 * MiB])
+async def test_put_then_get_roundtrip(lane: UcxLane, owner: Owner, nbytes: int) -> None:
+    local = MemoryRegion.allocate(nbytes + 8)
+    local.view(np.uint8)[:] = _pattern(nbytes + 8, nbytes)
+    roff = 4096 if nbytes < 64 * MiB else 1
+    await lane.write(Op(local, owner.desc, 8, roff, nbytes), timeout=20)
+    # complete means in the owner's memory, seen there without a flush
+    assert owner.ask("digest", roff, nbytes) == _digest(local.buffer()[8:8 + nbytes])
+    back = MemoryRegion.allocate(nbytes)
+    await lane.read(Op(back, owner.desc, 0, roff, nbytes), timeout=20)
+    assert _digest(back.buffer()) == _digest(local.buffer()[8:8 + nbytes])
+
+
+async def test_lane_info_names_real_lanes(lane: UcxLane) -> None:
+    info = lane.info
+    assert info["transport"] == "ucx"
+    assert info["error_handling"] is True
+    assert any(name.startswith("tcp/") for name in info["lanes"])
+    assert "BrokenError" in info["why"]
+    assert "lane[" in lane.describe()
+
+
+async def test_concurrent_writes_and_write_many(lane: UcxLane, owner: Owner) -> None:
+    n, k = 256 * 1024, 16
+    local = MemoryRegion.allocate(n * k)
+    local.view(np.uint8)[:] = _pattern(n * k, 11)
+    await asyncio.gather(*(lane.write(Op(local, owner.desc, i * n, i * n, n), timeout=20)
+                           for i in range(k)))
+    assert owner.ask("digest", 0, n * k) == _digest(local.buffer())
+    local.view(np.uint8)[:] = _pattern(n * k, 12)
+    await lane.write_many([Op(local, owner.desc, i * n, i * n, n) for i in range(k)],
+                          timeout=20)
+    assert owner.ask("digest", 0, n * k) == _digest(local.buffer())
+    reads = [MemoryRegion.allocate(n) for _ in range(k)]
+    await asyncio.gather(*(lane.read(Op(r, owner.desc, 0, i * n, n), timeout=20)
+                           for i, r in enumerate(reads)))
+    assert b"".join(bytes(r.buffer()) for r in reads) == bytes(local.buffer())
+
+
+async def test_small_put_flush_latency_is_microseconds(lane: UcxLane, owner: Owner) -> None:
+    local = MemoryRegion.allocate(8)
+    op = Op(local, owner.desc, 0, 0, 8)
+    await lane.write(op, timeout=5)
+    times = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        await lane.write(op, timeout=5)
+        times.append(time.perf_counter() - t0)
+    assert float(np.median(times)) < 5e-3  # tcp round trip; microseconds on shm
+
+
+async def test_symmetric_lane_owner_writes_back(factory: UcxFactory, lane: UcxLane,
+                                                owner: Owner) -> None:
+    mine = MemoryRegion.allocate(4096)
+    desc = RegionDescriptor("client", mine.region_id, 1, mine.nbytes, "cpu", "rw",
+                            {"ucx": factory.register(mine)})
+    info = owner.ask("lane", factory.local_info())
+    assert info["transport"] == "ucx"
+    assert owner.ask("write_back", 4096, desc.to_bytes()) == "ok"
+    assert _digest(mine.buffer()) == owner.ask("digest", 0, 4096)
+    assert any(mine.buffer())
+
+
+async def test_cancelled_write_leaves_lane_usable(lane: UcxLane, owner: Owner) -> None:
+    local = MemoryRegion.allocate(64 * MiB)
+    task = asyncio.ensure_future(lane.write(Op(local, owner.desc, 0, 0, 64 * MiB), timeout=20))
+    await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    small = MemoryRegion.allocate(16)
+    small.view(np.uint8)[:] = 9
+    await lane.write(Op(small, owner.desc, 0, 0, 16), timeout=20)
+    assert owner.ask("digest", 0, 16) == _digest(bytes([9] * 16))
+
+
+# -- errors -------------------------------------------------------------------------------
+async def test_bad_descriptors_and_ranges(lane: UcxLane, owner: Owner) -> None:
+    local = MemoryRegion.allocate(64)
+    no_key = RegionDescriptor("owner", 5, 1, 64, "cpu", "rw", {})
+    with pytest.raises(RegionError, match="not exported over UCX"):
+        await lane.write(Op(local, no_key, 0, 0, 8), timeout=5)
+    with pytest.raises(RegionError, match="outside"):
+        await lane.write(Op(local, owner.desc, 0, OWNER_BYTES - 4, 8), timeout=5)
+
+
+async def test_closed_lane_raises_closed(factory: UcxFactory, owner: Owner) -> None:
+    lane = await factory.open_lane(owner.info, peer="owner", timeout=10)
+    await lane.aclose()
+    await lane.aclose()
+    lane.abort()
+    with pytest.raises(ClosedError):
+        await lane.write(Op(MemoryRegion.allocate(8), owner.desc, 0, 0, 8), timeout=5)
+
+
+async def test_mismatched_error_handling_is_unavailable(owner: Owner) -> None:
+    fast = UcxFactory(error_handling=False)
+    try:
+        with pytest.raises(TransportUnavailableError, match="error handling"):
+            await fast.open_lane(owner.info, peer="owner", timeout=5)
+        with pytest.raises(TransportUnavailableError, match="worker address"):
+            await fast.open_lane({}, peer="nobody", timeout=5)
+    finally:
+        await fast.aclose()
+
+
+async def test_register_is_cached_and_released_on_close(factory: UcxFactory) -> None:
+    region = MemoryRegion.allocate(4096)
+    keys = factory.register(region)
+    assert factory.register(region) == keys
+    assert keys["addr"] == region.address
+    assert keys["rkey"]
+    region.close()
+    assert region.region_id not in factory._regs
+    assert factory.register(MemoryRegion.allocate(0))["rkey"] == b""
+
+
+async def _write_forever(lane: UcxLane, op: Op) -> None:
+    while True:
+        await lane.write(op, timeout=10)
+
+
+async def test_peer_killed_mid_transfer_then_reconnect(factory: UcxFactory) -> None:
+    local = MemoryRegion.allocate(64 * MiB)
+    with owner_process() as victim:
+        lane = await factory.open_lane(victim.info, peer="victim", timeout=10)
+        op = Op(local, victim.desc, 0, 0, 64 * MiB)
+        await lane.write(op, timeout=10)
+        asyncio.get_running_loop().call_later(0.02, victim.kill)
+        t0 = time.monotonic()
+        with pytest.raises(BrokenError):
+            await _write_forever(lane, op)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(BrokenError):
+            await lane.read(op, timeout=10)
+        await asyncio.wait_for(lane.aclose(), 5)
+    with owner_process() as reborn:  # a restarted peer is reachable from the same factory
+        lane = await factory.open_lane(reborn.info, peer="reborn", timeout=10)
+        local.view(np.uint8)[:4096] = 5
+        await lane.write(Op(local, reborn.desc, 0, 0, 4096), timeout=10)
+        assert reborn.ask("digest", 0, 4096) == _digest(bytes([5] * 4096))
+        await lane.aclose()
+
+
+async def test_stopped_peer_times_out(factory: UcxFactory) -> None:
+    local = MemoryRegion.allocate(64 * MiB)
+    with owner_process() as sleeper:
+        lane = await factory.open_lane(sleeper.info, peer="sleeper", timeout=10)
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                await lane.write(Op(local, sleeper.desc, 0, 0, 64 * MiB), timeout=0.5)
+        finally:
+            os.kill(sleeper.pid, signal.SIGCONT)
+        lane.abort()
+
+
+# -- the fast mode ---------------------------------------------------------------------
+async def test_without_error_handling_uses_shared_memory_lanes() -> None:
+    fast = UcxFactory(error_handling=False)
+    try:
+        with owner_process(error_handling=False) as peer:
+            lane = await fast.open_lane(peer.info, peer="peer", timeout=10)
+            assert {"cma/memory", "posix/memory"} & set(lane.info["lanes"])
+            local = MemoryRegion.allocate(16 * MiB)
+            local.view(np.uint8)[:] = _pattern(16 * MiB, 21)
+            await lane.write(Op(local, peer.desc, 0, 0, 16 * MiB), timeout=10)
+            assert peer.ask("digest", 0, 16 * MiB) == _digest(local.buffer())
+            back = MemoryRegion.allocate(16 * MiB)
+            await lane.read(Op(back, peer.desc, 0, 0, 16 * MiB), timeout=10)
+            assert bytes(back.buffer()) == bytes(local.buffer())
+            await lane.aclose()
+    finally:
+        await fast.aclose()
+
+
+@pytest.mark.gpu
+async def test_cuda_tensor_registers_as_cuda_memory(factory: UcxFactory) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    region = MemoryRegion.register(torch.zeros(1024, device="cuda"))
+    keys = factory.register(region)
+    assert keys["rkey"]
+    assert keys["addr"] == region.address
+    region.close()
