@@ -133,7 +133,7 @@ class Node:
         self._state = "closed"
 
     async def __aenter__(self) -> Node:
-        return await self.start()
+        return self if self._state == "running" else await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

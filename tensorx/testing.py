@@ -53,8 +53,11 @@ class OwnerProcess:
         self.address = ""
 
     async def __aenter__(self) -> OwnerProcess:
+        return await asyncio.to_thread(self.start)
+
+    def start(self) -> OwnerProcess:
         self._proc.start()
-        self.address = await self.call("address")
+        self.address = self.call_blocking("address")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -67,9 +70,10 @@ class OwnerProcess:
 
     async def call(self, *cmd: Any) -> Any:
         """Run a command in the owner and return its result (child errors re-raised)."""
-        return await asyncio.wait_for(asyncio.to_thread(self._roundtrip, cmd), self.timeout)
+        return await asyncio.wait_for(asyncio.to_thread(self.call_blocking, *cmd), self.timeout)
 
-    def _roundtrip(self, cmd: tuple[Any, ...]) -> Any:
+    def call_blocking(self, *cmd: Any) -> Any:
+        """:meth:`call` for code without an event loop."""
         self._pipe.send(cmd)
         if not self._pipe.poll(self.timeout):
             raise TimeoutError(f"owner did not answer {cmd[0]!r} in {self.timeout} s")
@@ -87,15 +91,21 @@ class OwnerProcess:
         self._proc.join(10)
 
     async def stop(self) -> None:
+        await asyncio.to_thread(self.stop_blocking)
+
+    def stop_blocking(self) -> None:
         if self._proc.is_alive():
             try:
-                await self.call("stop")
+                self.call_blocking("stop")
             except (RuntimeError, TimeoutError, OSError, EOFError):
                 pass
             self._proc.join(10)
             if self._proc.is_alive():
                 self.kill()
         self._pipe.close()
+
+    def alive(self) -> bool:
+        return self._proc.is_alive()
 
 
 def _owner_main(pipe: Pipe, transport: str, token: str | None) -> None:

@@ -1,0 +1,241 @@
+"""Bad input gets a clear tensorx error, the owner keeps serving, no byte outside changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tensorx as tx
+from tensorx import _auth, _wire
+from tensorx._wire import Kind
+from tensorx.node import parse_address
+from tensorx.testing import OwnerProcess, digest, pattern
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[OwnerProcess]:
+    proc = OwnerProcess("tcp", token=TOKEN).start()
+    yield proc
+    proc.stop_blocking()
+
+
+async def _connect(owner: OwnerProcess) -> tuple[tx.Node, tx.Endpoint]:
+    node = await tx.Node(listen=None, transport="tcp", token=TOKEN).start()
+    return node, await node.connect(owner.address)
+
+
+async def _still_serving(owner: OwnerProcess) -> None:
+    """A fresh, well-behaved peer can still write and read, and all guards are intact."""
+    node, ep = await _connect(owner)
+    async with node:
+        desc = await owner.export(4096, seed=7)
+        data = pattern(4096, seed=8)
+        await ep.write(tx.MemoryRegion.register(data), desc)
+        assert await owner.call("digest", desc.region_id) == digest(data)
+    assert await owner.call("guards_intact")
+
+
+async def test_out_of_range_is_refused_locally_and_by_the_owner(owner: OwnerProcess) -> None:
+    node, ep = await _connect(owner)
+    async with node:
+        desc = await owner.export(1000, seed=1)
+        src = tx.MemoryRegion.register(np.ones(4096, np.uint8))
+        with pytest.raises(tx.RegionError, match="outside"):
+            await ep.write(src, desc, remote_offset=999, nbytes=2)
+        with pytest.raises(tx.RegionError):
+            await ep.read(src, desc, remote_offset=1001, nbytes=0)
+        with pytest.raises(tx.UsageError):
+            await ep.write(src, desc, offset=4000, nbytes=200)
+        forged = dataclasses.replace(desc, nbytes=1 << 20)  # lies about the size
+        with pytest.raises(tx.RegionError, match="outside"):
+            await ep.write(src, forged, remote_offset=900, nbytes=4096)
+        with pytest.raises(tx.RegionError, match="outside"):
+            await ep.read(src, forged, remote_offset=0, nbytes=4096)
+        assert await owner.call("digest", desc.region_id) == digest(pattern(1000, 1))
+    await _still_serving(owner)
+
+
+async def test_write_to_read_only_export_is_refused(owner: OwnerProcess) -> None:
+    node, ep = await _connect(owner)
+    async with node:
+        desc = await owner.export(4096, access="r", seed=2)
+        src = tx.MemoryRegion.register(np.ones(4096, np.uint8))
+        with pytest.raises(tx.RegionError, match="cannot be written"):
+            await ep.write(src, desc)
+        with pytest.raises(tx.RegionError, match="cannot be written"):
+            await ep.write(src, dataclasses.replace(desc, access="rw"))
+        out = np.zeros(4096, np.uint8)
+        await ep.read(tx.MemoryRegion.register(out), desc)
+        assert np.array_equal(out, pattern(4096, 2))
+    await _still_serving(owner)
+
+
+async def test_stale_descriptor_after_close_is_refused(owner: OwnerProcess) -> None:
+    node, ep = await _connect(owner)
+    async with node:
+        desc = await owner.export(4096, seed=3)
+        await owner.call("close_region", desc.region_id)
+        src = tx.MemoryRegion.register(np.ones(4096, np.uint8))
+        with pytest.raises(tx.RegionError, match="not exported|closed"):
+            await ep.write(src, desc)
+        with pytest.raises(tx.RegionError, match="not exported|closed"):
+            await ep.read(src, desc)
+    await _still_serving(owner)
+
+
+async def test_forged_region_id_and_cookie_are_refused(owner: OwnerProcess) -> None:
+    node, ep = await _connect(owner)
+    async with node:
+        desc = await owner.export(4096, seed=4)
+        src = tx.MemoryRegion.register(np.ones(4096, np.uint8))
+        for forged in (dataclasses.replace(desc, region_id=desc.region_id ^ 1),
+                       dataclasses.replace(desc, cookie=desc.cookie ^ 1)):
+            with pytest.raises(tx.RegionError, match="not exported"):
+                await ep.write(src, forged)
+        other_owner = dataclasses.replace(desc, owner="0" * 16)
+        with pytest.raises(tx.RegionError, match="belongs to node"):
+            await ep.write(src, other_owner)
+        assert await owner.call("digest", desc.region_id) == digest(pattern(4096, 4))
+    await _still_serving(owner)
+
+
+async def test_wrong_token_is_refused(owner: OwnerProcess) -> None:
+    async with tx.Node(listen=None, transport="tcp", token="wrong") as node:
+        with pytest.raises(tx.AuthError, match="token"):
+            await node.connect(owner.address)
+    async with tx.Node(listen=None, transport="tcp", token=None) as node:
+        with pytest.raises(tx.AuthError):
+            await node.connect(owner.address)
+    await _still_serving(owner)
+
+
+async def test_unusable_calls_are_usage_errors(owner: OwnerProcess) -> None:
+    node, ep = await _connect(owner)
+    async with node:
+        desc = await owner.export(64)
+        with pytest.raises(tx.UsageError, match="MemoryRegion"):
+            await ep.write(np.zeros(64, np.uint8), desc)  # type: ignore[arg-type]
+        with pytest.raises(tx.ProtocolError):
+            await ep.write(tx.MemoryRegion.allocate(64), b"garbage")
+        closed = tx.MemoryRegion.allocate(64)
+        closed.close()
+        with pytest.raises(tx.ClosedError):
+            await ep.write(closed, desc)
+        await ep.aclose()
+        with pytest.raises(tx.ClosedError):
+            await ep.write(tx.MemoryRegion.allocate(64), desc)
+
+
+# -- raw frames: speak the protocol by hand, then misbehave --------------------------------
+def _raw_socket(owner: OwnerProcess) -> socket.socket:
+    _, host, port = parse_address(owner.address)
+    sock = socket.create_connection((host, port), timeout=5)
+    return sock
+
+
+def _recv_frame(sock: socket.socket) -> tuple[Kind, dict[str, object]]:
+    prefix = _recv_exact(sock, _wire.PREFIX.size)
+    kind, hlen, plen = _wire.decode_prefix(prefix)
+    header = _wire.decode_header(kind, _recv_exact(sock, hlen), plen)
+    _recv_exact(sock, plen)
+    return kind, header
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def _authenticated_socket(owner: OwnerProcess) -> socket.socket:
+    sock = _raw_socket(owner)
+    nonce = _auth.new_nonce()
+    sock.sendall(_wire.encode(Kind.HELLO, {"id": "fuzzer", "nonce": nonce}))
+    kind, ch = _recv_frame(sock)
+    assert kind is Kind.CHALLENGE
+    proof = _auth.make_proof(TOKEN.encode(), b"client", nonce, ch["nonce"], "fuzzer", ch["id"])
+    sock.sendall(_wire.encode(Kind.AUTH, {"proof": proof, "caps": {}}))
+    assert _recv_frame(sock)[0] is Kind.WELCOME
+    return sock
+
+
+def _closed_by_owner(sock: socket.socket) -> bool:
+    """The owner drops a misbehaving connection: reads end in EOF/reset within the timeout."""
+    sock.settimeout(10)
+    try:
+        while sock.recv(65536):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    finally:
+        sock.close()
+    return True
+
+
+frames = st.one_of(
+    st.binary(min_size=1, max_size=256),
+    st.builds(lambda kind, version, hlen, plen, tail: _wire.PREFIX.pack(
+        b"TX", version, kind, hlen, plen) + tail,
+        st.integers(0, 255), st.sampled_from([1, 1, 2, 0]), st.integers(0, 2**20),
+        st.integers(0, 2**41), st.binary(max_size=64)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=frames, authenticated=st.booleans())
+def test_garbage_frames_close_only_that_connection(owner: OwnerProcess, garbage: bytes,
+                                                   authenticated: bool) -> None:
+    sock = _authenticated_socket(owner) if authenticated else _raw_socket(owner)
+    try:
+        sock.sendall(garbage)
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # the owner may already have hung up: that is the point
+    assert _closed_by_owner(sock)
+    assert owner.alive()
+    assert owner.call_blocking("guards_intact")
+
+
+def test_forged_write_frame_past_the_end_changes_nothing(owner: OwnerProcess) -> None:
+    desc = owner.call_blocking("export", 128, "rw", 5)
+    d = tx.RegionDescriptor.from_bytes(desc)
+    sock = _authenticated_socket(owner)
+    header = {"req": 1, "rid": d.region_id, "ck": d.cookie, "off": 64, "n": 4096, "last": True}
+    sock.sendall(_wire.encode(Kind.WRITE, header, 4096) + b"\xff" * 4096)
+    kind, reply = _recv_frame(sock)
+    assert kind is Kind.ERROR and reply["code"] == "region"
+    sock.close()
+    assert owner.call_blocking("digest", d.region_id) == digest(pattern(128, 5))
+    assert owner.call_blocking("guards_intact")
+
+
+async def test_owner_keeps_serving_after_all_of_the_above(owner: OwnerProcess) -> None:
+    await _still_serving(owner)
+
+
+@pytest.mark.parametrize("frame", [
+    b"XX" + b"\x00" * 14,                                            # bad magic
+    _wire.PREFIX.pack(b"TX", 9, Kind.WRITE, 0, 0),                   # protocol version 9
+    _wire.PREFIX.pack(b"TX", 1, Kind.WRITE, 1 << 20, 0),             # header over the limit
+    _wire.encode(Kind.HELLO, {"id": "again", "nonce": b"x"}),        # handshake frame later
+    _wire.PREFIX.pack(b"TX", 1, Kind.WRITE, 3, 0) + b"\xc1\xc1\xc1",  # undecodable header
+])
+def test_malformed_frame_gets_a_protocol_error_reply(owner: OwnerProcess, frame: bytes) -> None:
+    sock = _authenticated_socket(owner)
+    sock.sendall(frame)  # no EOF from us: the owner must notice by itself
+    kind, reply = _recv_frame(sock)
+    assert kind is Kind.ERROR and reply["code"] == "protocol" and reply["req"] == 0
+    assert _closed_by_owner(sock)
+    assert owner.call_blocking("guards_intact")

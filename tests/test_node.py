@@ -1,0 +1,75 @@
+"""Node lifecycle and loud transport choice."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+import tensorx as tx
+
+
+async def test_info_and_one_log_line_per_endpoint(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tensorx.node")
+    async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
+        assert a.address.startswith("tcp://127.0.0.1:")
+        ep = await b.connect(a.address)
+        await asyncio.sleep(0.05)
+        assert ep.info["transport"] == "tcp" and ep.info["lanes"] and ep.info["why"]
+        assert ep.peer == a.id
+        lines = [r.getMessage() for r in caplog.records if "endpoint" in r.getMessage()]
+        assert len(lines) == 2 and all("transport=tcp" in line for line in lines)
+
+
+async def test_require_rdma_fails_instead_of_falling_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with tx.Node(transport="tcp") as server:
+        with pytest.raises(tx.TransportUnavailableError):
+            async with tx.Node(listen=None, transport="auto", require="rdma") as node:
+                await node.connect(server.address)
+        monkeypatch.setenv("TENSORX_REQUIRE", "rdma")
+        with pytest.raises(tx.TransportUnavailableError):
+            async with tx.Node(listen=None, transport="auto") as node:
+                await node.connect(server.address)
+
+
+async def test_bad_arguments_are_usage_errors() -> None:
+    with pytest.raises(tx.UsageError):
+        tx.Node(transport="carrier-pigeon")
+    with pytest.raises(tx.UsageError):
+        tx.Node(require="magic")
+    with pytest.raises(tx.UsageError, match="address"):
+        async with tx.Node(listen="http://x") as _:
+            pass
+    async with tx.Node(listen=None, transport="tcp") as node:
+        with pytest.raises(tx.UsageError, match="address"):
+            await node.connect("nonsense")
+        with pytest.raises(tx.BrokenError):
+            await node.connect("tcp://127.0.0.1:1")
+
+
+async def test_close_is_idempotent_and_later_use_is_closed_error() -> None:
+    node = tx.Node(transport="tcp")
+    async with node:
+        pass
+    await node.aclose()
+    with pytest.raises(tx.ClosedError):
+        node.export(tx.MemoryRegion.allocate(8))
+    with pytest.raises(tx.ClosedError):
+        await node.connect("tcp://127.0.0.1:1")
+
+
+async def test_symmetric_endpoints_and_disconnect_events() -> None:
+    async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
+        mine = b.export(np.zeros(8, np.uint8))
+        ep = await b.connect(a.address)
+        await ep.notify(mine.to_bytes())
+        back, payload = await asyncio.wait_for(a.notifications.get(), 5)
+        await back.write(tx.MemoryRegion.register(np.full(8, 7, np.uint8)), payload)
+        out = np.zeros(8, np.uint8)
+        await ep.read(tx.MemoryRegion.register(out), a.export(np.full(8, 9, np.uint8)))
+        assert (out == 9).all()
+        await ep.aclose()
+        await ep.aclose()
+        assert await asyncio.wait_for(a.disconnected.get(), 5) is back
