@@ -84,9 +84,9 @@ async def test_stale_descriptor_after_close_is_refused(owner: OwnerProcess) -> N
         desc = await owner.export(4096, seed=3)
         await owner.call("close_region", desc.region_id)
         src = tx.MemoryRegion.register(np.ones(4096, np.uint8))
-        with pytest.raises(tx.RegionError, match="not exported|closed"):
+        with pytest.raises(tx.RegionError, match=r"not exported|closed"):
             await ep.write(src, desc)
-        with pytest.raises(tx.RegionError, match="not exported|closed"):
+        with pytest.raises(tx.RegionError, match=r"not exported|closed"):
             await ep.read(src, desc)
     await _still_serving(owner)
 
@@ -193,7 +193,8 @@ frames = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(garbage=frames, authenticated=st.booleans())
 def test_garbage_frames_close_only_that_connection(owner: OwnerProcess, garbage: bytes,
                                                    authenticated: bool) -> None:
