@@ -1,0 +1,1 @@
+"""Internals of :mod:`tensorx.graph_analyzer` (pure planning, no I/O)."""

@@ -1,0 +1,54 @@
+"""Pure planning: from a model (or an fx graph and a placement) to a transfer layout.
+
+No I/O happens here: no sockets, no asyncio. The output is plain data (:class:`TransferPlan`,
+:class:`BoundaryPlan`) plus, for the worker, a :class:`Binding` that makes a model's
+parameters and gradients live inside registered arenas.
+
+* :class:`GraphAnalyzer` plans the parameters (and optionally buffers) that cross the
+  worker/parameter-server boundary: per-shard ``params`` and ``grads`` arenas with the same
+  layout, entries aligned and in gradient-ready order, large tensors split into chunks,
+  bytes balanced across shards, sparse gradients on a dynamic path (header slot + staging).
+* :meth:`TransferPlan.bind` rebinds ``param.data`` / ``param.grad`` as views into the arenas.
+* :class:`BoundaryAnalyzer` finds the tensors that cross device/process boundaries in a
+  ``torch.fx``-traceable model and plans pre-registered receive buffers for them.
+"""
+
+from __future__ import annotations
+
+from tensorx._analyzer.binding import Binding, allocate_regions
+from tensorx._analyzer.boundary import BoundaryAnalyzer, BoundaryEdge, BoundaryPlan
+from tensorx._analyzer.layout import (
+    HEADER_BYTES,
+    DynamicEntry,
+    PlanEntry,
+    PlanOptions,
+    TransferPlan,
+)
+from tensorx._analyzer.planner import GraphAnalyzer, TensorInfo
+from tensorx._analyzer.sparse import (
+    SparseHeader,
+    SparseStaging,
+    StagedSparse,
+    payload_views,
+    read_header,
+)
+
+__all__ = [
+    "HEADER_BYTES",
+    "Binding",
+    "BoundaryAnalyzer",
+    "BoundaryEdge",
+    "BoundaryPlan",
+    "DynamicEntry",
+    "GraphAnalyzer",
+    "PlanEntry",
+    "PlanOptions",
+    "SparseHeader",
+    "SparseStaging",
+    "StagedSparse",
+    "TensorInfo",
+    "TransferPlan",
+    "allocate_regions",
+    "payload_views",
+    "read_header",
+]
