@@ -1,0 +1,350 @@
+"""ParameterServer: one shard of parameters served over one-sided writes.
+
+Each shard is one process (or one object) that owns its part of the parameters, one
+gradient slot per worker and a real ``torch.optim`` optimizer over views of its arena. At
+handshake a worker exports its parameter arena and gets its slot's descriptor; from then
+on a step is::
+
+    worker: write(grads -> its slot on the shard); notify(push)
+    shard:  average/apply as the mode says; write(params -> worker's arena); notify(params)
+
+The shard handles one event at a time, so an update never runs while parameters are being
+written out of the arena: a worker never sees a half-applied update, and since a push
+notification is ordered after its gradient write, a partial gradient is never applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tensorx._ps import protocol
+from tensorx._ps.schedule import MODES, Decision, Scheduler
+from tensorx._ps.shard import (
+    OptimizerFactory,
+    SchedulerFactory,
+    ShardLayout,
+    ShardState,
+    checkpoint_path,
+    load_checkpoint,
+)
+from tensorx.endpoint import Endpoint
+from tensorx.errors import (
+    PlanMismatchError,
+    ProtocolError,
+    TensorxError,
+    UsageError,
+)
+from tensorx.memregion import RegionDescriptor
+from tensorx.node import Node
+
+__all__ = ["ParameterServer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Peer:
+    rank: int
+    ep: Endpoint
+    params: RegionDescriptor
+    step: int = 0
+
+
+def _default_optimizer(params: list[Any]) -> Any:
+    import torch
+
+    return torch.optim.SGD(params, lr=0.1)
+
+
+class ParameterServer:
+    """One parameter-server shard. ``async with ParameterServer(...) as ps: await ps.serve()``.
+
+    ``mode``: ``"sync"``, ``"async"`` or ``"bounded"`` (with ``staleness``).
+    ``optimizer``: ``lambda params: torch.optim.X(params, ...)``, called once on tensors that
+    view the shard's arena; ``lr_scheduler``: ``lambda opt: ...``, stepped after each update.
+    Initial parameters come from the checkpoint in ``checkpoint_dir`` when there is one, else
+    from worker rank 0. ``checkpoint_every``: also checkpoint every N updates.
+    """
+
+    def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,
+                 mode: str = "sync", optimizer: OptimizerFactory | None = None,
+                 lr_scheduler: SchedulerFactory | None = None, staleness: int = 0,
+                 shard: int = 0, num_shards: int = 1,
+                 checkpoint_dir: str | os.PathLike[str] | None = None,
+                 checkpoint_every: int | None = None, token: str | bytes | None = None,
+                 transport: str = "auto", timeout: float | None = 30.0) -> None:
+        if mode not in MODES:
+            raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0 <= shard < num_shards:
+            raise UsageError(f"shard {shard} outside 0..{num_shards - 1}")
+        self.mode = mode
+        self.num_workers = num_workers
+        self.shard = shard
+        self.num_shards = num_shards
+        self.timeout = timeout
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self._optimizer = optimizer or _default_optimizer
+        self._lr_scheduler = lr_scheduler
+        self.scheduler = Scheduler(mode, num_workers, staleness)
+        self.node = Node(listen, transport=transport, token=token, timeout=timeout)
+        self.state: ShardState | None = None
+        self._plan: Any = None
+        self._plan_bytes = b""
+        self._peers: dict[Endpoint, _Peer] = {}
+        self._waiting: list[_Peer] = []    # said hello before the parameters were initialised
+        self._slot_descs: dict[int, RegionDescriptor] = {}
+        self._events: asyncio.Queue[tuple[str, Endpoint, bytes]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self._closed = False
+        self._initialised = False  # parameters came from rank 0 or a checkpoint
+        self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "max_gap": 0,
+                                      "max_version_lag": 0, "apply_s": 0.0}
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> ParameterServer:
+        await self.node.start()
+        self._restore()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._pump_notifications()),
+                       loop.create_task(self._pump_disconnects()),
+                       loop.create_task(self._run())]
+        logger.info("ps shard %d/%d listening on %s: mode=%s workers=%d", self.shard,
+                    self.num_shards, self.node.address, self.mode, self.num_workers)
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.node.address
+
+    @property
+    def version(self) -> int:
+        return self.state.version if self.state is not None else 0
+
+    async def serve(self) -> None:
+        """Serve until :meth:`stop` (or SIGTERM in the CLI); then checkpoint and close."""
+        if not self._tasks:
+            await self.start()
+        try:
+            await self._stopped.wait()
+        finally:
+            await self.aclose()
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return (it checkpoints first). Safe from signal handlers."""
+        self._stopped.set()
+
+    async def aclose(self) -> None:
+        """Checkpoint (if a directory was given), close the node and free memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopped.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            self.checkpoint()
+        finally:
+            await self.node.aclose()
+            if self.state is not None:
+                self.state.close()
+
+    async def __aenter__(self) -> ParameterServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        if self.checkpoint_dir is None or self.state is None:
+            return
+        path = checkpoint_path(self.checkpoint_dir, self.shard, self.num_shards)
+        self.state.save(path, self._plan_bytes)
+
+    def _restore(self) -> None:
+        if self.checkpoint_dir is None:
+            return
+        path = checkpoint_path(self.checkpoint_dir, self.shard, self.num_shards)
+        if not path.exists():
+            return
+        saved = load_checkpoint(path)
+        self._adopt_plan(bytes(saved["plan"]))
+        assert self.state is not None
+        self.state.load_state_dict(saved)
+        self._initialised = True
+        logger.info("ps shard %d resumed from %s at version %d", self.shard, path,
+                    self.state.version)
+
+    def _adopt_plan(self, plan_bytes: bytes) -> None:
+        from tensorx.graph_analyzer import TransferPlan
+
+        plan = TransferPlan.from_bytes(plan_bytes)
+        if plan.num_shards != self.num_shards:
+            raise UsageError(f"plan has {plan.num_shards} shards, this server "
+                             f"{self.num_shards}")
+        self._plan, self._plan_bytes = plan, plan_bytes
+        layout = ShardLayout.from_plan(plan, self.shard)
+        self.state = ShardState(layout, self.num_workers, self._optimizer, self._lr_scheduler)
+
+    # -- event loop -----------------------------------------------------------------------
+    async def _pump_notifications(self) -> None:
+        while True:
+            ep, payload = await self.node.notifications.get()
+            self._events.put_nowait(("msg", ep, payload))
+
+    async def _pump_disconnects(self) -> None:
+        while True:
+            ep = await self.node.disconnected.get()
+            self._events.put_nowait(("gone", ep, b""))
+
+    async def _run(self) -> None:
+        while True:
+            kind, ep, payload = await self._events.get()
+            try:
+                if kind == "gone":
+                    await self._leave(ep, "disconnected")
+                else:
+                    await self._handle(ep, payload)
+            except TensorxError as exc:
+                await self._refuse(ep, exc)
+            except Exception:
+                logger.exception("ps shard %d: failed handling a message", self.shard)
+
+    async def _handle(self, ep: Endpoint, payload: bytes) -> None:
+        msg = protocol.decode(payload)
+        kind = msg["t"]
+        if kind == "hello":
+            await self._hello(ep, msg)
+        elif kind == "push":
+            await self._push(ep, msg)
+        elif kind == "bye":
+            await self._leave(ep, "left")
+        else:
+            raise ProtocolError(f"unexpected {kind!r} message from a worker")
+
+    async def _refuse(self, ep: Endpoint, exc: TensorxError) -> None:
+        logger.warning("ps shard %d refused %s: %s", self.shard, ep.peer, exc)
+        with contextlib.suppress(TensorxError):
+            await ep.notify(protocol.encode("error", code=type(exc).__name__, msg=str(exc)),
+                            timeout=self.timeout)
+        if ep in self._peers:
+            await self._leave(ep, f"refused ({type(exc).__name__})")
+
+    # -- handshake ------------------------------------------------------------------------
+    async def _hello(self, ep: Endpoint, msg: dict[str, Any]) -> None:
+        self._check_hello(msg)
+        self._check_plan(msg)
+        assert self.state is not None
+        rank = msg["rank"]
+        for old in [e for e, p in self._peers.items() if p.rank == rank]:
+            await self._leave(old, "replaced by a new connection")
+        peer = _Peer(rank, ep, RegionDescriptor.from_bytes(msg["params"]))
+        self._peers[ep] = peer
+        self.state.verify = self.state.verify or msg["verify"]
+        if rank not in self._slot_descs:
+            self._slot_descs[rank] = self.node.export(self.state.slot_region(rank), access="w")
+        self.scheduler.join(rank)
+        logger.info("ps shard %d: worker rank %d joined from %s", self.shard, rank, ep.peer)
+        if self._initialised or rank == 0:
+            if not self._initialised:
+                await ep.read(self.state.params_region, peer.params, timeout=self.timeout)
+                self._initialised = True
+                logger.info("ps shard %d: initial parameters from rank 0", self.shard)
+            waiting, self._waiting = [*self._waiting, peer], []
+            await asyncio.gather(*(self._welcome(p) for p in waiting))
+        else:
+            self._waiting.append(peer)
+
+    def _check_hello(self, msg: dict[str, Any]) -> None:
+        if msg["proto"] != protocol.PROTOCOL:
+            raise ProtocolError(f"worker speaks ps protocol {msg['proto']}, "
+                                f"this server {protocol.PROTOCOL}")
+        if (msg["shard"], msg["num_shards"]) != (self.shard, self.num_shards):
+            raise UsageError(f"worker thinks this is shard {msg['shard']} of "
+                             f"{msg['num_shards']}; it is shard {self.shard} of "
+                             f"{self.num_shards} (order the ps list by shard)")
+        if msg["num_workers"] != self.num_workers:
+            raise UsageError(f"worker says num_workers={msg['num_workers']}, "
+                             f"this server has {self.num_workers}")
+        if not 0 <= msg["rank"] < self.num_workers:
+            raise UsageError(f"rank {msg['rank']} outside 0..{self.num_workers - 1}")
+
+    def _check_plan(self, msg: dict[str, Any]) -> None:
+        if self._plan is None:
+            self._adopt_plan(msg["plan"])
+            logger.info("ps shard %d: plan %s", self.shard, self._plan.summary()
+                        if hasattr(self._plan, "summary") else self._plan.fingerprint)
+            return
+        if msg["fingerprint"] != self._plan.fingerprint:
+            from tensorx.graph_analyzer import TransferPlan
+
+            self._plan.check_same(TransferPlan.from_bytes(msg["plan"]))
+            raise PlanMismatchError(f"plan fingerprint {msg['fingerprint']} differs from "
+                                    f"{self._plan.fingerprint}")
+
+    async def _welcome(self, peer: _Peer) -> None:
+        assert self.state is not None
+        try:
+            await peer.ep.write(self.state.params_region, peer.params, timeout=self.timeout)
+            await peer.ep.notify(protocol.encode(
+                "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
+                version=self.state.version, mode=self.mode, checksum=self.state.checksum()),
+                timeout=self.timeout)
+        except TensorxError as exc:
+            logger.warning("ps shard %d: lost rank %d at welcome: %s", self.shard, peer.rank, exc)
+            self._events.put_nowait(("gone", peer.ep, b""))
+
+    # -- steps ----------------------------------------------------------------------------
+    async def _push(self, ep: Endpoint, msg: dict[str, Any]) -> None:
+        peer = self._peers.get(ep)
+        if peer is None or self.state is None or not self._initialised:
+            raise ProtocolError("push before a completed handshake")
+        peer.step = msg["step"]
+        self.stats["pushes"] += 1
+        lag = self.state.version - msg["version"]
+        self.stats["max_version_lag"] = max(self.stats["max_version_lag"], lag)
+        await self._act(self.scheduler.push(peer.rank))
+
+    async def _act(self, decision: Decision) -> None:
+        assert self.state is not None
+        if decision.apply:
+            t0 = time.perf_counter()
+            self.state.apply(decision.apply)
+            self.stats["apply_s"] += time.perf_counter() - t0
+            self.stats["updates"] += 1
+            if self.checkpoint_every and self.state.version % self.checkpoint_every == 0:
+                self.checkpoint()
+        self.stats["max_gap"] = self.scheduler.max_gap
+        by_rank = {p.rank: p for p in self._peers.values()}
+        targets = [by_rank[r] for r in decision.release if r in by_rank]
+        await asyncio.gather(*(self._send_params(p) for p in targets))
+
+    async def _send_params(self, peer: _Peer) -> None:
+        assert self.state is not None
+        try:
+            await peer.ep.write(self.state.params_region, peer.params, timeout=self.timeout)
+            await peer.ep.notify(protocol.encode(
+                "params", version=self.state.version, step=peer.step,
+                checksum=self.state.checksum()), timeout=self.timeout)
+        except TensorxError as exc:
+            logger.warning("ps shard %d: lost rank %d: %s", self.shard, peer.rank, exc)
+            self._events.put_nowait(("gone", peer.ep, b""))
+
+    async def _leave(self, ep: Endpoint, why: str) -> None:
+        peer = self._peers.pop(ep, None)
+        if peer is None:
+            return
+        self._waiting = [p for p in self._waiting if p.ep is not ep]
+        logger.info("ps shard %d: worker rank %d %s", self.shard, peer.rank, why)
+        with contextlib.suppress(TensorxError):
+            await ep.aclose()
+        await self._act(self.scheduler.leave(peer.rank))

@@ -1,0 +1,290 @@
+"""Worker: binds a model to a transfer plan and trains it against parameter-server shards.
+
+The model's parameters and gradients are rebound as views into registered arenas (one pair
+per shard), so autograd writes gradients straight into the memory that is pushed, and the
+shards write fresh parameters straight into the module::
+
+    async with Worker(model, ps=["tcp://h:7000"], rank=0, num_workers=2) as worker:
+        loss.backward(); await worker.step()       # push, wait as the mode says, pull
+
+:class:`RemoteOptimizer` is the blocking facade for ordinary PyTorch loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tensorx._ps import protocol
+from tensorx.endpoint import Endpoint
+from tensorx.errors import (
+    AuthError,
+    BrokenError,
+    PlanMismatchError,
+    ProtocolError,
+    RegionError,
+    TensorxError,
+    TimeoutError,
+    UsageError,
+)
+from tensorx.memregion import MemoryRegion, RegionDescriptor
+from tensorx.node import Node
+
+__all__ = ["RemoteOptimizer", "Worker"]
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[str, type[TensorxError]] = {
+    cls.__name__: cls for cls in (PlanMismatchError, UsageError, ProtocolError, AuthError,
+                                  RegionError, BrokenError)
+}
+_GONE: dict[str, Any] = {"t": "_gone"}
+
+
+class Worker:
+    """One training process's link to every parameter-server shard.
+
+    ``ps``: shard addresses, in shard order. ``rank`` in ``0..num_workers-1``; rank 0's
+    initial parameters seed the shards unless they resumed from a checkpoint. ``verify``:
+    check every pull against the checksum the shard stamped on its update.
+    ``plan_options``: passed to :class:`tensorx.GraphAnalyzer` (every worker must agree).
+    """
+
+    def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
+                 num_workers: int = 1, *, token: str | bytes | None = None,
+                 transport: str = "auto", timeout: float | None = 60.0, verify: bool = False,
+                 plan_options: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.addresses = [ps] if isinstance(ps, str) else list(ps)
+        if not self.addresses:
+            raise UsageError("ps must name at least one parameter-server shard")
+        if not 0 <= rank < num_workers:
+            raise UsageError(f"rank {rank} outside 0..{num_workers - 1}")
+        self.rank = rank
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.verify = verify
+        self.node = Node(None, transport=transport, token=token, timeout=timeout)
+        self._plan_options = dict(plan_options or {})
+        self.plan: Any = None
+        self.binding: Any = None
+        self.version = [0] * len(self.addresses)
+        self.steps = 0
+        self.mode = ""
+        self._eps: list[Endpoint] = []
+        self._slots: list[RegionDescriptor] = []
+        self._inbox: list[asyncio.Queue[dict[str, Any]]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self.stats: dict[str, float] = {"push_s": 0.0, "wait_s": 0.0, "steps": 0}
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> Worker:
+        from tensorx.graph_analyzer import GraphAnalyzer
+
+        self.plan = GraphAnalyzer(self.model, num_shards=self.num_shards,
+                                  **self._plan_options).plan()
+        self.binding = self.plan.bind(self.model)
+        await self.node.start()
+        try:
+            await self._handshake()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def _handshake(self) -> None:
+        self._eps = list(await asyncio.gather(*(self.node.connect(a) for a in self.addresses)))
+        self._inbox = [asyncio.Queue() for _ in self._eps]
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._dispatch()),
+                       loop.create_task(self._watch_disconnects())]
+        await asyncio.gather(*(self._hello(s) for s in range(self.num_shards)))
+        welcomes = await asyncio.gather(*(self._expect(s, "welcome")
+                                          for s in range(self.num_shards)))
+        self._slots = [RegionDescriptor.from_bytes(w["slot"]) for w in welcomes]
+        self.mode = welcomes[0]["mode"]
+        for s, w in enumerate(welcomes):
+            self._accept_params(s, w)
+        logger.info("worker rank %d/%d joined %d shard(s), mode=%s, version=%s", self.rank,
+                    self.num_workers, self.num_shards, self.mode, self.version)
+
+    async def _hello(self, shard: int) -> None:
+        desc = self.node.export(self._region(shard, "params"), access="rw")
+        await self._eps[shard].notify(protocol.encode(
+            "hello", proto=protocol.PROTOCOL, rank=self.rank, num_workers=self.num_workers,
+            shard=shard, num_shards=self.num_shards, fingerprint=self.plan.fingerprint,
+            plan=self.plan.to_bytes(), params=desc.to_bytes(), verify=self.verify))
+
+    async def aclose(self) -> None:
+        """Say goodbye to every shard and close the node. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for ep in self._eps:
+            with contextlib.suppress(TensorxError):
+                await ep.notify(protocol.encode("bye"), timeout=5.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.node.aclose()
+
+    async def __aenter__(self) -> Worker:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- steps ----------------------------------------------------------------------------
+    async def step(self) -> None:
+        """Push this step's gradients, wait as the mode requires, pull fresh parameters."""
+        t0 = time.perf_counter()
+        await self.push()
+        t1 = time.perf_counter()
+        await self.pull()
+        self.stats["push_s"] += t1 - t0
+        self.stats["wait_s"] += time.perf_counter() - t1
+        self.stats["steps"] += 1
+
+    async def push(self) -> None:
+        """Write every shard's gradient arena into our slot there, then notify."""
+        copied = self.binding.ensure_bound()
+        if copied and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("re-bound %s to the arenas (copied once)", ", ".join(copied))
+        await asyncio.gather(*(self._push(s) for s in range(self.num_shards)))
+
+    async def _push(self, shard: int) -> None:
+        ep = self._eps[shard]
+        await ep.write(self._region(shard, "grads"), self._slots[shard], timeout=self.timeout)
+        await ep.notify(protocol.encode("push", step=self.steps, version=self.version[shard]),
+                        timeout=self.timeout)
+
+    async def pull(self) -> None:
+        """Wait until every shard has written its answer to our push into our arenas."""
+        replies = await asyncio.gather(*(self._expect(s, "params")
+                                         for s in range(self.num_shards)))
+        for s, msg in enumerate(replies):
+            self._accept_params(s, msg)
+        self.steps += 1
+
+    def zero_grad(self) -> None:
+        """Zero the gradient arenas in place (keeps ``param.grad`` bound to them)."""
+        for s in range(self.num_shards):
+            self._region(s, "grads").view(torch.uint8).zero_()
+
+    # -- helpers --------------------------------------------------------------------------
+    def _region(self, shard: int, arena: str) -> MemoryRegion:
+        region: MemoryRegion = self.binding.regions[(shard, arena)]
+        return region
+
+    def _accept_params(self, shard: int, msg: dict[str, Any]) -> None:
+        self.version[shard] = msg["version"]
+        expected = msg["checksum"]
+        if self.verify and expected is not None:
+            got = zlib.crc32(self._region(shard, "params").buffer())
+            if got != expected:
+                raise ProtocolError(f"shard {shard}: parameters of version {msg['version']} "
+                                    f"fail their checksum ({got:#x} != {expected:#x})")
+
+    async def _expect(self, shard: int, kind: str) -> dict[str, Any]:
+        try:
+            msg = await asyncio.wait_for(self._inbox[shard].get(), self.timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"shard {shard} sent no {kind!r} within {self.timeout} s") \
+                from None
+        if msg["t"] == kind:
+            return msg
+        if msg["t"] == "error":
+            raise _ERRORS.get(msg["code"], TensorxError)(f"ps shard {shard}: {msg['msg']}")
+        if msg["t"] == "_gone":
+            raise BrokenError(f"lost the connection to ps shard {shard} "
+                              f"({self.addresses[shard]})")
+        raise ProtocolError(f"shard {shard} sent {msg['t']!r} while we waited for {kind!r}")
+
+    async def _dispatch(self) -> None:
+        shard_of = {ep: s for s, ep in enumerate(self._eps)}
+        while True:
+            ep, payload = await self.node.notifications.get()
+            shard = shard_of.get(ep)
+            if shard is None:
+                continue
+            try:
+                self._inbox[shard].put_nowait(protocol.decode(payload))
+            except ProtocolError as exc:
+                logger.warning("bad message from ps shard %d: %s", shard, exc)
+                self._inbox[shard].put_nowait(_GONE)
+
+    async def _watch_disconnects(self) -> None:
+        shard_of = {ep: s for s, ep in enumerate(self._eps)}
+        while True:
+            ep = await self.node.disconnected.get()
+            if ep in shard_of:
+                self._inbox[shard_of[ep]].put_nowait(_GONE)
+
+
+class RemoteOptimizer:
+    """A blocking, optimizer-like facade over :class:`Worker` for ordinary PyTorch loops::
+
+        opt = RemoteOptimizer(model, ps=["tcp://h:7000"], rank=0, num_workers=2)
+        for x, y in data:
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+    The worker runs on a background event loop; ``step`` blocks until fresh parameters are
+    in the model. Close it (or use ``with``) to leave the server cleanly.
+    """
+
+    def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
+                 num_workers: int = 1, **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name=f"tensorx-worker-{rank}")
+        self._thread.start()
+        self.worker = Worker(model, ps, rank, num_workers, **options)
+        try:
+            self._call(self.worker.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _call(self, coro: Any) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result()
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        self._call(self.worker.step())
+        return loss
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self.worker.zero_grad()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self.worker.aclose())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> RemoteOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
