@@ -16,6 +16,9 @@ What is zero-copy, exactly:
   the name, only if someone replaced ``.grad`` or ``.data`` with a private tensor).
 * Sparse (dynamic) gradients cannot be views: :meth:`Binding.stage_sparse` copies the rows
   into the staging region, once per step. Their dense *values* are bound like any other.
+  Until a receiver reads the dynamic path, ``ensure_bound`` (with ``densify_sparse=True``,
+  the default) also scatters the rows into the tensor's slot in the ``grads`` arena, so a
+  dense-only parameter server still trains correctly (a copy, reported by name).
 """
 
 from __future__ import annotations
@@ -78,8 +81,9 @@ class Binding:
 
     def __init__(self, plan: TransferPlan, model: nn.Module,
                  regions: Mapping[tuple[int, str], MemoryRegion] | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, densify_sparse: bool = True) -> None:
         self.plan = plan
+        self.densify_sparse = densify_sparse
         self.model = model
         device = device or _model_device(model)
         self._owns_regions = regions is None
@@ -196,8 +200,13 @@ class Binding:
             tensor = self._tensors[name]
             if _rebind_data(tensor, self.tensor_view(name, "params")):
                 copied.append(name)
-            grad_bound = chunks[0].role == "param" and chunks[0].kind == "static"
-            if grad_bound and _rebind_grad(tensor, self.tensor_view(name, "grads")):
+            if chunks[0].role != "param":
+                continue
+            view = self.tensor_view(name, "grads")
+            if chunks[0].kind == "static" and _rebind_grad(tensor, view):
+                copied.append(name)
+            if chunks[0].kind == "dynamic" and self.densify_sparse:
+                _densify(tensor.grad, view)
                 copied.append(name)
         return copied
 
@@ -279,6 +288,17 @@ def _rebind_grad(param: torch.Tensor, view: torch.Tensor) -> bool:
         view.copy_(grad)
     param.grad = view
     return grad is not None
+
+
+def _densify(grad: torch.Tensor | None, view: torch.Tensor) -> None:
+    view.zero_()
+    if grad is None:
+        return
+    if not grad.is_sparse:
+        view.copy_(grad)
+        return
+    g = grad.coalesce()
+    view.index_add_(0, g.indices()[0], g.values())
 
 
 def _privatize(tensor: torch.Tensor) -> None:

@@ -284,11 +284,16 @@ class TransferPlan:
     # -- memory -------------------------------------------------------------------------
     def bind(self, model: torch.nn.Module,
              regions: Mapping[tuple[int, str], MemoryRegion] | None = None,
-             device: str | None = None) -> Binding:
-        """Rebind the model's parameters (and gradients) as views into registered arenas."""
+             device: str | None = None, densify_sparse: bool = True) -> Binding:
+        """Rebind the model's parameters (and gradients) as views into registered arenas.
+
+        ``regions`` maps ``(shard, "params"|"grads")`` to regions of at least
+        ``arena_bytes(shard)``; by default they are allocated on ``device`` (the model's).
+        """
         from tensorx._analyzer.binding import Binding
 
-        return Binding(self, model, regions=regions, device=device)
+        return Binding(self, model, regions=regions, device=device,
+                       densify_sparse=densify_sparse)
 
     def allocate_regions(self, device: str = "cpu") -> dict[tuple[int, str], MemoryRegion]:
         """Per-shard ``params``/``grads`` regions carved from one block per arena kind.
