@@ -36,6 +36,7 @@ __all__ = ["Connection", "TcpLane", "TcpListener", "open_socket"]
 logger = logging.getLogger(__name__)
 
 BUFFER_BYTES = 256 * 1024
+IOV_MAX = 512
 SOCKET_BUFFER = 4 * 1024 * 1024
 ERROR_CODES: dict[str, type[TensorxError]] = {
     "region": RegionError, "protocol": ProtocolError, "auth": AuthError, "usage": UsageError,
@@ -166,6 +167,7 @@ class Connection:
         self._req_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         self._error: TensorxError | None = None
+        self._busy = False
         self.on_notify: NotifyHandler = lambda conn, payload: None
         self.on_closed: ClosedHandler = lambda conn, exc: None
         self.stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0}
@@ -238,7 +240,22 @@ class Connection:
 
     # -- sending ------------------------------------------------------------------------
     def _enqueue(self, parts: list[Any], done: asyncio.Future[None] | None = None) -> None:
+        """Send ``parts`` after everything queued before them.
+
+        When nothing is queued, try to send right here (one ``sendmsg``, header and payload
+        gathered without a copy); whatever the kernel does not take goes to the writer task.
+        """
         self._check()
+        if not self._sendq and not self._busy:
+            try:
+                parts = self._send_some(parts)
+            except OSError as exc:
+                self._fail(BrokenError(f"{self.label}: connection lost: {exc}"))
+                raise BrokenError(f"{self.label}: connection lost: {exc}") from exc
+            if not parts:
+                if done is not None:
+                    done.set_result(None)
+                return
         self._sendq.append((parts, done))
         self._wakeup.set()
 
@@ -253,6 +270,15 @@ class Connection:
         self._enqueue(parts, done)
         return done
 
+    def _send_some(self, parts: list[Any]) -> list[Any]:
+        """One non-blocking gathered send; returns what is left (memoryview slices)."""
+        try:
+            sent = self.sock.sendmsg(parts[:IOV_MAX])
+        except BlockingIOError:
+            return parts
+        self.stats["bytes_out"] += sent
+        return _advance(parts, sent)
+
     async def _write_loop(self) -> None:
         try:
             while True:
@@ -262,37 +288,37 @@ class Connection:
                     await self._send_batch()
         except OSError as exc:
             self._fail(BrokenError(f"{self.label}: connection lost: {exc}"))
-        except asyncio.CancelledError:
-            raise
+        finally:
+            self._busy = False
 
     async def _send_batch(self) -> None:
-        """Send what is queued, joining small parts so many small frames cost one syscall."""
-        small: list[bytes] = []
+        """Send everything queued with gathered writes, then complete its futures."""
+        self._busy = True
+        parts: list[Any] = []
         done: list[asyncio.Future[None]] = []
         while self._sendq:
-            parts, fut = self._sendq.popleft()
-            for part in parts:
-                if isinstance(part, bytes) and len(part) <= 65536:
-                    small.append(part)
-                    continue
-                await self._flush_small(small)
-                await self._sock_send(part)
+            frame, fut = self._sendq.popleft()
+            parts.extend(frame)
             if fut is not None:
                 done.append(fut)
-        await self._flush_small(small)
+        while parts:
+            parts = self._send_some(parts)
+            if parts:
+                await self._writable()
+        self._busy = False
         self.stats["frames_out"] += len(done)
         for fut in done:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _flush_small(self, small: list[bytes]) -> None:
-        if small:
-            await self._sock_send(b"".join(small))
-            small.clear()
-
-    async def _sock_send(self, data: Any) -> None:
-        await self._loop.sock_sendall(self.sock, data)
-        self.stats["bytes_out"] += len(data)
+    async def _writable(self) -> None:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        fd = self.sock.fileno()
+        self._loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            self._loop.remove_writer(fd)
 
     # -- requests -----------------------------------------------------------------------
     def _new_request(self, dest: memoryview | None = None) -> tuple[int, _Pending]:
@@ -302,11 +328,18 @@ class Connection:
         return req, pending
 
     async def _await(self, req: int, pending: _Pending, timeout: float | None, what: str) -> Any:
+        """Wait for the reply; a timer (not wait_for's extra task hop) enforces the timeout."""
+        fut = pending.future
+        timer = None
+        if timeout is not None:
+            exc = TimeoutError(f"{self.label}: {what} timed out after {timeout} s")
+            timer = self._loop.call_later(
+                timeout, lambda: fut.done() or fut.set_exception(exc))
         try:
-            return await asyncio.wait_for(pending.future, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"{self.label}: {what} timed out after {timeout} s") from None
+            return await fut
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(req, None)
 
     async def request_write(self, ops: Sequence[tuple[memoryview, int, int, int]],
@@ -453,6 +486,17 @@ class Connection:
     def _reply_error(self, req: int, exc: TensorxError) -> None:
         logger.info("%s: refused request %d: %s", self.label, req, exc)
         self._send_frame(Kind.ERROR, {"req": req, "code": error_code(exc), "msg": str(exc)})
+
+
+def _advance(parts: list[Any], sent: int) -> list[Any]:
+    """Drop ``sent`` bytes from the front of a list of buffers (no payload copies)."""
+    for i, part in enumerate(parts):
+        size = len(part)
+        if sent < size:
+            rest = memoryview(part)[sent:] if sent else part
+            return [rest, *parts[i + 1:]]
+        sent -= size
+    return []
 
 
 def _copy(exc: TensorxError) -> TensorxError:

@@ -1,0 +1,183 @@
+"""One-sided write/read bandwidth and small-op latency, against the raw-socket limit.
+
+Everything is measured in one run on this machine, between two processes on loopback:
+tensorx over each available transport, and blocking raw sockets doing the same transfers
+(``benchmarks/rawsock.py``). For UCX it also runs ``ucx_perftest`` on the same lanes, when
+that helper is present. Prints a markdown table; writes a PNG chart with ``--plot``.
+
+    python benchmarks/transfer.py                 # tcp (+ ucx when installed)
+    python benchmarks/transfer.py --sizes 64M --repeat 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tensorx as tx  # noqa: E402
+from benchmarks.rawsock import RawClient  # noqa: E402
+from tensorx.testing import OwnerProcess  # noqa: E402
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+DEFAULT_SIZES = "4K,64K,1M,16M,64M,256M"
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+
+
+def human(n: int) -> str:
+    for unit in ("G", "M", "K"):
+        if n >= UNITS[unit] and n % UNITS[unit] == 0:
+            return f"{n // UNITS[unit]} {unit}iB"
+    return f"{n} B"
+
+
+def repeats_for(n: int, repeat: int) -> int:
+    return repeat if n >= 16 << 20 else max(repeat, 200 if n <= 64 << 10 else 30)
+
+
+def median_time(fn: Callable[[], float], n: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(n))
+
+
+async def amedian_time(fn: Callable[[], Awaitable[None]], n: int) -> float:
+    await fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+async def bench_tensorx(transport: str, sizes: list[int], repeat: int) -> dict[str, object]:
+    """{(op, size): seconds} plus the endpoint info, for one transport."""
+    results: dict[str, object] = {}
+    async with OwnerProcess(transport) as owner, \
+            tx.Node(listen=None, transport=transport) as node:
+        ep = await node.connect(owner.address)
+        results["info"] = ep.info
+        desc = await owner.export(max(sizes))
+        local = tx.MemoryRegion.register(np.ones(max(sizes), np.uint8))
+        for n in sizes:
+            reps = repeats_for(n, repeat)
+            results[f"write {n}"] = await amedian_time(
+                lambda n=n: ep.write(local, desc, nbytes=n), reps)
+            results[f"read {n}"] = await amedian_time(
+                lambda n=n: ep.read(local, desc, nbytes=n), reps)
+        small = tx.MemoryRegion.allocate(8)
+        results["latency"] = await amedian_time(lambda: ep.write(small, desc, nbytes=8), 500)
+    return results
+
+
+def bench_raw(sizes: list[int], repeat: int) -> dict[str, object]:
+    client = RawClient(max(sizes))
+    try:
+        results: dict[str, object] = {}
+        for n in sizes:
+            reps = repeats_for(n, repeat)
+            results[f"write {n}"] = median_time(lambda n=n: client.write(n), reps)
+            results[f"read {n}"] = median_time(lambda n=n: client.read(n), reps)
+        results["latency"] = median_time(lambda: client.write(8), 500)
+        return results
+    finally:
+        client.close()
+
+
+def ucx_perftest_limits(size: int) -> dict[str, float]:
+    """GB/s from ucx_perftest on the lanes tensorx's UCX transport uses (if available)."""
+    try:
+        from benchmarks import ucx_perftest
+    except ImportError:
+        return {}
+    return ucx_perftest.limits(size)  # type: ignore[no-any-return]
+
+
+def gbps(n: int, seconds: object) -> float:
+    return n / float(seconds) / 1e9 if seconds else float("nan")  # type: ignore[arg-type]
+
+
+def table(sizes: list[int], systems: dict[str, dict[str, object]]) -> str:
+    raw = systems["raw socket"]
+    lines = ["| size | system | write GB/s | read GB/s | write vs raw | read vs raw |",
+             "|---|---|---|---|---|---|"]
+    for n in sizes:
+        for name, res in systems.items():
+            w, r = gbps(n, res[f"write {n}"]), gbps(n, res[f"read {n}"])
+            rw, rr = w / gbps(n, raw[f"write {n}"]), r / gbps(n, raw[f"read {n}"])
+            lines.append(f"| {human(n)} | {name} | {w:.2f} | {r:.2f} | {rw:.0%} | {rr:.0%} |")
+    lines.append("")
+    lines.append("| system | 8 B write, round trip (us) |")
+    lines.append("|---|---|")
+    for name, res in systems.items():
+        lines.append(f"| {name} | {float(res['latency']) * 1e6:.1f} |")  # type: ignore[arg-type]
+    return "\n".join(lines)
+
+
+def plot(sizes: list[int], systems: dict[str, dict[str, object]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, op in zip(axes, ("write", "read"), strict=True):
+        for name, res in systems.items():
+            ax.plot(sizes, [gbps(n, res[f"{op} {n}"]) for n in sizes], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"one-sided {op}, loopback")
+        ax.set_xlabel("bytes")
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"chart saved to {path}")
+
+
+def available_transports() -> list[str]:
+    import importlib.util
+
+    return ["tcp", "ucx"] if importlib.util.find_spec("ucxx") else ["tcp"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma list, e.g. 4K,64M")
+    parser.add_argument("--repeat", type=int, default=7, help="timed repeats for large sizes")
+    parser.add_argument("--transports", default=",".join(available_transports()))
+    parser.add_argument("--plot", default="", help="write a PNG chart here")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    systems: dict[str, dict[str, object]] = {}
+    print(f"measuring raw sockets over {len(sizes)} sizes ...", flush=True)
+    systems["raw socket"] = bench_raw(sizes, args.repeat)
+    for transport in args.transports.split(","):
+        print(f"measuring tensorx over {transport} ...", flush=True)
+        res = asyncio.run(bench_tensorx(transport, sizes, args.repeat))
+        info = res["info"]
+        print(f"  endpoint: {info}", flush=True)
+        systems[f"tensorx {transport}"] = res
+    print()
+    print(table(sizes, systems))
+    if "ucx" in args.transports:
+        limits = ucx_perftest_limits(max(sizes))
+        if limits:
+            print("\nucx_perftest on the same lanes (GB/s):", limits)
+    if args.plot:
+        plot(sizes, systems, args.plot)
+
+
+if __name__ == "__main__":
+    main()
