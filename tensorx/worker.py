@@ -183,6 +183,9 @@ class Worker:
         """Zero the gradient arenas in place (keeps ``param.grad`` bound to them)."""
         for s in range(self.num_shards):
             self._region(s, "grads").view(torch.uint8).zero_()
+        for p in self.model.parameters():
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = None  # sparse gradients live outside the arenas; start afresh
 
     # -- helpers --------------------------------------------------------------------------
     def _region(self, shard: int, arena: str) -> MemoryRegion:

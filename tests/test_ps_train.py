@@ -16,10 +16,13 @@ from tensorx.errors import AuthError, PlanMismatchError
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
+from .conftest import transports
+from .models import sparse_embedding
+
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SGD_MOMENTUM: OptFactory = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
 ADAM: OptFactory = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
-TRANSPORT = "tcp"
+TRANSPORTS = transports()
 
 
 def make_model(seed: int = 0, hidden: int = 16) -> nn.Module:
@@ -38,19 +41,19 @@ def backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 @contextlib.asynccontextmanager
-async def servers(num_shards: int, num_workers: int,
+async def servers(num_shards: int, num_workers: int, transport: str = "tcp",
                   **kw: Any) -> AsyncIterator[list[ParameterServer]]:
     async with contextlib.AsyncExitStack() as stack:
         shards = [await stack.enter_async_context(ParameterServer(
             "tcp://127.0.0.1:0", num_workers=num_workers, shard=s, num_shards=num_shards,
-            transport=TRANSPORT, **kw)) for s in range(num_shards)]
+            transport=transport, **kw)) for s in range(num_shards)]
         yield shards
 
 
 @contextlib.asynccontextmanager
-async def workers(models: Sequence[nn.Module], addresses: list[str],
+async def workers(models: Sequence[nn.Module], addresses: list[str], transport: str = "tcp",
                   **kw: Any) -> AsyncIterator[list[Worker]]:
-    ws = [Worker(m, addresses, rank=r, num_workers=len(models), transport=TRANSPORT, **kw)
+    ws = [Worker(m, addresses, rank=r, num_workers=len(models), transport=transport, **kw)
           for r, m in enumerate(models)]
     try:
         await asyncio.gather(*(w.start() for w in ws))
@@ -59,11 +62,12 @@ async def workers(models: Sequence[nn.Module], addresses: list[str],
         await asyncio.gather(*(w.aclose() for w in ws), return_exceptions=True)
 
 
-async def train_sync(opt: OptFactory, steps: int, num_shards: int) -> list[torch.Tensor]:
+async def train_sync(opt: OptFactory, steps: int, num_shards: int,
+                     transport: str) -> list[torch.Tensor]:
     data = batches(steps, 2)
     models = [make_model(), make_model(seed=99)]  # rank 1's own init must be overwritten
-    async with servers(num_shards, 2, mode="sync", optimizer=opt) as shards, \
-            workers(models, [ps.address for ps in shards], verify=True) as ws:
+    async with servers(num_shards, 2, transport, mode="sync", optimizer=opt) as shards, \
+            workers(models, [ps.address for ps in shards], transport, verify=True) as ws:
         for step in data:
             for w, m, (x, y) in zip(ws, models, step, strict=True):
                 w.zero_grad()
@@ -84,17 +88,20 @@ def train_single(opt: OptFactory, steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("opt", [SGD_MOMENTUM, ADAM], ids=["sgd-momentum", "adam"])
 @pytest.mark.parametrize("num_shards", [1, 2])
-async def test_sync_equals_single_process(opt: OptFactory, num_shards: int) -> None:
-    got = await train_sync(opt, 24, num_shards)
+async def test_sync_equals_single_process(opt: OptFactory, num_shards: int,
+                                          transport: str) -> None:
+    got = await train_sync(opt, 24, num_shards, transport)
     want = train_single(opt, 24)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", ["async", "bounded"])
-async def test_async_modes_train_and_respect_staleness(mode: str) -> None:
+async def test_async_modes_train_and_respect_staleness(mode: str, transport: str) -> None:
     models = [make_model(), make_model()]
     data = batches(30, 2)
 
@@ -111,8 +118,8 @@ async def test_async_modes_train_and_respect_staleness(mode: str) -> None:
                 await asyncio.sleep(0.005)  # a slow worker: the fast one must wait (bounded)
         return loss
 
-    async with servers(1, 2, mode=mode, staleness=1, optimizer=ADAM) as (ps,):
-        async with workers(models, [ps.address], verify=True) as ws:
+    async with servers(1, 2, transport, mode=mode, staleness=1, optimizer=ADAM) as (ps,):
+        async with workers(models, [ps.address], transport, verify=True) as ws:
             losses = await asyncio.gather(*(run(w, m, r) for r, (w, m) in
                                             enumerate(zip(ws, models, strict=True))))
         assert ps.stats["updates"] == 60
@@ -123,7 +130,7 @@ async def test_async_modes_train_and_respect_staleness(mode: str) -> None:
 
 async def test_bounded_staleness_is_held_by_the_server() -> None:
     async with ParameterServer(num_workers=2, mode="bounded", staleness=2,
-                               transport=TRANSPORT) as ps:
+                               transport="tcp") as ps:
         models = [make_model(), make_model()]
         async with workers(models, [ps.address]) as ws:
             async def run(w: Worker, delay: float) -> None:
@@ -138,18 +145,18 @@ async def test_bounded_staleness_is_held_by_the_server() -> None:
 
 
 async def test_plan_mismatch_names_the_tensor() -> None:
-    async with ParameterServer(num_workers=2, transport=TRANSPORT) as ps:
-        w0 = Worker(make_model(), ps.address, rank=0, num_workers=2, transport=TRANSPORT)
+    async with ParameterServer(num_workers=2, transport="tcp") as ps:
+        w0 = Worker(make_model(), ps.address, rank=0, num_workers=2, transport="tcp")
         w1 = Worker(make_model(hidden=17), ps.address, rank=1, num_workers=2,
-                    transport=TRANSPORT)
+                    transport="tcp")
         async with w0:
             with pytest.raises(PlanMismatchError, match=r"0\.(weight|bias)|2\.weight"):
                 await w1.start()
 
 
 async def test_wrong_token_is_an_auth_error() -> None:
-    async with ParameterServer(num_workers=1, token="right", transport=TRANSPORT) as ps:
-        w = Worker(make_model(), ps.address, token="wrong", transport=TRANSPORT, timeout=5)
+    async with ParameterServer(num_workers=1, token="right", transport="tcp") as ps:
+        w = Worker(make_model(), ps.address, token="wrong", transport="tcp", timeout=5)
         with pytest.raises(AuthError):
             await w.start()
 
@@ -159,7 +166,7 @@ async def test_checkpoint_and_resume(tmp_path: Path) -> None:
 
     async def train(model: nn.Module, rounds: list[list[tuple[torch.Tensor, ...]]]) -> int:
         async with ParameterServer(num_workers=1, checkpoint_dir=tmp_path, optimizer=ADAM,
-                                   transport=TRANSPORT) as ps, \
+                                   transport="tcp") as ps, \
                 workers([model], [ps.address]) as (w,):
             for step in rounds:
                 w.zero_grad()
@@ -179,3 +186,55 @@ async def test_checkpoint_and_resume(tmp_path: Path) -> None:
         opt.step()
     for g, w in zip(fresh.parameters(), want.parameters(), strict=True):
         torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_pulls_never_see_a_half_applied_update(transport: str) -> None:
+    """Async mode, many fast steps on a 1 MiB model: every pull is checked against the
+    checksum the server stamped on the update it belongs to."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(512, 512)) for _ in range(3)]
+    async with servers(1, 3, transport, mode="async") as (ps,), \
+            workers(models, [ps.address], transport, verify=True) as ws:
+        async def run(w: Worker, m: nn.Module) -> None:
+            for _ in range(40):
+                w.zero_grad()
+                m(torch.randn(2, 512)).sum().backward()
+                await w.step()
+
+        await asyncio.gather(*(run(w, m) for w, m in zip(ws, models, strict=True)))
+    assert ps.stats["updates"] == 120
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_sparse_embedding_model_trains(transport: str) -> None:
+    """Embedding and EmbeddingBag with sparse gradients, 2 shards: the loss falls, and
+    the result equals one process training on both halves of the batch."""
+    models = [sparse_embedding(), sparse_embedding()]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (64, 4), generator=gen)
+    target = (ids % 7).float().mean(1, keepdim=True) / 7
+    sgd: OptFactory = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+
+    def loss_of(m: nn.Module, rank: int | None = None) -> torch.Tensor:
+        part = slice(None) if rank is None else slice(rank * 32, rank * 32 + 32)
+        return nn.functional.mse_loss(m(ids[part]), target[part])
+
+    async with servers(2, 2, transport, mode="sync", optimizer=sgd) as shards, \
+            workers(models, [ps.address for ps in shards], transport) as ws:
+        first = float(loss_of(models[0]).detach())
+        for _ in range(25):
+            for r, (w, m) in enumerate(zip(ws, models, strict=True)):
+                w.zero_grad()
+                loss_of(m, r).backward()
+            await asyncio.gather(*(w.step() for w in ws))
+        last = float(loss_of(models[0]).detach())
+    assert last < 0.2 * first
+    ref = sparse_embedding()
+    opt = sgd(list(ref.parameters()))  # type: ignore[arg-type]
+    for _ in range(25):
+        opt.zero_grad()
+        loss_of(ref).backward()
+        opt.step()
+    for g, w in zip(models[0].parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-4, atol=1e-5)
