@@ -96,7 +96,10 @@ async def test_notification_never_precedes_its_data(transport: str) -> None:
 async def test_notifications_flow_both_ways(transport: str) -> None:
     async with session(transport) as (owner, _, ep):
         await ep.notify(b"hello")
-        await asyncio.sleep(0.1)
+        for _ in range(100):  # delivery is asynchronous: poll, with a deadline
+            if b"hello" in await owner.call("notes"):
+                break
+            await asyncio.sleep(0.05)
         assert b"hello" in await owner.call("notes")
         with pytest.raises(tx.UsageError):
             await ep.notify("not bytes")  # type: ignore[arg-type]
