@@ -1,0 +1,160 @@
+"""``tensorx ps``: run parameter-server shards as a long-lived asyncio service.
+
+    tensorx ps --listen tcp://0.0.0.0:7000 --workers 2 --mode sync \\
+               --optimizer "sgd:lr=0.05,momentum=0.9" --checkpoint-dir ckpt/
+
+Logs to stderr, prints each shard's address on stdout, and on SIGTERM or SIGINT writes a
+checkpoint (with ``--checkpoint-dir``) and exits 0; started again with the same directory it
+resumes. ``--shards N`` runs N shards in this process (ports PORT..PORT+N-1), ``--shard I``
+only shard I (one process per shard). ``--rendezvous`` publishes the addresses in the
+torchrun store (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for workers.
+The token comes from ``--token`` or, better (not visible in ``ps``), ``$TENSORX_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from tensorx.errors import TensorxError, UsageError
+
+__all__ = ["add_parser", "main", "parse_optimizer", "run"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``ps`` command on an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "ps", help="run parameter-server shards",
+        description=__doc__.splitlines()[0] if __doc__ else None)
+    _arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default="tcp://0.0.0.0:7000",
+                   help="address of shard 0; shard i listens on PORT+i (port 0: any)")
+    p.add_argument("--workers", type=int, required=True, help="number of workers (ranks)")
+    p.add_argument("--mode", choices=("sync", "async", "bounded"), default="sync")
+    p.add_argument("--staleness", type=int, default=1, help="bounded mode: max steps ahead")
+    p.add_argument("--shards", type=int, default=1, help="total number of shards")
+    p.add_argument("--shard", type=int, default=None, help="run only this shard")
+    p.add_argument("--optimizer", default="sgd:lr=0.1",
+                   help='torch.optim class and arguments, e.g. "adam:lr=1e-3"')
+    p.add_argument("--checkpoint-dir", default=None, help="checkpoint here; resume from here")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="updates between saves")
+    p.add_argument("--token", default=None, help="shared secret (default $TENSORX_TOKEN)")
+    p.add_argument("--transport", choices=("auto", "tcp", "ucx"), default="auto")
+    p.add_argument("--rendezvous", action="store_true",
+                   help="publish addresses in the torchrun TCPStore")
+    p.add_argument("--log-level", default="INFO")
+
+
+def parse_optimizer(spec: str) -> Callable[[list[Any]], Any]:
+    """``"adam:lr=1e-3,betas=(0.9,0.99)"`` -> ``lambda params: torch.optim.Adam(params, ...)``.
+
+    Values are Python literals (``ast.literal_eval``): nothing is executed.
+    """
+    import torch
+
+    name, _, rest = spec.partition(":")
+    classes = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
+               if isinstance(getattr(torch.optim, n), type)
+               and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)}
+    cls = classes.get(name.strip().lower())
+    if cls is None:
+        raise UsageError(f"unknown optimizer {name!r}; one of {', '.join(sorted(classes))}")
+    kwargs = _literal_kwargs(rest)
+    cls([torch.zeros(1, requires_grad=True)], **kwargs)  # fail now on a bad argument
+    return lambda params: cls(params, **kwargs)
+
+
+def _literal_kwargs(text: str) -> dict[str, Any]:
+    if not text.strip():
+        return {}
+    try:
+        call = ast.parse(f"f({text})", mode="eval").body
+    except SyntaxError as exc:
+        raise UsageError(f"bad optimizer arguments {text!r}: {exc.msg}") from exc
+    if not isinstance(call, ast.Call) or call.args:
+        raise UsageError(f"optimizer arguments must be name=value pairs, got {text!r}")
+    try:
+        return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg}
+    except ValueError as exc:
+        raise UsageError(f"optimizer arguments must be literals: {text!r}") from exc
+
+
+def shard_listen(listen: str, shard: int) -> str:
+    parts = urlsplit(listen if "://" in listen else f"tcp://{listen}")
+    port = parts.port or 0
+    host = parts.hostname or "0.0.0.0"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}:{port + shard if port else 0}"
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except TensorxError as exc:
+        logger.error("%s: %s", type(exc).__name__, exc)
+        return 2
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from tensorx.ps import ParameterServer
+
+    shards = range(args.shards) if args.shard is None else [args.shard]
+    optimizer = parse_optimizer(args.optimizer)
+    servers = [ParameterServer(
+        shard_listen(args.listen, s), num_workers=args.workers, mode=args.mode,
+        staleness=args.staleness, optimizer=optimizer, shard=s, num_shards=args.shards,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        token=args.token, transport=args.transport) for s in shards]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _stop_all, servers, sig)
+    for server in servers:
+        await server.start()
+        print(f"tensorx ps shard {server.shard}/{server.num_shards} listening on "
+              f"{server.address}", flush=True)
+    store = await loop.run_in_executor(None, _publish, servers) if args.rendezvous else None
+    await asyncio.gather(*(server.serve() for server in servers))
+    del store  # the store may be hosted here (rank 0 without an agent): keep it up till now
+    logger.info("stopped cleanly")
+
+
+def _stop_all(servers: Sequence[Any], sig: signal.Signals) -> None:
+    logger.info("%s: checkpointing and stopping", sig.name)
+    for server in servers:
+        server.stop()
+
+
+def _publish(servers: Sequence[Any]) -> Any:
+    from tensorx._ps.rendezvous import connect_store, publish
+
+    store = connect_store()
+    for server in servers:
+        publish(store, server.shard, server.address)
+    logger.info("published %d address(es) in the launcher's store", len(servers))
+    return store
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tensorx ps", description=__doc__)
+    _arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

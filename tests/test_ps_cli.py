@@ -1,0 +1,128 @@
+"""``tensorx ps`` as a service: addresses on stdout, SIGTERM checkpoints, restart resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tensorx._commands.ps import parse_optimizer, shard_listen
+from tensorx.errors import UsageError
+from tensorx.worker import Worker
+
+from .test_ps_train import ADAM, backward, batches, make_model
+
+
+class PsProcess:
+    """``python -m tensorx._commands.ps ...`` with its stdout lines collected."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tensorx._commands.ps", *args], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._got_line = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+            self._got_line.set()
+
+    def addresses(self, n: int, timeout: float = 30.0) -> list[str]:
+        for _ in range(int(timeout * 10)):
+            found = [ln.rsplit(" ", 1)[1] for ln in self.lines if "listening on" in ln]
+            if len(found) >= n:
+                return found
+            if self.proc.poll() is not None:
+                break
+            self._got_line.wait(0.1)
+            self._got_line.clear()
+        raise AssertionError(f"no address from tensorx ps: {self.stop()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read()
+
+
+async def _train(address: str, model: nn.Module, rounds: list[list[tuple[torch.Tensor, ...]]]
+                 ) -> None:
+    async with Worker(model, address, transport="tcp") as w:
+        for step in rounds:
+            w.zero_grad()
+            backward(model, *step[0])
+            await w.step()
+
+
+async def test_sigterm_checkpoints_and_a_restart_resumes(tmp_path: Path) -> None:
+    args = ["--listen", "tcp://127.0.0.1:0", "--workers", "1", "--transport", "tcp",
+            "--optimizer", "adam:lr=0.01", "--checkpoint-dir", str(tmp_path)]
+    data = batches(6, 1)
+    model = make_model()
+    for rounds in (data[:3], data[3:]):
+        ps = PsProcess(*args)
+        try:
+            (address,) = ps.addresses(1)
+            await _train(address, model, rounds)
+        finally:
+            log = ps.stop()
+        assert ps.proc.returncode == 0, log
+        assert "checkpointed shard 0 at version" in log
+        model = make_model(seed=7)  # the restarted server, not this init, decides
+    assert "resumed from" in log
+    want = make_model()
+    opt = ADAM(list(want.parameters()))  # type: ignore[arg-type]
+    for step in data:
+        opt.zero_grad()
+        backward(want, *step[0])
+        opt.step()
+    assert (tmp_path / "ps-shard0-of1.pt").exists()
+    saved = torch.load(tmp_path / "ps-shard0-of1.pt", weights_only=True)
+    assert saved["version"] == 6
+    for name, p in want.named_parameters():
+        torch.testing.assert_close(saved["params"][name], p.detach().reshape(-1),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_two_shards_in_one_process_stop_cleanly() -> None:
+    ps = PsProcess("--listen", "tcp://127.0.0.1:0", "--workers", "2", "--shards", "2",
+                   "--transport", "tcp")
+    try:
+        addresses = ps.addresses(2)
+        assert len(set(addresses)) == 2
+    finally:
+        log = ps.stop(signal.SIGINT)
+    assert ps.proc.returncode == 0, log
+
+
+def test_optimizer_spec() -> None:
+    make = parse_optimizer("sgd:lr=0.05,momentum=0.9,nesterov=True")
+    opt = make([nn.Parameter(torch.zeros(2))])
+    assert isinstance(opt, torch.optim.SGD)
+    assert opt.defaults["momentum"] == 0.9
+    assert isinstance(parse_optimizer("AdamW:lr=1e-3,betas=(0.9,0.99)")(
+        [nn.Parameter(torch.zeros(1))]), torch.optim.AdamW)
+    for bad in ("nope:lr=1", "sgd:lr=__import__('os')", "sgd:0.1", "sgd:lr=-1"):
+        with pytest.raises((UsageError, ValueError)):
+            parse_optimizer(bad)
+
+
+def test_shard_ports_follow_the_first() -> None:
+    assert shard_listen("tcp://0.0.0.0:7000", 2) == "tcp://0.0.0.0:7002"
+    assert shard_listen("tcp://127.0.0.1:0", 1) == "tcp://127.0.0.1:0"
