@@ -76,7 +76,7 @@ DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
 
 def encode(kind: Kind, header: dict[str, Any], payload_len: int = 0) -> bytes:
     """Prefix + header bytes of one frame; the payload (if any) is sent after them."""
-    raw = msgpack.packb(header, use_bin_type=True)
+    raw: bytes = msgpack.packb(header, use_bin_type=True)
     if len(raw) > MAX_HEADER:
         raise ProtocolError(f"{kind.name} header of {len(raw)} B exceeds {MAX_HEADER} B")
     return PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, len(raw), payload_len) + raw
@@ -120,7 +120,7 @@ def decode_header(kind: Kind, raw: bytes | bytearray | memoryview,
         value = header.get(name)
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise ProtocolError(f"{kind.name} header field {name!r} missing or not {typ.__name__}")
-        if typ is int and not 0 <= value < 2**64:
+        if isinstance(value, int) and not 0 <= value < 2**64:
             raise ProtocolError(f"{kind.name} header field {name!r} out of range")
     if kind is Kind.WRITE and header["n"] != payload_len:
         raise ProtocolError(f"WRITE says {header['n']} B but carries {payload_len} B")

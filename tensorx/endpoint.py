@@ -39,7 +39,7 @@ class _Default:
 DEFAULT: Any = _Default()
 """Timeout sentinel: use the node's ``timeout``. ``None`` means wait forever."""
 
-OpSpec = tuple[MemoryRegion, RegionDescriptor, int, int, "int | None"]
+OpSpec = tuple[MemoryRegion, "RegionDescriptor | bytes", int, int, "int | None"]
 
 
 class Endpoint:
@@ -223,9 +223,9 @@ def _check_local(region: MemoryRegion, offset: int, nbytes: int | None, need: st
                          f"of {region.nbytes} B")
 
 
-def _spec(spec: Sequence[Any]) -> tuple[Any, ...]:
+def _spec(spec: Sequence[Any]) -> OpSpec:
     if not 2 <= len(spec) <= 5:
         raise UsageError("write_many takes (region, desc[, offset[, remote_offset[, nbytes]]])")
-    defaults = (None, None, 0, 0, None)
-    return tuple(spec) + defaults[len(spec):]
+    region, desc, offset, remote_offset, nbytes = (*spec, *(0, 0, None)[len(spec) - 2:])
+    return region, desc, offset, remote_offset, nbytes
 

@@ -47,11 +47,12 @@ class RegionDescriptor:
     keys: Mapping[str, Any] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(
+        raw: bytes = msgpack.packb(
             [DESCRIPTOR_VERSION, self.owner, self.region_id, self.cookie, self.nbytes,
              self.device, self.access, dict(self.keys)],
             use_bin_type=True,
         )
+        return raw
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RegionDescriptor:
@@ -321,12 +322,12 @@ def _from_dlpack(obj: Any) -> tuple[int, int, str, bool, memoryview | None]:
     if device_type == 2:  # kDLCUDA
         import torch
 
-        return _from_torch(torch.from_dlpack(obj))
+        return _from_torch(torch.utils.dlpack.from_dlpack(obj))
     try:
         arr = np.from_dlpack(obj)
     except Exception as exc:
         raise UsageError(f"cannot import {type(obj).__name__} through DLPack: {exc}") from exc
-    return _from_buffer(memoryview(arr), type(obj).__name__)
+    return _from_buffer(memoryview(arr), type(obj).__name__)  # type: ignore[arg-type]
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

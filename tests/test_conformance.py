@@ -148,3 +148,16 @@ async def test_timeout_is_a_tensorx_and_builtin_timeout(transport: str) -> None:
         with pytest.raises(tx.TimeoutError) as info:
             await ep.read(big, desc, timeout=0.0001)
         assert isinstance(info.value, TimeoutError)
+
+
+async def test_write_many_defaults_fill_the_rest(transport: str) -> None:
+    async with session(transport) as (owner, _, ep):
+        desc = await owner.export(64, seed=11)
+        src = pattern(64, seed=12)
+        region = tx.MemoryRegion.register(src)
+        await ep.write_many([(region, desc, 32)])  # offset 32, remote 0, nbytes: the rest
+        expected = pattern(64, 11)
+        expected[:32] = src[32:]
+        assert await owner.call("digest", desc.region_id) == digest(expected)
+        with pytest.raises(tx.UsageError):
+            await ep.write_many([(region,)])

@@ -314,7 +314,7 @@ class Connection:
     async def _writable(self) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         fd = self.sock.fileno()
-        self._loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        self._loop.add_writer(fd, _set_once, fut)
         try:
             await fut
         finally:
@@ -333,8 +333,7 @@ class Connection:
         timer = None
         if timeout is not None:
             exc = TimeoutError(f"{self.label}: {what} timed out after {timeout} s")
-            timer = self._loop.call_later(
-                timeout, lambda: fut.done() or fut.set_exception(exc))
+            timer = self._loop.call_later(timeout, _set_once, fut, exc)
         try:
             return await fut
         finally:
@@ -486,6 +485,15 @@ class Connection:
     def _reply_error(self, req: int, exc: TensorxError) -> None:
         logger.info("%s: refused request %d: %s", self.label, req, exc)
         self._send_frame(Kind.ERROR, {"req": req, "code": error_code(exc), "msg": str(exc)})
+
+
+def _set_once(fut: asyncio.Future[Any], exc: BaseException | None = None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
 
 
 def _advance(parts: list[Any], sent: int) -> list[Any]:
