@@ -3,7 +3,8 @@
 Given a ``torch.fx``-traceable model and a placement of its submodules (``{"stage0": "gpu0",
 "stage1": "gpu1"}``, keys are module paths, the longest matching prefix wins), every node is
 placed: a module call by its path, a function or method by the module it was traced in, and
-anything else after its first placed input. An edge is a node's value needed by a node on
+anything else after its first placed input (the root's own code goes to the ``""`` key when
+the placement has one). An edge is a node's value needed by a node on
 another placement; each (tensor, destination) pair crosses once. Sample inputs give shapes
 (static edges, exact bytes); without them, or for non-tensor values, an edge is dynamic: a
 header slot plus ``dynamic_max_bytes`` of payload. Each destination gets one receive arena
@@ -100,12 +101,13 @@ class BoundaryAnalyzer:
 
     def __init__(self, model: nn.Module, placement: Mapping[str, str],
                  sample_inputs: Sequence[Any] | None = None, default: str | None = None,
-                 dynamic_max_bytes: int = 1 << 20, alignment: int = 64) -> None:
+                 dynamic_max_bytes: int = 1 << 20, alignment: int = 64,
+                 leaf_modules: tuple[type[nn.Module], ...] = ()) -> None:
         if not placement:
             raise UsageError("placement must map at least one module path to a place")
         if not isinstance(dynamic_max_bytes, int) or dynamic_max_bytes < 0:
             raise UsageError(f"dynamic_max_bytes must be an int >= 0, got {dynamic_max_bytes!r}")
-        self.gm = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
+        self.gm = model if isinstance(model, fx.GraphModule) else _trace(model, leaf_modules)
         self.placement = dict(placement)
         self.default = default
         self.dynamic_max_bytes = dynamic_max_bytes
@@ -133,7 +135,8 @@ class BoundaryAnalyzer:
         path = _scope(node)
         if path is None:
             return None
-        best = [k for k in self.placement if k == "" or path == k or path.startswith(k + ".")]
+        best = [k for k in self.placement
+                if k == "" or path == k or path.startswith(k + ".")]
         return self.placement[max(best, key=len)] if best else None
 
     # -- edges --------------------------------------------------------------------------
@@ -170,12 +173,27 @@ def _with_offset(e: BoundaryEdge, offset: int) -> BoundaryEdge:
 
 
 def _scope(node: fx.Node) -> str | None:
+    """The module path a node runs in: "" for the root's own code, None if unknown."""
     if node.op in ("call_module", "get_attr"):
         return str(node.target)
+    if node.op not in ("call_function", "call_method"):
+        return None
     stack = node.meta.get("nn_module_stack")
-    if stack:
-        return str(next(reversed(stack.values()))[0])
-    return None
+    return str(next(reversed(stack.values()))[0]) if stack else ""
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaves: tuple[type[nn.Module], ...]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, self.leaves) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _trace(model: nn.Module, leaves: tuple[type[nn.Module], ...]) -> fx.GraphModule:
+    """Symbolic tracing that keeps ``leaves`` (e.g. untraceable blocks) as single calls."""
+    return fx.GraphModule(model, _Tracer(leaves).trace(model))
 
 
 def _first_input_place(node: fx.Node, places: Mapping[fx.Node, str]) -> str | None:
