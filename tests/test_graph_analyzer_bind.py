@@ -188,8 +188,11 @@ def test_binding_another_model_names_the_tensor() -> None:
         plan.bind(nn.Linear(2, 2))
     other = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
                           nn.Linear(64, 11))
+    ptrs = [p.data_ptr() for p in other.parameters()]
     with pytest.raises(PlanMismatchError, match=r"4\.weight|4\.bias"):
         plan.bind(other)
+    assert [p.data_ptr() for p in other.parameters()] == ptrs  # nothing was half-bound
+    assert all(p.grad is None for p in other.parameters())
 
 
 def test_ensure_bound_repairs_replaced_tensors_and_zeroes_missing_grads() -> None:
@@ -288,3 +291,22 @@ def test_deepcopy_of_a_plan_binds_a_second_model() -> None:
     plan = GraphAnalyzer(a).plan()
     ba, bb = plan.bind(a), copy.deepcopy(plan).bind(b)
     assert ba.regions[(0, "params")].address != bb.regions[(0, "params")].address
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_binding_on_cuda_keeps_training_identical_and_in_place() -> None:
+    plain, bound = models.cnn().cuda(), models.cnn().cuda()
+    plan = GraphAnalyzer(bound, num_shards=2, chunk_bytes=1024).plan()
+    binding = plan.bind(bound)
+    assert all(r.is_cuda for r in binding.regions.values())
+    for model in (plain, bound):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(batch("cnn", step)[0].cuda()).pow(2).mean().backward()
+            opt.step()
+    assert binding.ensure_bound() == []
+    assert_in_arenas(binding, bound)
+    for a, b in zip(plain.parameters(), bound.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)  # cuDNN backward may reorder sums

@@ -91,6 +91,7 @@ class Binding:
             allocate_regions(plan, device) if regions is None else regions)
         self._u8 = {key: _as_u8(self._region(*key)) for key in self._arena_keys()}
         self._tensors = _named_tensors(model)
+        self._chunks = plan.tensors()
         self._views: dict[tuple[str, str], torch.Tensor] = {}
         self._hooks: list[RemovableHandle] = []
         self.staging = SparseStaging(plan, device) if plan.dynamic_entries else None
@@ -122,7 +123,7 @@ class Binding:
         """The whole tensor ``name``, shaped, inside ``arena`` (spanning shards if split)."""
         key = (name, arena)
         if key not in self._views:
-            chunks = self.plan.tensors().get(name)
+            chunks = self._chunks.get(name)
             if chunks is None:
                 raise UsageError(f"{name!r} is not in the plan")
             self._views[key] = self._span(chunks, arena).view(chunks[0].shape)
@@ -157,10 +158,11 @@ class Binding:
 
     # -- binding ------------------------------------------------------------------------
     def _bind(self) -> None:
-        for name, chunks in self.plan.tensors().items():
-            tensor = self._tensor(name, chunks[0])
+        # Check every tensor before touching any, so a mismatch leaves the model as it was.
+        tensors = {name: self._tensor(name, chunks[0]) for name, chunks in self._chunks.items()}
+        for name, tensor in tensors.items():
             self._bind_data(name, tensor)
-            if chunks[0].role == "param" and chunks[0].kind == "static":
+            if _grad_is_dense(self._chunks[name][0]):
                 self._bind_grad(name, tensor)
         self.bound = True
 
@@ -196,14 +198,14 @@ class Binding:
         no gradient this step (``.grad is None``), so stale bytes are never sent.
         """
         copied = []
-        for name, chunks in self.plan.tensors().items():
+        for name, chunks in self._chunks.items():
             tensor = self._tensors[name]
             if _rebind_data(tensor, self.tensor_view(name, "params")):
                 copied.append(name)
             if chunks[0].role != "param":
                 continue
             view = self.tensor_view(name, "grads")
-            if chunks[0].kind == "static" and _rebind_grad(tensor, view):
+            if _grad_is_dense(chunks[0]) and _rebind_grad(tensor, view):
                 copied.append(name)
             if chunks[0].kind == "dynamic" and self.densify_sparse:
                 _densify(tensor.grad, view)
@@ -235,7 +237,7 @@ class Binding:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        for name in self.plan.tensors():
+        for name in self._chunks:
             _privatize(self._tensors[name])
         if close_regions if close_regions is not None else self._owns_regions:
             self._close_regions()
@@ -251,6 +253,10 @@ class Binding:
 
     def __exit__(self, *exc: object) -> None:
         self.unbind()
+
+
+def _grad_is_dense(entry: PlanEntry) -> bool:
+    return entry.role == "param" and entry.kind == "static"
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
