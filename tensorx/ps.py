@@ -281,7 +281,7 @@ class ParameterServer:
     def _check_plan(self, msg: dict[str, Any]) -> None:
         if self._plan is None:
             self._adopt_plan(msg["plan"])
-            logger.info("ps shard %d: plan %s", self.shard, self._plan.summary()
+            logger.info("ps shard %d: %s", self.shard, self._plan.summary()
                         if hasattr(self._plan, "summary") else self._plan.fingerprint)
             return
         if msg["fingerprint"] != self._plan.fingerprint:

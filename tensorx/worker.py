@@ -13,6 +13,7 @@ shards write fresh parameters straight into the module::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import threading
@@ -245,7 +246,8 @@ class RemoteOptimizer:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 
     The worker runs on a background event loop; ``step`` blocks until fresh parameters are
-    in the model. Close it (or use ``with``) to leave the server cleanly.
+    in the model. Close it (or use ``with``) to leave the server cleanly; a forgotten one is
+    closed at interpreter exit.
     """
 
     def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
@@ -260,6 +262,7 @@ class RemoteOptimizer:
         except BaseException:
             self._stop_loop()
             raise
+        atexit.register(self.close)
 
     def _call(self, coro: Any) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -274,14 +277,18 @@ class RemoteOptimizer:
         self.worker.zero_grad()
 
     def close(self) -> None:
+        """Leave the server and stop the background loop. Idempotent."""
         if self._loop.is_closed():
             return
+        atexit.unregister(self.close)
         try:
             self._call(self.worker.aclose())
         finally:
             self._stop_loop()
 
     def _stop_loop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._call(_cancel_leftovers())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
@@ -291,3 +298,11 @@ class RemoteOptimizer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _cancel_leftovers() -> None:
+    """Cancel and await every other task on this loop (transport loops included)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

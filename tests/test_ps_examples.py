@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,3 +24,22 @@ def test_train_digits_reaches_95_percent() -> None:
     match = re.search(r"^accuracy (\d\.\d+)$", out, re.MULTILINE)
     assert match, out
     assert float(match.group(1)) >= 0.95
+
+
+def test_custom_trainer_two_line_conversion_trains() -> None:
+    source = (ROOT / "examples" / "custom_trainer.py").read_text()
+    assert len(re.findall(r"# tensorx$", source, re.MULTILINE)) == 2
+    out = run_example("custom_trainer.py", "--transport", "tcp", "--epochs", "3")
+    match = re.search(r"^accuracy (\d\.\d+)$", out, re.MULTILINE)
+    assert match, out
+    assert float(match.group(1)) >= 0.85
+
+
+@pytest.mark.slow
+def test_async_service_workers_join_and_leave() -> None:
+    out = run_example("async_service.py", "--transport", "tcp", "--steps", "200",
+                      timeout=300)
+    assert "worker 2 left" in out
+    match = re.search(r"^accuracy (\d\.\d+)$", out, re.MULTILINE)
+    assert match, out
+    assert float(match.group(1)) >= 0.85
