@@ -52,6 +52,8 @@ class Kind(enum.IntEnum):
     VALIDATE = 16   # is this descriptor valid? (lanes that bypass the owner, e.g. UCX)
     VALID = 17
     BYE = 18
+    QUERY = 19      # what do you export / who is connected? (authenticated peers only)
+    ANSWER = 20
 
 
 _INT, _BYTES, _STR, _BOOL, _DICT = int, bytes, str, bool, dict
@@ -69,6 +71,8 @@ SCHEMAS: dict[Kind, dict[str, type]] = {
     Kind.VALIDATE: {"req": _INT, "rid": _INT, "ck": _INT},
     Kind.VALID: {"req": _INT, "n": _INT, "access": _STR},
     Kind.BYE: {},
+    Kind.QUERY: {"req": _INT, "what": _STR},
+    Kind.ANSWER: {"req": _INT, "data": _DICT},
 }
 # Kinds whose payload is region data; every other kind but NOTIFY carries none.
 DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensorx.errors import (
@@ -20,6 +21,7 @@ from tensorx.errors import (
     UsageError,
 )
 from tensorx.memregion import MemoryRegion, RegionDescriptor, check_bounds
+from tensorx.metrics import OpStats
 from tensorx.transport.base import DataLane, Op
 from tensorx.transport.tcp import Connection
 
@@ -53,6 +55,7 @@ class Endpoint:
         self._validated: dict[tuple[int, int], tuple[int, str]] = {}
         self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
+        self.stats = OpStats()
 
     def __repr__(self) -> str:
         return f"<Endpoint to {self.peer} at {self.address} over {self._lane.name}>"
@@ -64,10 +67,23 @@ class Endpoint:
         return self._conn.peer
 
     @property
+    def transport(self) -> str:
+        return self._lane.name
+
+    @property
     def info(self) -> dict[str, Any]:
-        """``{"transport", "lanes", "why", "peer", "address", "stats"}``."""
+        """``{"transport", "lanes", "why", "peer", "address", "stats", "socket"}``."""
         return {**self._lane.info, "peer": self.peer, "address": self.address,
-                "stats": dict(self._conn.stats)}
+                "stats": self.stats.snapshot(), "socket": dict(self._conn.stats)}
+
+    @contextlib.contextmanager
+    def _counted(self, op: str, nbytes: int) -> Iterator[None]:
+        started, failed = time.perf_counter(), True
+        try:
+            yield
+            failed = False
+        finally:
+            self.stats.record(op, nbytes, started, failed)
 
     @property
     def closed(self) -> bool:
@@ -90,7 +106,8 @@ class Endpoint:
         region at ``remote_offset``. Returns when the data is in the peer's memory."""
         async with self._issuing_write():
             op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
-        await self._lane.write(op, timeout=self._timeout(timeout))
+        with self._counted("write", op.nbytes):
+            await self._lane.write(op, timeout=self._timeout(timeout))
 
     async def read(self, region: MemoryRegion, remote: RegionDescriptor | bytes,
                    offset: int = 0, remote_offset: int = 0, nbytes: int | None = None, *,
@@ -98,7 +115,8 @@ class Endpoint:
         """Read ``nbytes`` (default: the rest of ``region`` from ``offset``) from the peer's
         region at ``remote_offset`` into ``region``. Returns when the data is local."""
         op = await self._op(region, remote, offset, remote_offset, nbytes, "r")
-        await self._lane.read(op, timeout=self._timeout(timeout))
+        with self._counted("read", op.nbytes):
+            await self._lane.read(op, timeout=self._timeout(timeout))
 
     async def write_many(self, ops: Iterable[Sequence[Any]], *,
                          timeout: float | None = DEFAULT) -> None:
@@ -107,7 +125,8 @@ class Endpoint:
         async with self._issuing_write():
             checked = [await self._op(*_spec(spec), "w") for spec in ops]
         if checked:
-            await self._lane.write_many(checked, timeout=self._timeout(timeout))
+            with self._counted("write", sum(op.nbytes for op in checked)):
+                await self._lane.write_many(checked, timeout=self._timeout(timeout))
 
     async def notify(self, payload: bytes = b"", *, timeout: float | None = DEFAULT) -> None:
         """Send ``payload`` to the peer's ``node.notifications``. The peer never sees it
@@ -118,8 +137,9 @@ class Endpoint:
         t = self._timeout(timeout)
         if self._issuing:  # writes started earlier but still being checked
             await asyncio.gather(*self._issuing)
-        await self._lane.flush(timeout=t)
-        await self._conn.notify(bytes(payload), t)
+        with self._counted("notify", len(payload)):
+            await self._lane.flush(timeout=t)
+            await self._conn.notify(bytes(payload), t)
 
     @contextlib.asynccontextmanager
     async def _issuing_write(self) -> AsyncIterator[None]:
@@ -171,6 +191,12 @@ class Endpoint:
             raise TransportUnavailableError(
                 "GPU memory needs a GPU-capable transport (UCX with cuda_copy/cuda_ipc); "
                 f"this endpoint uses TCP because: {self._lane.info.get('why')}")
+
+    async def query(self, what: str, *, timeout: float | None = DEFAULT) -> dict[str, Any]:
+        """Ask the peer node about itself: ``"exports"`` (regions, sizes, rights - never
+        their cookies) or ``"endpoints"`` (peers, transports, counters)."""
+        self._check_usable()
+        return await self._conn.request_query(what, self._timeout(timeout))
 
     # -- closing ------------------------------------------------------------------------
     async def aclose(self) -> None:

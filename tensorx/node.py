@@ -7,6 +7,7 @@ lane opens, TCP otherwise, with one INFO line per endpoint naming transport, lan
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import secrets
@@ -36,6 +37,13 @@ REQUIREMENTS = (None, "ucx", "rdma")
 RDMA_LANES = ("rc", "dc", "ud", "ib", "roce", "mlx", "verbs", "efa")
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def parse_address(address: str) -> tuple[str, str, int]:
     """``"tcp://host:port"`` or ``"ucx://host:port"`` -> (scheme, host, port)."""
     parts = urlsplit(address if "://" in address else f"tcp://{address}")
@@ -53,11 +61,13 @@ class Node:
     ``timeout``: default seconds for every wait (``None``: forever).
     ``require``: ``"ucx"`` or ``"rdma"`` (default ``$TENSORX_REQUIRE``): fail instead of
     falling back to a slower transport.
+    ``insecure``: allow listening on a non-loopback address without a token.
     """
 
     def __init__(self, listen: str | None = "tcp://127.0.0.1:0", *, transport: str = "auto",
                  token: str | bytes | None = None, timeout: float | None = 30.0,
-                 require: str | None = None, ucx_options: dict[str, Any] | None = None) -> None:
+                 require: str | None = None, ucx_options: dict[str, Any] | None = None,
+                 insecure: bool = False) -> None:
         if transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         require = require if require is not None else os.environ.get("TENSORX_REQUIRE") or None
@@ -70,6 +80,7 @@ class Node:
         self._listen = listen
         self._token = _auth.resolve_token(token)
         self._ucx_options = dict(ucx_options or {})
+        self._insecure = insecure
         self._exports = ExportTable(self.id)
         self._factory: LaneFactory | None = None
         self._factory_why = ""
@@ -90,6 +101,7 @@ class Node:
         self._factory, self._factory_why = self._make_factory()
         if self._listen is not None:
             scheme, host, port = parse_address(self._listen)
+            self._check_exposure(host)
             if scheme == "ucx" and self._factory is None:
                 raise TransportUnavailableError(f"cannot listen on ucx://: {self._factory_why}")
             self._listener = await TcpListener.start(host, port, self._on_accept)
@@ -97,6 +109,13 @@ class Node:
         logger.info("node %s up: %s; data transport %s", self.id,
                     self.address if self._listener else "client only", self._factory_why)
         return self
+
+    def _check_exposure(self, host: str) -> None:
+        """Refuse to expose memory beyond this machine without a token (unless insecure)."""
+        if self._token or self._insecure or _is_loopback(host):
+            return
+        raise UsageError(f"listening on {host} (not loopback) needs a token: pass token= or "
+                         "set TENSORX_TOKEN (or insecure=True to accept any peer)")
 
     def _make_factory(self) -> tuple[LaneFactory | None, str]:
         if self.transport == "tcp":
@@ -217,6 +236,7 @@ class Node:
         ep = Endpoint(self, conn, lane, address)
         conn.on_notify = lambda c, payload: self.notifications.put_nowait((ep, payload))
         conn.on_closed = lambda c, exc: self._on_broken(ep, exc)
+        conn.on_query = self._answer
         conn.start()
         self._endpoints.add(ep)
         info = lane.info
@@ -261,6 +281,18 @@ class Node:
             raise TransportUnavailableError(
                 f"require={self.require!r} but this endpoint would use {lane.name} over "
                 f"{', '.join(lanes) or 'no lanes'} ({lane.info['why']})")
+
+    def _answer(self, what: str) -> dict[str, Any]:
+        """What an authenticated peer may learn about this node (``Endpoint.query``)."""
+        if what == "exports":
+            return {"node": self.id, "exports": [
+                {"region": f"{d.region_id:#x}", "nbytes": d.nbytes, "device": d.device,
+                 "access": d.access, "transports": sorted(d.keys) or ["tcp"]}
+                for d in self._exports.regions()]}
+        if what == "endpoints":
+            return {"node": self.id, "endpoints": [
+                {k: v for k, v in ep.info.items() if k != "socket"} for ep in self._endpoints]}
+        raise UsageError(f"unknown query {what!r}; ask for 'exports' or 'endpoints'")
 
     def _on_broken(self, ep: Endpoint, exc: BaseException | None) -> None:
         if exc is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import numpy as np
@@ -73,3 +74,63 @@ async def test_symmetric_endpoints_and_disconnect_events() -> None:
         await ep.aclose()
         await ep.aclose()
         assert await asyncio.wait_for(a.disconnected.get(), 5) is back
+
+
+async def test_non_loopback_listen_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TENSORX_TOKEN", raising=False)
+    with pytest.raises(tx.UsageError, match="needs a token"):
+        await tx.Node("tcp://0.0.0.0:0", transport="tcp").start()
+    async with tx.Node("tcp://0.0.0.0:0", transport="tcp", token="t") as node:
+        assert node.address.startswith("tcp://0.0.0.0:")
+    async with tx.Node("tcp://0.0.0.0:0", transport="tcp", insecure=True):
+        pass
+
+
+async def test_query_exports_and_counters() -> None:
+    async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
+        desc = a.export(tx.MemoryRegion.allocate(4096), access="r")
+        ep = await b.connect(a.address)
+        out = tx.MemoryRegion.allocate(4096)
+        for _ in range(3):
+            await ep.read(out, desc)
+        with pytest.raises(tx.RegionError):
+            await ep.write(out, dataclasses.replace(desc, access="rw"))
+        answer = await ep.query("exports")
+        assert answer["exports"] == [{"region": f"{desc.region_id:#x}", "nbytes": 4096,
+                                      "device": "cpu", "access": "r",
+                                      "transports": answer["exports"][0]["transports"]}]
+        assert "cookie" not in str(answer)
+        stats = ep.info["stats"]
+        assert stats["read"]["ops"] == 3
+        assert stats["read"]["bytes"] == 3 * 4096
+        assert stats["write"]["errors"] == 1
+        assert sum(stats["read"]["latency_buckets"].values()) == 3
+        peers = await ep.query("endpoints")
+        assert [e["peer"] for e in peers["endpoints"]] == [b.id]
+        with pytest.raises(tx.UsageError, match="unknown query"):
+            await ep.query("secrets")
+
+
+async def test_prometheus_exporter_serves_endpoint_counters() -> None:
+    import socket
+    import urllib.request
+
+    from tensorx.metrics import serve_prometheus
+
+    async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
+        desc = a.export(tx.MemoryRegion.allocate(64))
+        ep = await b.connect(a.address)
+        await ep.write(tx.MemoryRegion.allocate(64), desc)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = serve_prometheus(port, b)
+        try:
+            body = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                .read().decode())
+        finally:
+            server.shutdown()
+            server.server_close()
+        assert f'tensorx_endpoint_ops_total{{node="{b.id}",op="write",peer="{a.id}"' in body
+        assert "tensorx_endpoint_latency_seconds_bucket" in body

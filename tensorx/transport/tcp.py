@@ -141,6 +141,7 @@ class _Pending:
 
 
 NotifyHandler = Callable[["Connection", bytes], None]
+QueryHandler = Callable[[str], dict[str, Any]]
 ClosedHandler = Callable[["Connection", BaseException | None], None]
 
 
@@ -170,6 +171,7 @@ class Connection:
         self._busy = False
         self.on_notify: NotifyHandler = lambda conn, payload: None
         self.on_closed: ClosedHandler = lambda conn, exc: None
+        self.on_query: QueryHandler = lambda what: {}
         self.stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0}
 
     # -- handshake phase ----------------------------------------------------------------
@@ -372,6 +374,12 @@ class Connection:
         result: tuple[int, str] = await self._await(req, pending, timeout, "descriptor check")
         return result
 
+    async def request_query(self, what: str, timeout: float | None) -> dict[str, Any]:
+        req, pending = self._new_request()
+        self._enqueue([_wire.encode(Kind.QUERY, {"req": req, "what": what})])
+        answer: dict[str, Any] = await self._await(req, pending, timeout, "query")
+        return answer
+
     async def notify(self, payload: bytes, timeout: float | None) -> None:
         if len(payload) > _wire.MAX_NOTIFY:
             raise UsageError(f"notification of {len(payload)} B exceeds {_wire.MAX_NOTIFY} B")
@@ -471,10 +479,22 @@ class Connection:
         desc = export.descriptor
         self._send_frame(Kind.VALID, {"req": h["req"], "n": desc.nbytes, "access": desc.access})
 
+    async def _on_query(self, h: dict[str, Any], payload_len: int) -> None:
+        try:
+            data = self.on_query(h["what"])
+        except TensorxError as exc:
+            self._reply_error(h["req"], exc)
+            return
+        self._send_frame(Kind.ANSWER, {"req": h["req"], "data": data})
+
+    async def _on_answer(self, h: dict[str, Any], payload_len: int) -> None:
+        self._resolve(h["req"], h["data"])
+
     _HANDLERS: dict[Kind, Callable[[Connection, dict[str, Any], int], Any]] = {
         Kind.WRITE: _on_write, Kind.READ: _on_read, Kind.READ_DATA: _on_read_data,
         Kind.WRITE_ACK: _on_ack, Kind.VALID: _on_valid, Kind.ERROR: _on_error,
-        Kind.NOTIFY: _on_notify, Kind.VALIDATE: _on_validate,
+        Kind.NOTIFY: _on_notify, Kind.VALIDATE: _on_validate, Kind.QUERY: _on_query,
+        Kind.ANSWER: _on_answer,
     }
 
     def _resolve(self, req: int, value: Any) -> None:
