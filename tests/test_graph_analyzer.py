@@ -103,6 +103,13 @@ def test_resnet50_two_shards_are_balanced() -> None:
     assert max(e.nbytes for e in plan.entries) <= 4 << 20
 
 
+def test_meta_device_models_plan_without_memory() -> None:
+    with torch.device("meta"):
+        model = models.resnet50()
+    plan = plan_of(model, num_shards=2)
+    assert plan.fingerprint == plan_of(models.resnet50(), num_shards=2).fingerprint
+
+
 def test_offsets_are_aligned_to_the_requested_alignment() -> None:
     plan = plan_of(models.cnn(), num_shards=2, alignment=256, chunk_bytes=1024)
     assert all(e.offset % 256 == 0 for e in plan.entries)
@@ -231,6 +238,9 @@ def test_check_same_names_the_first_differing_tensor() -> None:
     ours.check_same(plan_of(models.mlp()))
     ours.check_same(plan_of(models.mlp()).to_bytes())
     ours.check_same(ours.fingerprint)
+    ours.check_same((ours.fingerprint, b"not even decoded"))
+    with pytest.raises(PlanMismatchError, match=r"'4\.bias'"):
+        ours.check_same((theirs.fingerprint, theirs.to_bytes()))
     with pytest.raises(PlanMismatchError, match=r"'4\.bias'"):
         ours.check_same(theirs)
     with pytest.raises(PlanMismatchError, match=r"'4\.bias'"):

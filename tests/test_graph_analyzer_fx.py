@@ -11,6 +11,7 @@ from torch import fx, nn
 from tensorx._commands import plan as plan_command
 from tensorx.errors import UsageError
 from tensorx.graph_analyzer import HEADER_BYTES, BoundaryAnalyzer
+from tensorx.memregion import MemoryRegion
 from tests import models
 
 PLACEMENT = {"stage0": "gpu0", "stage1": "gpu1"}
@@ -27,6 +28,12 @@ def test_two_stage_split_has_the_activation_and_skip_edges() -> None:
     assert (act.shape, act.dtype, act.nbytes, act.kind) == ((4, 32), "float32", 512, "static")
     assert (skip.shape, skip.nbytes, skip.offset) == ((4, 8), 128, 512)
     assert plan.arena_bytes("gpu1") == 640 and plan.arena_bytes("gpu0") == 0
+    with MemoryRegion.allocate(plan.arena_bytes("gpu1")) as region:
+        views = plan.receive_views("gpu1", region)
+        assert views["stage0_1"].shape == (4, 32) and views["getitem"].shape == (4, 8)
+        assert views["getitem"].data_ptr() == region.address + 512
+    with MemoryRegion.allocate(64) as small, pytest.raises(UsageError):
+        plan.receive_views("gpu1", small)
 
 
 class ThreeWay(nn.Module):
@@ -64,6 +71,10 @@ def test_without_sample_inputs_edges_are_dynamic_with_a_header() -> None:
     assert first.payload_offset == first.offset + HEADER_BYTES
     assert second.offset == 1088  # header + 1000 B, aligned up to 64
     assert plan.arena_bytes("gpu1") == 2176
+    with MemoryRegion.allocate(plan.arena_bytes("gpu1")) as region:
+        payload = plan.receive_views("gpu1", region)[second.tensor]
+        assert payload.dtype == torch.uint8 and payload.numel() == 1000
+        assert payload.data_ptr() == region.address + second.offset + HEADER_BYTES
 
 
 def test_functions_are_placed_with_the_module_they_run_in() -> None:

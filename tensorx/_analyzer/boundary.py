@@ -26,6 +26,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from tensorx._analyzer.layout import HEADER_BYTES, ITEMSIZE, align_up, numel_of
 from tensorx._analyzer.wire import table
 from tensorx.errors import UsageError
+from tensorx.memregion import MemoryRegion
 
 __all__ = ["BoundaryAnalyzer", "BoundaryEdge", "BoundaryPlan"]
 
@@ -74,6 +75,17 @@ class BoundaryPlan:
         ends = [e.offset + e.slot_bytes for e in self.edges_into(place)]
         return align_up(max(ends, default=0), self.alignment)
 
+    def receive_views(self, place: str, region: MemoryRegion) -> dict[str, torch.Tensor]:
+        """Per incoming tensor, its receive buffer inside ``place``'s registered ``region``.
+
+        Static edges get a shaped view of their dtype; dynamic ones a ``uint8`` view of their
+        payload capacity (the header slot precedes it at ``edge.offset``).
+        """
+        if region.nbytes < self.arena_bytes(place):
+            raise UsageError(f"region of {region.nbytes} B is smaller than {place!r}'s "
+                             f"receive arena of {self.arena_bytes(place)} B")
+        return {e.tensor: _receive_view(e, region) for e in self.edges_into(place)}
+
     @property
     def fingerprint(self) -> str:
         rows = [[*astuple(e)[:3], list(e.shape or ()), *astuple(e)[4:]] for e in self.edges]
@@ -88,6 +100,14 @@ class BoundaryPlan:
         lines += [f"receive arena {p}: {self.arena_bytes(p)} B" for p in self.places
                   if self.edges_into(p)]
         return "\n".join([*lines, f"{len(self.edges)} boundary edges, {self.fingerprint}"])
+
+
+def _receive_view(e: BoundaryEdge, region: MemoryRegion) -> torch.Tensor:
+    if e.kind == "static" and e.shape is not None and e.dtype is not None:
+        view: torch.Tensor = region.view(getattr(torch, e.dtype), e.shape, e.offset)
+        return view
+    raw: torch.Tensor = region.view(torch.uint8, (e.nbytes,), e.payload_offset)
+    return raw
 
 
 def _shape_text(e: BoundaryEdge) -> str:

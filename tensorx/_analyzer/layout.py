@@ -244,12 +244,16 @@ class TransferPlan:
 
         return layout_problems(self)
 
-    def check_same(self, other: TransferPlan | bytes | str) -> None:
+    def check_same(self, other: TransferPlan | bytes | str | tuple[str, bytes]) -> None:
         """Raise PlanMismatchError naming the first tensor where ``other`` differs.
 
-        ``other`` is a plan, its ``to_bytes()``, or just its fingerprint (then the error can
-        only say that the fingerprints differ).
+        ``other`` is a plan, its ``to_bytes()``, a ``(fingerprint, to_bytes())`` pair (the
+        bytes are decoded only when the fingerprints differ), or just a fingerprint (then the
+        error can only say that the fingerprints differ).
         """
+        if isinstance(other, tuple):
+            fingerprint, data = other
+            other = fingerprint if fingerprint == self.fingerprint else data
         if isinstance(other, str):
             if other != self.fingerprint:
                 raise PlanMismatchError(
