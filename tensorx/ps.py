@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorx._ps import protocol
 from tensorx._ps.schedule import MODES, Decision, Scheduler
@@ -42,6 +42,9 @@ from tensorx.errors import (
 )
 from tensorx.memregion import RegionDescriptor
 from tensorx.node import Node
+
+if TYPE_CHECKING:
+    from tensorx.graph_analyzer import TransferPlan
 
 __all__ = ["ParameterServer"]
 
@@ -95,7 +98,7 @@ class ParameterServer:
         self.scheduler = Scheduler(mode, num_workers, staleness)
         self.node = Node(listen, transport=transport, token=token, timeout=timeout)
         self.state: ShardState | None = None
-        self._plan: Any = None
+        self._plan: TransferPlan | None = None
         self._plan_bytes = b""
         self._peers: dict[Endpoint, _Peer] = {}
         self._waiting: list[_Peer] = []    # said hello before the parameters were initialised
@@ -184,7 +187,7 @@ class ParameterServer:
         logger.info("ps shard %d resumed from %s at version %d", self.shard, path,
                     self.state.version)
 
-    def _adopt_plan(self, plan_bytes: bytes) -> None:
+    def _adopt_plan(self, plan_bytes: bytes) -> TransferPlan:
         from tensorx.graph_analyzer import TransferPlan
 
         plan = TransferPlan.from_bytes(plan_bytes)
@@ -194,6 +197,7 @@ class ParameterServer:
         self._plan, self._plan_bytes = plan, plan_bytes
         layout = ShardLayout.from_plan(plan, self.shard)
         self.state = ShardState(layout, self.num_workers, self._optimizer, self._lr_scheduler)
+        return plan
 
     # -- event loop -----------------------------------------------------------------------
     async def _pump_notifications(self) -> None:
@@ -280,14 +284,11 @@ class ParameterServer:
 
     def _check_plan(self, msg: dict[str, Any]) -> None:
         if self._plan is None:
-            self._adopt_plan(msg["plan"])
-            logger.info("ps shard %d: %s", self.shard, self._plan.summary()
-                        if hasattr(self._plan, "summary") else self._plan.fingerprint)
+            plan = self._adopt_plan(msg["plan"])
+            logger.info("ps shard %d: %s", self.shard, plan.summary())
             return
         if msg["fingerprint"] != self._plan.fingerprint:
-            from tensorx.graph_analyzer import TransferPlan
-
-            self._plan.check_same(TransferPlan.from_bytes(msg["plan"]))
+            self._plan.check_same(msg["plan"])
             raise PlanMismatchError(f"plan fingerprint {msg['fingerprint']} differs from "
                                     f"{self._plan.fingerprint}")
 

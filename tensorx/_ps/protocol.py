@@ -46,7 +46,8 @@ def encode(kind: str, **fields: Any) -> bytes:
     """The payload of one control message; fields are checked against the schema."""
     msg = {"t": kind, **fields}
     _validate(msg)
-    return msgpack.packb(msg, use_bin_type=True)
+    raw: bytes = msgpack.packb(msg, use_bin_type=True)
+    return raw
 
 
 def decode(payload: bytes) -> dict[str, Any]:

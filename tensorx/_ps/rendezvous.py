@@ -30,7 +30,7 @@ def connect_store(timeout: float = 300.0) -> Any:
     if not launched():
         raise UsageError("RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT must be set "
                          "(start under torchrun)")
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     is_master = int(os.environ["RANK"]) == 0 and not agent_hosts
