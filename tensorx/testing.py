@@ -24,7 +24,7 @@ import numpy as np
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
-__all__ = ["GUARD", "OwnerProcess", "digest", "pattern"]
+__all__ = ["GUARD", "FaultyProxy", "OwnerProcess", "digest", "pattern"]
 
 GUARD = 4096
 GUARD_BYTE = 0xA5
@@ -195,3 +195,56 @@ class _Owner:
     async def do_endpoints(self) -> int:
         return len(self.node.endpoints)
 
+
+
+class FaultyProxy:
+    """A TCP proxy on 127.0.0.1 between a client and ``target`` that a test can stall
+    (stop forwarding, keep sockets open: a black-holed link) or cut (reset every link)."""
+
+    def __init__(self, target: str) -> None:
+        from tensorx.node import parse_address
+
+        _, self._host, self._port = parse_address(target)
+        self._server: asyncio.Server | None = None
+        self._links: list[asyncio.StreamWriter] = []
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self.address = ""
+
+    async def __aenter__(self) -> FaultyProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.address = f"tcp://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cut()
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    def stall(self) -> None:
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
+    def cut(self) -> None:
+        for writer in self._links:
+            writer.transport.abort()
+        self._links.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self._host, self._port)
+        self._links += [writer, up_writer]
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
+                             return_exceptions=True)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.transport.abort()

@@ -13,7 +13,7 @@ from typing import Any
 
 from tensorx import _auth
 from tensorx._wire import Kind
-from tensorx.errors import AuthError, TensorxError, TimeoutError
+from tensorx.errors import AuthError, ProtocolError, TensorxError, TimeoutError
 from tensorx.transport.tcp import Connection
 
 __all__ = ["accept", "initiate"]
@@ -55,21 +55,25 @@ async def _initiate(conn: Connection, node_id: str, token: bytes, caps: dict[str
 
 
 async def _accept(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any]) -> None:
-    hello = await conn.recv_frame(Kind.HELLO)
+    try:
+        hello = await conn.recv_frame(Kind.HELLO)
+    except ProtocolError as exc:  # e.g. another protocol version: tell the peer why
+        await _refuse(conn, str(exc), "protocol")
+        raise
     nonce = _auth.new_nonce()
     proof = _auth.make_proof(token, b"server", hello["nonce"], nonce, hello["id"], node_id)
     await conn.send_now(Kind.CHALLENGE, {"id": node_id, "nonce": nonce, "proof": proof})
     auth = await conn.recv_frame(Kind.AUTH)
     expected = _auth.make_proof(token, b"client", hello["nonce"], nonce, hello["id"], node_id)
     if not _auth.verify_proof(expected, auth["proof"]):
-        await _refuse(conn, "authentication failed: wrong token")
+        await _refuse(conn, "authentication failed: wrong token", "auth")
         raise AuthError(f"{conn.label}: peer {hello['id']} failed authentication")
     await conn.send_now(Kind.WELCOME, {"caps": caps})
     conn.peer, conn.peer_caps = hello["id"], auth["caps"]
 
 
-async def _refuse(conn: Connection, msg: str) -> None:
+async def _refuse(conn: Connection, msg: str, code: str) -> None:
     try:
-        await conn.send_now(Kind.ERROR, {"req": 0, "code": "auth", "msg": msg})
+        await conn.send_now(Kind.ERROR, {"req": 0, "code": code, "msg": msg})
     except TensorxError:
         logger.debug("%s: could not deliver the refusal", conn.label)

@@ -1,0 +1,142 @@
+"""Links that stall or break, replayed handshakes, version mismatches: nothing hangs or leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import tensorx as tx
+from tensorx import _auth, _wire
+from tensorx._wire import Kind
+from tensorx.node import parse_address
+from tensorx.testing import FaultyProxy
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_stalled_link_times_out_then_recovers_and_cut_link_breaks() -> None:
+    async with tx.Node(transport="tcp") as owner, FaultyProxy(owner.address) as proxy, \
+            tx.Node(listen=None, transport="tcp", timeout=1.0) as node:
+        desc = owner.export(tx.MemoryRegion.allocate(1 << 20))
+        ep = await node.connect(proxy.address)
+        buf = tx.MemoryRegion.allocate(1 << 20)
+        await ep.write(buf, desc)
+        proxy.stall()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(tx.TimeoutError):
+            await ep.read(buf, desc)
+        assert loop.time() - started < 3
+        proxy.resume()
+        await ep.write(buf, desc, nbytes=8, timeout=5)  # the link works again, nothing stuck
+        proxy.cut()
+        async def read_until_broken() -> None:
+            for _ in range(100):
+                await ep.read(buf, desc, timeout=5)
+
+        with pytest.raises(tx.BrokenError):
+            await read_until_broken()
+        assert await asyncio.wait_for(node.disconnected.get(), 5) is ep
+
+
+async def test_connections_that_come_and_go_leak_nothing() -> None:
+    async with tx.Node(transport="tcp") as owner, \
+            tx.Node(listen=None, transport="tcp") as node:
+        desc = owner.export(tx.MemoryRegion.allocate(4096))
+        buf = tx.MemoryRegion.allocate(4096)
+
+        async def one_round() -> None:
+            ep = await node.connect(owner.address)
+            await ep.write(buf, desc)
+            await ep.aclose()
+
+        for _ in range(5):
+            await one_round()
+        await asyncio.sleep(0.2)
+        before, tasks_before = open_fds(), len(asyncio.all_tasks())
+        for _ in range(50):
+            await one_round()
+        await asyncio.sleep(0.2)
+        assert open_fds() <= before
+        assert len(asyncio.all_tasks()) <= tasks_before
+        assert node.endpoints == []
+        assert owner.endpoints == []
+
+
+def _raw(address: str) -> socket.socket:
+    _, host, port = parse_address(address)
+    return socket.create_connection((host, port), timeout=5)
+
+
+def _frame(sock: socket.socket) -> tuple[Kind, dict[str, object]]:
+    def exact(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return data
+
+    kind, hlen, plen = _wire.decode_prefix(exact(_wire.PREFIX.size))
+    return kind, _wire.decode_header(kind, exact(hlen), plen)
+
+
+async def test_replayed_handshake_is_refused() -> None:
+    token = b"tok"
+    async with tx.Node(transport="tcp", token=token) as owner:
+        def record_then_replay() -> tuple[Kind, dict[str, object]]:
+            nonce = _auth.new_nonce()
+            with _raw(owner.address) as first:
+                first.sendall(_wire.encode(Kind.HELLO, {"id": "me", "nonce": nonce}))
+                _, ch = _frame(first)
+                proof = _auth.make_proof(token, b"client", nonce, ch["nonce"], "me",
+                                         ch["id"])  # type: ignore[arg-type]
+                auth = _wire.encode(Kind.AUTH, {"proof": proof, "caps": {}})
+                first.sendall(auth)
+                assert _frame(first)[0] is Kind.WELCOME
+            with _raw(owner.address) as second:  # an eavesdropper replays both messages
+                second.sendall(_wire.encode(Kind.HELLO, {"id": "me", "nonce": nonce}))
+                _frame(second)
+                second.sendall(auth)
+                return _frame(second)
+
+        kind, header = await asyncio.to_thread(record_then_replay)
+        assert kind is Kind.ERROR
+        assert header["code"] == "auth"
+
+
+async def test_protocol_version_mismatch_is_explained_to_the_peer() -> None:
+    async with tx.Node(transport="tcp") as owner:
+        def speak_v2() -> tuple[Kind, dict[str, object]]:
+            with _raw(owner.address) as sock:
+                sock.sendall(_wire.PREFIX.pack(b"TX", 2, Kind.HELLO, 0, 0))
+                return _frame(sock)
+
+        kind, header = await asyncio.to_thread(speak_v2)
+        assert kind is Kind.ERROR
+        assert header["code"] == "protocol"
+        assert "v2" in str(header["msg"])
+        async with tx.Node(listen=None, transport="tcp") as node:  # still serving
+            await node.connect(owner.address)
+
+
+async def test_silent_peer_handshake_times_out_and_node_keeps_serving() -> None:
+    async with tx.Node(transport="tcp", timeout=0.5) as owner:
+        silent = await asyncio.to_thread(_raw, owner.address)
+        await asyncio.sleep(1.0)
+        silent.settimeout(2)
+        assert silent.recv(100) == b""  # dropped after its handshake deadline
+        silent.close()
+        async with tx.Node(listen=None, transport="tcp") as node:
+            ep = await node.connect(owner.address)
+            out = np.zeros(4, np.uint8)
+            await ep.read(tx.MemoryRegion.register(out),
+                          owner.export(np.arange(4, dtype=np.uint8)))
+            assert out.tolist() == [0, 1, 2, 3]
