@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -164,7 +165,8 @@ def test_sparse_staging_grows_within_a_budget() -> None:
 
 
 @pytest.mark.parametrize("kw", [
-    {"num_shards": 0}, {"num_shards": 1.5}, {"alignment": 32}, {"alignment": 96},
+    {"num_shards": 0}, {"num_shards": 1.5}, {"num_shards": 1 << 17},
+    {"alignment": 32}, {"alignment": 96},
     {"chunk_bytes": 100}, {"chunk_bytes": 0}, {"sparse_max_rows": 0},
 ])
 def test_bad_options_are_usage_errors(kw: dict[str, object]) -> None:
@@ -228,6 +230,10 @@ def test_corrupt_or_forged_bytes_are_protocol_errors() -> None:
                         plan_of(models.mlp()).options)
     with pytest.raises(ProtocolError, match="overlaps"):
         forged(plan.to_bytes())
+    huge = [dataclasses.replace(e, offset=e.offset + (1 << 50)) if e.name == "0.weight" else e
+            for e in plan_of(models.mlp()).entries]
+    with pytest.raises(ProtocolError, match="more than any arena"):
+        forged(TransferPlan(huge, plan.options).to_bytes())
 
 
 def test_check_same_names_the_first_differing_tensor() -> None:

@@ -32,6 +32,7 @@ ITEMSIZE = {
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
     "complex64": 8, "complex128": 16,
 }
+MAX_SHARDS = 1 << 16
 KINDS = ("static", "dynamic")
 ROLES = ("param", "buffer")
 
@@ -60,8 +61,9 @@ class PlanOptions:
     order: str = "registration"
 
     def validate(self) -> None:
-        if not _pos_int(self.num_shards):
-            raise UsageError(f"num_shards must be a positive int, got {self.num_shards!r}")
+        if not _pos_int(self.num_shards) or self.num_shards > MAX_SHARDS:
+            raise UsageError(f"num_shards must be an int in [1, {MAX_SHARDS}], "
+                             f"got {self.num_shards!r}")
         a = self.alignment
         if not _pos_int(a) or a < 64 or a & (a - 1):
             raise UsageError(f"alignment must be a power of two >= 64, got {a!r}")

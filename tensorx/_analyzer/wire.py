@@ -22,6 +22,8 @@ from tensorx._analyzer.layout import (
 )
 from tensorx.errors import ProtocolError, UsageError
 
+MAX_ARENA_BYTES = 1 << 48  # bounds what a forged plan could make a receiver allocate
+
 __all__ = ["decode_plan", "describe_plan", "first_difference", "layout_problems"]
 
 
@@ -109,8 +111,11 @@ def layout_problems(plan: TransferPlan) -> list[str]:
     out: list[str] = []
     for e in plan.entries:
         out += _entry_problems(plan, e)
-    for shard in range(plan.num_shards):
-        out += _overlaps(plan.shard_entries(shard))
+    by_shard: dict[int, list[PlanEntry]] = {}
+    for e in plan.entries:
+        by_shard.setdefault(e.shard, []).append(e)
+    for entries in by_shard.values():
+        out += _overlaps(sorted(entries, key=lambda e: e.offset))
     for name, chunks in plan.tensors().items():
         out += _coverage(name, chunks)
     out += _dynamic_problems(plan)
@@ -121,6 +126,8 @@ def _entry_problems(plan: TransferPlan, e: PlanEntry) -> list[str]:
     out = []
     if not 0 <= e.shard < plan.num_shards:
         out.append(f"{e.label}: shard {e.shard} out of range")
+    if e.offset + e.nbytes > MAX_ARENA_BYTES:
+        out.append(f"{e.label}: ends past {MAX_ARENA_BYTES} B, more than any arena may hold")
     if e.offset < 0 or e.offset % plan.alignment:
         out.append(f"{e.label}: offset {e.offset} not aligned to {plan.alignment}")
     if e.nbytes != e.numel * ITEMSIZE[e.dtype] or e.numel < 0:
