@@ -253,6 +253,8 @@ def test_sparse_rows_are_staged_with_a_header() -> None:
     dense = model.emb.weight.grad.to_dense()  # type: ignore[union-attr]
     assert torch.equal(values, dense[indices])
     assert binding.stage_sparse("emb.weight").header.version == 2
+    binding.unbind()
+    assert staged.region.closed and binding.regions[(0, "headers")].closed
 
 
 def test_sparse_staging_grows_then_fails_clearly_past_its_budget() -> None:

@@ -229,7 +229,8 @@ class Binding:
     def unbind(self, close_regions: bool | None = None) -> None:
         """Give every tensor private storage again (a copy) and drop the hooks. Idempotent.
 
-        Regions the binding allocated are closed unless ``close_regions=False``.
+        The ``params``/``grads`` regions are closed if the binding allocated them (or if
+        ``close_regions=True``); the staging and header regions, always its own, are closed.
         """
         if not self.bound:
             return
@@ -240,11 +241,8 @@ class Binding:
         for name in self._chunks:
             _privatize(self._tensors[name])
         if close_regions if close_regions is not None else self._owns_regions:
-            self._close_regions()
-
-    def _close_regions(self) -> None:
-        for region in self.regions.values():
-            region.close()
+            for key in self._arena_keys():
+                self.regions[key].close()
         if self.staging is not None:
             self.staging.close()
 
