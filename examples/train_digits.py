@@ -6,6 +6,12 @@ server's registered slots; fresh parameters as one-sided writes into the workers
 
     python examples/train_digits.py                 # or: make demo
     python examples/train_digits.py --transport tcp --mode async --epochs 30
+
+Across machines, start every process under torchrun: rank 0 serves, the others train, and
+they meet through torchrun's TCPStore (the server publishes its address there)::
+
+    torchrun --nnodes 1 --nproc-per-node 3 examples/train_digits.py --launcher torchrun
+    TENSORX_TOKEN=secret torchrun --nnodes 2 ... --launcher torchrun      # across machines
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import sys
@@ -70,10 +77,13 @@ async def _serve(results: Any, args: argparse.Namespace) -> None:
 
 # -- the worker processes ----------------------------------------------------------------------
 def run_worker(results: Any, rank: int, address: str, args: argparse.Namespace) -> None:
-    _child(results, f"worker {rank}", _train(results, rank, address, args))
+    async def train() -> None:
+        results.put(("done", await _train(rank, address, args)))
+
+    _child(results, f"worker {rank}", train())
 
 
-async def _train(results: Any, rank: int, address: str, args: argparse.Namespace) -> None:
+async def _train(rank: int, address: str, args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from tensorx.worker import Worker
@@ -105,8 +115,8 @@ async def _train(results: Any, rank: int, address: str, args: argparse.Namespace
         bar.close()
         with torch.no_grad():
             accuracy = (model(x_te).argmax(1) == y_te).float().mean().item()
-    results.put(("done", {"rank": rank, "accuracy": accuracy, "steps": total,
-                          "seconds": seconds, "transport": transport}))
+    return {"rank": rank, "accuracy": accuracy, "steps": total, "seconds": seconds,
+            "transport": transport}
 
 
 def _child(results: Any, name: str, coro: Any) -> None:
@@ -118,9 +128,45 @@ def _child(results: Any, name: str, coro: Any) -> None:
         raise
 
 
+# -- under torchrun: rank 0 serves, ranks 1.. train; they meet in torchrun's store -------------
+def torchrun_main(args: argparse.Namespace) -> None:
+    from tensorx.ps import launcher_store
+    from tensorx.worker import ps_addresses
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    args.workers = world - 1
+    store = launcher_store()
+    done_keys = [f"digits/done/{r}" for r in range(args.workers)]
+    if rank == 0:
+        asyncio.run(_serve_until_done(store, done_keys, args))
+        return
+    result = asyncio.run(_train(rank - 1, ps_addresses(1, store=store)[0], args))
+    store.set(done_keys[rank - 1], "1")
+    if rank == 1:
+        print(f"{result['seconds'] / result['steps'] * 1e3:.2f} ms/step over "
+              f"{result['transport']}")
+        print(f"accuracy {result['accuracy']:.4f}")
+
+
+async def _serve_until_done(store: Any, done_keys: list[str], args: argparse.Namespace) -> None:
+    from tensorx.ps import ParameterServer
+
+    # one machine: stay on loopback; several: listen everywhere (needs $TENSORX_TOKEN)
+    local = os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost", "::1")
+    async with ParameterServer(f"tcp://{'127.0.0.1' if local else '0.0.0.0'}:0",
+                               num_workers=args.workers, mode=args.mode,
+                               staleness=args.staleness, optimizer=make_optimizer,
+                               transport=args.transport) as ps:
+        ps.publish(store)
+        await asyncio.get_running_loop().run_in_executor(None, store.wait, done_keys)
+
+
 # -- the launcher ----------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
+    if args.launcher == "torchrun":
+        torchrun_main(args)
+        return 0.0
     t0 = time.perf_counter()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -176,6 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--transport", choices=("auto", "tcp", "ucx"), default="auto")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--launcher", choices=("local", "torchrun"), default="local",
+                   help="local: spawn 1 PS + N workers here; torchrun: one role per rank")
     return p.parse_args(argv)
 
 

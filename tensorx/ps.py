@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tensorx._ps import protocol
+from tensorx._ps.rendezvous import connect_store as launcher_store
+from tensorx._ps.rendezvous import publish as _publish
 from tensorx._ps.schedule import MODES, Decision, Scheduler
 from tensorx._ps.shard import (
     OptimizerFactory,
@@ -46,7 +48,7 @@ from tensorx.node import Node
 if TYPE_CHECKING:
     from tensorx.graph_analyzer import TransferPlan
 
-__all__ = ["ParameterServer"]
+__all__ = ["ParameterServer", "launcher_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ class ParameterServer:
     view the shard's arena; ``lr_scheduler``: ``lambda opt: ...``, stepped after each update.
     Initial parameters come from the checkpoint in ``checkpoint_dir`` when there is one, else
     from worker rank 0. ``checkpoint_every``: also checkpoint every N updates.
+    ``token`` (default ``$TENSORX_TOKEN``) is required to listen beyond loopback, unless
+    ``insecure=True``.
     """
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,
@@ -81,7 +85,8 @@ class ParameterServer:
                  shard: int = 0, num_shards: int = 1,
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int | None = None, token: str | bytes | None = None,
-                 transport: str = "auto", timeout: float | None = 30.0) -> None:
+                 transport: str = "auto", timeout: float | None = 30.0,
+                 insecure: bool = False) -> None:
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= shard < num_shards:
@@ -96,7 +101,8 @@ class ParameterServer:
         self._optimizer = optimizer or _default_optimizer
         self._lr_scheduler = lr_scheduler
         self.scheduler = Scheduler(mode, num_workers, staleness)
-        self.node = Node(listen, transport=transport, token=token, timeout=timeout)
+        self.node = Node(listen, transport=transport, token=token, timeout=timeout,
+                         insecure=insecure)
         self.state: ShardState | None = None
         self._plan: TransferPlan | None = None
         self._plan_bytes = b""
@@ -139,6 +145,14 @@ class ParameterServer:
             await self._stopped.wait()
         finally:
             await self.aclose()
+
+    def publish(self, store: Any = None) -> Any:
+        """Publish this shard's address in the launcher's TCPStore (default: the torchrun
+        one, see :func:`launcher_store`) for :func:`tensorx.worker.ps_addresses`; blocking.
+        Returns the store: keep it referenced while serving, it may be hosted here."""
+        store = store if store is not None else launcher_store()
+        _publish(store, self.shard, self.address)
+        return store
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return (it checkpoints first). Safe from signal handlers."""
@@ -343,6 +357,8 @@ class ParameterServer:
     async def _leave(self, ep: Endpoint, why: str) -> None:
         peer = self._peers.pop(ep, None)
         if peer is None:
+            with contextlib.suppress(TensorxError):
+                await ep.aclose()  # a refused or half-joined peer: release its connection
             return
         self._waiting = [p for p in self._waiting if p.ep is not ep]
         logger.info("ps shard %d: worker rank %d %s", self.shard, peer.rank, why)

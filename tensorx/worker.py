@@ -39,7 +39,7 @@ from tensorx.errors import (
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
-__all__ = ["RemoteOptimizer", "Worker"]
+__all__ = ["RemoteOptimizer", "Worker", "ps_addresses"]
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +236,15 @@ class Worker:
             ep = await self.node.disconnected.get()
             if ep in shard_of:
                 self._inbox[shard_of[ep]].put_nowait(_GONE)
+
+
+def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:
+    """The shard addresses that ``tensorx ps --rendezvous`` (or ``ParameterServer.publish``)
+    put in the launcher's store (under torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``); waits until every shard is there. Blocking."""
+    from tensorx._ps.rendezvous import connect_store, lookup
+
+    return lookup(store if store is not None else connect_store(timeout), num_shards, timeout)
 
 
 class RemoteOptimizer:

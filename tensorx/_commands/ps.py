@@ -52,6 +52,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint here; resume from here")
     p.add_argument("--checkpoint-every", type=int, default=None, help="updates between saves")
     p.add_argument("--token", default=None, help="shared secret (default $TENSORX_TOKEN)")
+    p.add_argument("--insecure", action="store_true",
+                   help="listen beyond loopback without a token (trusted networks only)")
     p.add_argument("--transport", choices=("auto", "tcp", "ucx"), default="auto")
     p.add_argument("--rendezvous", action="store_true",
                    help="publish addresses in the torchrun TCPStore")
@@ -101,8 +103,9 @@ def shard_listen(listen: str, shard: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("tensorx").setLevel(args.log_level.upper())  # a service logs by default
     try:
         asyncio.run(serve(args))
     except TensorxError as exc:
@@ -120,7 +123,7 @@ async def serve(args: argparse.Namespace) -> None:
         shard_listen(args.listen, s), num_workers=args.workers, mode=args.mode,
         staleness=args.staleness, optimizer=optimizer, shard=s, num_shards=args.shards,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        token=args.token, transport=args.transport) for s in shards]
+        token=args.token, transport=args.transport, insecure=args.insecure) for s in shards]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _stop_all, servers, sig)
@@ -141,11 +144,11 @@ def _stop_all(servers: Sequence[Any], sig: signal.Signals) -> None:
 
 
 def _publish(servers: Sequence[Any]) -> Any:
-    from tensorx._ps.rendezvous import connect_store, publish
+    from tensorx.ps import launcher_store
 
-    store = connect_store()
+    store = launcher_store()
     for server in servers:
-        publish(store, server.shard, server.address)
+        server.publish(store)
     logger.info("published %d address(es) in the launcher's store", len(servers))
     return store
 
