@@ -5,6 +5,9 @@ The public surface lives here; everything else may move between releases.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 # Errors
 from tensorx.errors import (
     AuthError,
@@ -26,6 +29,28 @@ from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.endpoint import Endpoint  # isort: skip
 from tensorx.node import Node  # isort: skip
 
+# Planning and parameter-server training need torch: imported on first use, so that the
+# transport layer works (and imports fast) without it.
+_LAZY = {
+    "GraphAnalyzer": "tensorx.graph_analyzer",
+    "PlanEntry": "tensorx.graph_analyzer",
+    "TransferPlan": "tensorx.graph_analyzer",
+    "ParameterServer": "tensorx.ps",
+    "RemoteOptimizer": "tensorx.worker",
+    "Worker": "tensorx.worker",
+}
+
+if TYPE_CHECKING:
+    from tensorx.graph_analyzer import GraphAnalyzer, PlanEntry, TransferPlan
+    from tensorx.ps import ParameterServer
+    from tensorx.worker import RemoteOptimizer, Worker
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tensorx' has no attribute {name!r}")
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -33,15 +58,21 @@ __all__ = [
     "BrokenError",
     "ClosedError",
     "Endpoint",
+    "GraphAnalyzer",
     "MemoryRegion",
     "Node",
+    "ParameterServer",
+    "PlanEntry",
     "PlanMismatchError",
     "ProtocolError",
     "RegionDescriptor",
     "RegionError",
+    "RemoteOptimizer",
     "TensorxError",
     "TimeoutError",
+    "TransferPlan",
     "TransportUnavailableError",
     "UsageError",
+    "Worker",
     "__version__",
 ]

@@ -252,6 +252,7 @@ def _check_local(region: MemoryRegion, offset: int, nbytes: int | None, need: st
 def _spec(spec: Sequence[Any]) -> OpSpec:
     if not 2 <= len(spec) <= 5:
         raise UsageError("write_many takes (region, desc[, offset[, remote_offset[, nbytes]]])")
-    region, desc, offset, remote_offset, nbytes = (*spec, *(0, 0, None)[len(spec) - 2:])
+    full: list[Any] = [*spec, *[0, 0, None][len(spec) - 2:]]
+    region, desc, offset, remote_offset, nbytes = full
     return region, desc, offset, remote_offset, nbytes
 

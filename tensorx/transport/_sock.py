@@ -1,0 +1,179 @@
+"""Socket-level pieces of the TCP transport: tuning, connecting, listening, framed reads.
+
+Kept apart from ``tcp.py`` (the protocol) so each file has one job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from tensorx import _wire
+from tensorx._wire import Kind
+from tensorx.errors import BrokenError, UsageError
+
+__all__ = ["BUFFER_BYTES", "IOV_MAX", "FrameReader", "TcpListener", "advance", "open_socket",
+           "tune"]
+
+logger = logging.getLogger("tensorx.transport.tcp")
+
+BUFFER_BYTES = 256 * 1024
+IOV_MAX = 512
+SOCKET_BUFFER = 4 * 1024 * 1024
+
+KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
+
+
+def tune(sock: socket.socket) -> None:
+    """Non-blocking, no Nagle, large buffers, and keepalive so a vanished host is noticed
+    (about 25 s) even on an idle connection."""
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in KEEPALIVE.items():
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+
+
+async def open_socket(host: str, port: int) -> socket.socket:
+    """A connected, tuned non-blocking socket; OSError becomes BrokenError."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise BrokenError(f"cannot resolve {host}:{port}: {exc}") from exc
+    try:
+        tune(sock)
+        await loop.sock_connect(sock, addr)
+    except OSError as exc:
+        sock.close()
+        raise BrokenError(f"cannot connect to {host}:{port}: {exc}") from exc
+    return sock
+
+
+class FrameReader:
+    """Buffered small reads (prefix, header) and unbuffered large reads into caller memory."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._buf = bytearray(BUFFER_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    async def _recv(self, into: memoryview) -> int:
+        try:
+            n = await self._loop.sock_recv_into(self._sock, into)
+        except OSError as exc:
+            raise BrokenError(f"connection lost: {exc}") from exc
+        if n == 0:
+            raise BrokenError("peer closed the connection")
+        return n
+
+    async def _fill(self, need: int) -> None:
+        if len(self._buf) - self._start < need:
+            size = self._end - self._start
+            self._buf[:size] = self._buf[self._start:self._end]
+            self._start, self._end = 0, size
+        while self._end - self._start < need:
+            self._end += await self._recv(self._view[self._end:])
+
+    async def read_exact(self, n: int) -> bytes:
+        await self._fill(n)
+        data = bytes(self._view[self._start:self._start + n])
+        self._start += n
+        return data
+
+    async def read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` exactly: buffered bytes first, then straight from the socket."""
+        have = min(len(dest), self._end - self._start)
+        if have:
+            dest[:have] = self._view[self._start:self._start + have]
+            self._start += have
+        pos = have
+        while pos < len(dest):
+            pos += await self._recv(dest[pos:])
+
+    async def discard(self, n: int) -> None:
+        while n:
+            step = min(n, len(self._buf))
+            await self._fill(min(step, len(self._buf)))
+            taken = min(step, self._end - self._start)
+            self._start += taken
+            n -= taken
+
+    async def frame(self) -> tuple[Kind, dict[str, Any], int]:
+        prefix = await self.read_exact(_wire.PREFIX.size)
+        kind, header_len, payload_len = _wire.decode_prefix(prefix)
+        header = _wire.decode_header(kind, await self.read_exact(header_len), payload_len)
+        return kind, header, payload_len
+
+
+def advance(parts: list[Any], sent: int) -> list[Any]:
+    """Drop ``sent`` bytes from the front of a list of buffers (no payload copies)."""
+    for i, part in enumerate(parts):
+        size = len(part)
+        if sent < size:
+            rest = memoryview(part)[sent:] if sent else part
+            return [rest, *parts[i + 1:]]
+        sent -= size
+    return []
+
+
+
+class TcpListener:
+    """Accepts TCP connections and hands each socket to ``on_accept`` in its own task."""
+
+    def __init__(self, sock: socket.socket, on_accept: Callable[[socket.socket], Any]) -> None:
+        self._sock = sock
+        self._on_accept = on_accept
+        self._task = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._children: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def start(cls, host: str, port: int,
+                    on_accept: Callable[[socket.socket], Any]) -> TcpListener:
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(512)
+            sock.setblocking(False)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc}") from exc
+        return cls(sock, on_accept)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, port = self._sock.getsockname()[:2]
+        return host, port
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # EMFILE and friends: keep serving, slowly
+                logger.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            tune(conn)
+            task = loop.create_task(self._on_accept(conn))
+            self._children.add(task)
+            task.add_done_callback(self._children.discard)
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        for task in list(self._children):
+            task.cancel()
+        await asyncio.gather(self._task, *self._children, return_exceptions=True)
+        self._sock.close()
