@@ -1,4 +1,5 @@
-"""libucp RMA bindings: the cffi module is compiled on first use, cached per UCX and ABI.
+"""libucp RMA bindings: the cffi module is compiled on first use, cached per UCX, ABI and
+source.
 
 Nothing is built or loaded at import. :func:`load` compiles the C source in
 ``_ucp_build.py`` against the headers shipped in the ``libucx`` wheel, links it with an
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import logging
 import os
@@ -86,8 +88,11 @@ def _cache_dir(version: str) -> Path:
     base = os.environ.get("TENSORX_CACHE_DIR")
     root = Path(base) if base else Path(
         os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tensorx"
+    from tensorx.transport._ucp_build import CDEF, SOURCE
+
     abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
-    return root / f"ucp-{version}-{abi}"
+    source = hashlib.sha256((CDEF + SOURCE).encode()).hexdigest()[:12]
+    return root / f"ucp-{version}-{abi}-{source}"
 
 
 def _import_or_build() -> ModuleType:

@@ -24,6 +24,7 @@ import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tensorx.errors import (
@@ -65,8 +66,12 @@ class UcxFactory(LaneFactory):
         tls: ``UCX_TLS`` for this process's UCX context, e.g. ``"tcp"`` or ``"posix,cma"``
             (``None``: UCX's choice, or the environment's ``UCX_TLS``).
         options: extra UCX settings (names without ``UCX_``); override the defaults.
-        chunk_bytes: large transfers are issued in chunks of this size, yielding to the
-            event loop in between (a cma put runs synchronously inside ``ucp_put_nbx``).
+        chunk_bytes: transfers are issued to UCP in pieces of at most this size.
+        offload_bytes: calls moving at least this many bytes are issued and progressed on
+            a helper thread (cffi drops the GIL), so a shared-memory copy runs at full
+            speed without blocking the event loop; smaller ones stay on the loop.
+        spin_s: how long that helper thread drives progress itself before the call falls
+            back to sleeping on the eventfd (bounds the CPU spent on slow lanes).
         inline_progress: worker progress passes made inline before waiting on the eventfd.
 
     UCX settings only take effect if this is the first user of ucxx in the process (ucxx
@@ -78,12 +83,17 @@ class UcxFactory(LaneFactory):
 
     def __init__(self, *, error_handling: bool = True, tls: str | None = None,
                  options: Mapping[str, str] | None = None, chunk_bytes: int = DEFAULT_CHUNK,
+                 offload_bytes: int = 1 << 20, spin_s: float = 0.05,
                  inline_progress: int = 64) -> None:
-        if chunk_bytes <= 0 or inline_progress < 0:
-            raise UsageError("chunk_bytes must be > 0 and inline_progress >= 0")
+        if chunk_bytes <= 0 or inline_progress < 0 or offload_bytes < 0 or spin_s < 0:
+            raise UsageError("chunk_bytes must be > 0; offload_bytes, spin_s and "
+                             "inline_progress >= 0")
         self.error_handling = bool(error_handling)
         self.chunk_bytes = int(chunk_bytes)
+        self.offload_bytes = int(offload_bytes)
+        self.spin_ns = int(spin_s * 1e9)
         self.inline_progress = int(inline_progress)
+        self._pool: ThreadPoolExecutor | None = None
         self._ucp = _ucp.load()
         self._ffi, self._lib = self._ucp.ffi, self._ucp.lib
         self._ctx = _ucxx_context(tls, options)
@@ -95,6 +105,7 @@ class UcxFactory(LaneFactory):
         self._waits: dict[int, tuple[Any, asyncio.Future[None]]] = {}
         self._regs: dict[int, _Registration] = {}
         self._lanes: set[UcxLane] = set()
+        self._peer_states: list[Any] = []  # every lane's error-callback state
         self._closed = False
 
     # -- LaneFactory -----------------------------------------------------------------
@@ -140,7 +151,17 @@ class UcxFactory(LaneFactory):
             for region_id in list(self._regs):
                 self._unregister(region_id)
             self._detach_loop()
-            os.close(self._efd)
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)  # its spin is bounded by spin_s
+            self._retire_efd()
+
+    def _retire_efd(self) -> None:
+        # Callbacks UCX may still run must not write into a recycled descriptor number.
+        for w in [*_ORPHANS, *(w for w, _ in self._waits.values()), *self._peer_states]:
+            if w.efd == self._efd:
+                w.efd = -1
+        self._waits.clear()
+        os.close(self._efd)
 
     # -- registrations ---------------------------------------------------------------
     def _registration(self, region: MemoryRegion) -> _Registration:
@@ -183,6 +204,11 @@ class UcxFactory(LaneFactory):
             return 0
 
     # -- completion ------------------------------------------------------------------
+    def _helper(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorx-ucx")
+        return self._pool
+
     def _attach_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is loop:
@@ -263,6 +289,7 @@ class UcxLane(DataLane):
         self.peer = peer
         self._address = factory._ffi.from_buffer(address)  # UCP reads it in ucp_ep_create
         self._peer_state = factory._ffi.new("tx_peer_t *")
+        factory._peer_states.append(self._peer_state)
         self._peer_state.efd = factory._efd
         self._ep = 0
         self._rkeys: dict[tuple[str, int, int], int] = {}
@@ -271,6 +298,8 @@ class UcxLane(DataLane):
         self.lanes: list[str] = []
         self.why = ""
         self.stats = {"ops": 0, "bytes": 0}
+        self._active = 0  # calls running on the helper thread
+        self._deferred_close: bool | None = None
 
     @property
     def info(self) -> dict[str, Any]:
@@ -335,35 +364,37 @@ class UcxLane(DataLane):
                 await self.flush(timeout=CLOSE_TIMEOUT)
             except Exception as exc:  # closing anyway
                 logger.debug("flush before closing the lane to %s: %s", self.peer, exc)
-        await self._close_ep(force=self._broken is not None or self._f.error_handling)
+        self._mark_closed()
+        if self._active:  # the helper thread closes it when done (within spin_s)
+            self._deferred_close = self._f.error_handling
+            return
+        closing = self._teardown(self._f.error_handling)
+        if closing is not None:
+            try:
+                await self._f._complete(closing, CLOSE_TIMEOUT)
+            except TimeoutError:
+                logger.warning("closing the UCX endpoint to %s timed out", self.peer)
 
     def abort(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._release_rkeys()
-        if self._ep:
-            w = self._f._new_wait()
-            self._lib.tx_ep_close(self._ep, int(self._f.error_handling), w)
-            if self._lib.tx_wait_release(w) == 0:
-                _ORPHANS.append(w)
-            self._ep = 0
-        self._f._lanes.discard(self)
+        self._mark_closed()
+        if self._active:  # the helper thread is still issuing on the endpoint
+            self._deferred_close = self._f.error_handling
+        else:
+            _forget(self._lib, self._teardown(self._f.error_handling))
 
     # -- internals -----------------------------------------------------------------------
     async def _run(self, ops: list[Op], *, put: bool, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_usable()
+        plan = [self._plan(op) for op in ops if op.nbytes]
         w = self._f._new_wait()
-        issue = self._lib.tx_put if put else self._lib.tx_get
-        st = _ucp.UCS_OK
         try:
-            for op in ops:
-                st = await self._issue(issue, op, w)
-                if st < 0:
-                    break
-            if st >= 0:
-                st = self._lib.tx_flush(self._ep, w)
+            if sum(p[1] for p in plan) >= self._f.offload_bytes:
+                st = await self._offload(plan, put, w)
+            else:
+                st = self._issue_all(plan, put, w)
         except BaseException:
             if self._lib.tx_wait_release(w) == 0:
                 _ORPHANS.append(w)
@@ -372,23 +403,53 @@ class UcxLane(DataLane):
         self.stats["ops"] += len(ops)
         self.stats["bytes"] += sum(op.nbytes for op in ops)
 
-    async def _issue(self, issue: Any, op: Op, w: Any) -> int:
+    def _plan(self, op: Op) -> tuple[int, int, int, int, int]:
+        """(local address, nbytes, remote address, rkey, local memh), checked."""
         _check_op(op)
-        if op.nbytes == 0:
-            return _ucp.UCS_OK
-        rkey = self._rkey(op.remote)
+        rkey = self._rkey(op.remote)  # validates the descriptor's UCX keys
         raddr = int(op.remote.keys["ucx"]["addr"]) + op.remote_offset
-        laddr = op.local.address + op.local_offset
-        memh = self._f._local_memh(op.local)
-        chunk, done, st = self._f.chunk_bytes, 0, _ucp.UCS_OK
-        while done < op.nbytes and st >= 0:
-            n = min(chunk, op.nbytes - done)
-            st = issue(self._ep, laddr + done, n, raddr + done, rkey, memh, w)
-            done += n
-            if done < op.nbytes:
-                await asyncio.sleep(0)  # let the loop breathe between chunks
-                self._check_usable()
-        return int(st)
+        return (op.local.address + op.local_offset, op.nbytes, raddr, rkey,
+                self._f._local_memh(op.local))
+
+    def _issue_all(self, plan: list[tuple[int, int, int, int, int]], put: bool, w: Any) -> int:
+        """Issue every piece and a flush on ``w`` (guard still held); first error status."""
+        issue = self._lib.tx_put if put else self._lib.tx_get
+        chunk, ep = self._f.chunk_bytes, self._ep
+        for laddr, nbytes, raddr, rkey, memh in plan:
+            for done in range(0, nbytes, chunk):
+                st = issue(ep, laddr + done, min(chunk, nbytes - done), raddr + done, rkey,
+                           memh, w)
+                if st < 0:
+                    return int(st)
+        return int(self._lib.tx_flush(ep, w))
+
+    async def _offload(self, plan: list[tuple[int, int, int, int, int]], put: bool,
+                       w: Any) -> int:
+        """Issue and progress on the helper thread, for at most ``spin_s``."""
+        loop = asyncio.get_running_loop()
+        self._active += 1
+        fut: Future[int] = self._f._helper().submit(self._issue_and_spin, plan, put, w)
+        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._offload_done))
+        issued = asyncio.wrap_future(fut)
+        try:
+            return await asyncio.shield(issued)
+        except asyncio.CancelledError:
+            # Return only once every piece is issued, so later calls are issued after it.
+            await asyncio.wait([issued])
+            raise
+
+    def _issue_and_spin(self, plan: list[tuple[int, int, int, int, int]], put: bool,
+                        w: Any) -> int:
+        st = self._issue_all(plan, put, w)
+        if st >= 0:
+            self._lib.tx_progress_for(self._f.worker_handle, w, 1, self._f.spin_ns)
+        return st
+
+    def _offload_done(self) -> None:
+        self._active -= 1
+        if self._active == 0 and self._deferred_close is not None:
+            force, self._deferred_close = self._deferred_close, None
+            _forget(self._lib, self._teardown(force))
 
     async def _finish(self, w: Any, st: int, timeout: float | None) -> None:
         try:
@@ -421,21 +482,21 @@ class UcxLane(DataLane):
             self._lib.tx_rkey_destroy(rkey)
         self._rkeys.clear()
 
-    async def _close_ep(self, *, force: bool) -> None:
+    def _mark_closed(self) -> None:
         self._closed = True
-        self._release_rkeys()
         self._f._lanes.discard(self)
+
+    def _teardown(self, force: bool) -> Any:
+        """Destroy the rkeys and start closing the endpoint; the close's wait (guard held)."""
+        self._release_rkeys()
         ep, self._ep = self._ep, 0
         if not ep:
-            return
+            return None
         w = self._f._new_wait()
         st = self._lib.tx_ep_close(ep, int(force), w)
-        try:
-            await self._f._complete(w, CLOSE_TIMEOUT)
-        except TimeoutError:
-            logger.warning("closing the UCX endpoint to %s timed out", self.peer)
         if st < 0 and st != _ucp.UCS_ERR_CANCELED:
             logger.debug("ucp_ep_close_nbx to %s: %s", self.peer, self._f._ucp.status_string(st))
+        return w
 
     def _check_peer(self) -> None:
         if self._broken is None and self._peer_state.failed:
@@ -469,6 +530,12 @@ def _check_op(op: Op) -> None:
                           f"{op.remote.region_id:#x} of {op.remote.nbytes} B")
     if op.local.closed:
         raise ClosedError(f"memory region {op.local.region_id:#x} is closed")
+
+
+def _forget(lib: Any, w: Any) -> None:
+    """Drop the issuer's guard on ``w``; keep it alive while UCX may still complete it."""
+    if w is not None and lib.tx_wait_release(w) == 0:
+        _ORPHANS.append(w)
 
 
 def _remaining(deadline: float | None) -> float | None:

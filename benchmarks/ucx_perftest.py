@@ -1,0 +1,259 @@
+"""The UCX limit: run ``ucx_perftest`` (server + client, loopback) on given lanes.
+
+tensorx's UCX transport is judged against UCX's own benchmark on the same ``UCX_TLS`` in
+the same run. ``limits(size)`` covers the two configurations tensorx uses on one host:
+
+* ``tcp`` with peer-failure endpoints (``-e``): tensorx's default, ``error_handling=True``;
+* ``posix,cma`` without error handling: ``UcxFactory(error_handling=False, tls="posix,cma")``.
+
+    python benchmarks/ucx_perftest.py --size 64M             # the limits only
+    python benchmarks/ucx_perftest.py --size 64M --compare   # tensorx vs perftest table
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+__all__ = ["CONFIGS", "compare", "limits", "perftest_binary", "perftest_gbps", "tensorx_gbps"]
+
+# (UCX_TLS, peer-failure endpoints) pairs: the lanes tensorx uses in each mode.
+CONFIGS: tuple[tuple[str, bool], ...] = (("tcp", True), ("posix,cma", False))
+TESTS = ("ucp_put_bw", "ucp_get")
+
+
+def perftest_binary() -> tuple[Path, Path]:
+    """(ucx_perftest, libucx lib dir) from the ``libucx`` wheel; FileNotFoundError if absent."""
+    try:
+        import libucx
+    except ImportError as exc:
+        raise FileNotFoundError("libucx is not installed") from exc
+    root = Path(libucx.__file__).parent
+    binary = root / "bin" / "ucx_perftest"
+    if not binary.is_file():
+        raise FileNotFoundError(f"no ucx_perftest in {root / 'bin'}")
+    return binary, root / "lib"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def perftest_gbps(tls: str, test: str, size: int, *, error_handling: bool = False,
+                  iters: int = 20, warmup: int = 3, timeout: float = 120.0) -> float:
+    """Overall bandwidth in GB/s (1e9 B/s) of one ``ucx_perftest`` run on ``UCX_TLS=tls``.
+
+    Runs the server and the client as two processes on 127.0.0.1. ``error_handling``
+    passes ``-e`` (peer-failure endpoints), as tensorx's default transport uses.
+    """
+    binary, libdir = perftest_binary()
+    env = dict(os.environ, UCX_TLS=tls, UCX_WARN_UNUSED_ENV_VARS="n",
+               LD_LIBRARY_PATH=f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    port = _free_port()
+    args = ["-p", str(port)]
+    # No probe of the port: perftest's server serves the first connection it accepts, so
+    # the client itself retries while the server is not listening yet.
+    server = subprocess.Popen([str(binary), *args], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        cmd = [str(binary), "127.0.0.1", *args, "-t", test, "-s", str(size), "-n", str(iters),
+               "-w", str(warmup), "-v", *(["-e"] if error_handling else [])]
+        out = _run_client(cmd, env, timeout)
+        server.wait(timeout=10)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    return _parse(out)
+
+
+def _run_client(cmd: list[str], env: dict[str, str], timeout: float) -> str:
+    for attempt in range(20):  # the server may need a moment to listen
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                             check=False)
+        if res.returncode == 0:
+            return res.stdout
+        if "onnection refused" not in res.stderr + res.stdout or attempt == 19:
+            raise RuntimeError(f"ucx_perftest failed ({res.returncode}): "
+                               f"{(res.stderr or res.stdout).strip()[-500:]}")
+        time.sleep(0.1)
+    raise AssertionError("unreachable")
+
+
+def _parse(out: str) -> float:
+    rows = [r for r in csv.reader(io.StringIO(out)) if r and r[0].strip().isdigit()]
+    header = next(r for r in csv.reader(io.StringIO(out)) if r and r[0] == "iterations")
+    overall_mb = float(rows[-1][header.index("overall_bw")])
+    return overall_mb * (1 << 20) / 1e9  # perftest's MB is MiB
+
+
+def limits(size: int, *, iters: int = 20) -> dict[str, float]:
+    """GB/s of ``ucp_put_bw`` and ``ucp_get`` for every config in :data:`CONFIGS`.
+
+    Keys read ``"<tls>[ -e] <test>"``; a config that cannot run here is left out.
+    """
+    out: dict[str, float] = {}
+    try:
+        perftest_binary()
+    except FileNotFoundError:
+        return out
+    for tls, eh in CONFIGS:
+        for test in TESTS:
+            key = f"{tls}{' -e' if eh else ''} {test}"
+            try:
+                out[key] = perftest_gbps(tls, test, size, error_handling=eh, iters=iters)
+            except (RuntimeError, subprocess.TimeoutExpired, StopIteration,
+                    IndexError, ValueError) as exc:
+                print(f"ucx_perftest {key}: {exc}")
+    return out
+
+
+# -- tensorx's UcxLane on the same lanes, for a same-run comparison -----------------------
+def _lane_owner(conn: Connection, tls: str, error_handling: bool, size: int) -> None:
+    import asyncio
+
+    from tensorx.memregion import MemoryRegion
+    from tensorx.transport.ucx import UcxFactory
+
+    async def serve() -> None:
+        factory = UcxFactory(error_handling=error_handling, tls=tls)
+        region = MemoryRegion.allocate(size)
+        conn.send((factory.local_info(), factory.register(region)))
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # only UCX works
+        await factory.aclose()
+
+    asyncio.run(serve())
+
+
+def tensorx_gbps(tls: str, size: int, *, error_handling: bool, iters: int = 20,
+                 timeout: float = 300.0) -> dict[str, Any]:
+    """GB/s of ``write``/``read`` of ``size`` bytes through tensorx's UcxLane between two
+    fresh processes (UCX is configured once per process), plus the median 8-byte write
+    (put + flush) round trip in microseconds and the lanes used."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    owner_conn, owner_child = ctx.Pipe()
+    owner = ctx.Process(target=_lane_owner, args=(owner_child, tls, error_handling, size),
+                        daemon=True)
+    owner.start()
+    client = ctx.Process(target=_lane_client,
+                         args=(child, owner_conn, tls, size, error_handling, iters), daemon=True)
+    client.start()
+    try:
+        if not conn.poll(timeout):
+            raise RuntimeError("the tensorx measurement did not finish")
+        result: dict[str, Any] = conn.recv()
+        return result
+    finally:
+        owner_conn.send("stop")
+        for proc in (client, owner):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _lane_client(conn: Connection, owner: Connection, tls: str, size: int,
+                 error_handling: bool, iters: int) -> None:
+    import asyncio
+
+    if not owner.poll(60):
+        raise RuntimeError("tensorx owner process did not start")
+    info, keys = owner.recv()
+    conn.send(asyncio.run(_measure_lane(info, keys, tls, size, error_handling, iters)))
+
+
+async def _measure_lane(info: dict[str, Any], keys: dict[str, Any], tls: str, size: int,
+                        error_handling: bool, iters: int) -> dict[str, Any]:
+    from tensorx.memregion import MemoryRegion, RegionDescriptor
+    from tensorx.transport.base import Op
+    from tensorx.transport.ucx import UcxFactory
+
+    factory = UcxFactory(error_handling=error_handling, tls=tls)
+    try:
+        lane = await factory.open_lane(info, peer="owner", timeout=30)
+        remote = RegionDescriptor("owner", 1, 1, size, "cpu", "rw", {"ucx": keys})
+        local = MemoryRegion.allocate(size)
+        out: dict[str, Any] = {}
+        for name, fn in (("put", lane.write), ("get", lane.read)):
+            op = Op(local, remote, 0, 0, size)
+            await fn(op, timeout=60)  # warm-up
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                await fn(op, timeout=60)
+            out[name] = size * iters / (time.perf_counter() - t0) / 1e9
+        small, times = Op(local, remote, 0, 0, 8), []
+        for _ in range(1000):
+            t0 = time.perf_counter()
+            await lane.write(small, timeout=10)
+            times.append(time.perf_counter() - t0)
+        out["put8_us"] = sorted(times)[len(times) // 2] * 1e6
+        out["lanes"] = lane.info["lanes"]
+        await lane.aclose()
+        return out
+    finally:
+        await factory.aclose()
+
+
+def compare(size: int, *, rounds: int = 3, iters: int = 20) -> list[dict[str, Any]]:
+    """Interleaved rounds of ucx_perftest and tensorx on each config; medians per config."""
+    rows = []
+    for tls, eh in CONFIGS:
+        samples: dict[str, list[float]] = {}
+        lanes: Any = None
+        for _ in range(rounds):
+            for test, key in (("ucp_put_bw", "perftest put"), ("ucp_get", "perftest get")):
+                samples.setdefault(key, []).append(
+                    perftest_gbps(tls, test, size, error_handling=eh, iters=iters))
+            res = tensorx_gbps(tls, size, error_handling=eh, iters=iters)
+            lanes = res.pop("lanes")
+            for key, value in res.items():
+                samples.setdefault(f"tensorx {key}", []).append(value)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        rows.append({"tls": tls, "error_handling": eh, "lanes": lanes, **med})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="64M")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compare", action="store_true",
+                        help="also measure tensorx's UcxLane, interleaved, and print a table")
+    args = parser.parse_args()
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = args.size.upper()
+    size = int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
+    if not args.compare:
+        for key, value in limits(size, iters=args.iters).items():
+            print(f"{key:28s} {value:6.2f} GB/s")
+        return
+    print("| UCX_TLS | error handling | lanes | put: tensorx / perftest | get: tensorx / "
+          "perftest | 8 B put+flush |")
+    print("|---|---|---|---|---|---|")
+    for r in compare(size, rounds=args.rounds, iters=args.iters):
+        put, get = r["tensorx put"] / r["perftest put"], r["tensorx get"] / r["perftest get"]
+        print(f"| {r['tls']} | {r['error_handling']} | {', '.join(r['lanes'])} | "
+              f"{r['tensorx put']:.2f} / {r['perftest put']:.2f} GB/s ({put:.0%}) | "
+              f"{r['tensorx get']:.2f} / {r['perftest get']:.2f} GB/s ({get:.0%}) | "
+              f"{r['tensorx put8_us']:.1f} us |")
+
+
+if __name__ == "__main__":
+    main()
