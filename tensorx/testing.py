@@ -13,6 +13,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import traceback
 from collections.abc import Callable
@@ -21,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from tensorx import _wire
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
-__all__ = ["GUARD", "FaultyProxy", "OwnerProcess", "digest", "pattern"]
+__all__ = ["GUARD", "FaultyProxy", "OwnerProcess", "digest", "pattern", "raw_socket", "recv_frame"]
 
 GUARD = 4096
 GUARD_BYTE = 0xA5
@@ -37,6 +39,32 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 def digest(data: Any) -> str:
     return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def raw_socket(address: str, timeout: float = 5.0) -> socket.socket:
+    """A plain blocking socket to a node, for tests that speak (or abuse) the protocol."""
+    from tensorx.node import parse_address
+
+    _, host, port = parse_address(address)
+    return socket.create_connection((host, port), timeout=timeout)
+
+
+def recv_frame(sock: socket.socket) -> tuple[_wire.Kind, dict[str, Any]]:
+    """Read one whole frame from a blocking socket; its payload is read and dropped."""
+    kind, hlen, plen = _wire.decode_prefix(_recv_exact(sock, _wire.PREFIX.size))
+    header = _wire.decode_header(kind, _recv_exact(sock, hlen), plen)
+    _recv_exact(sock, plen)
+    return kind, header
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("peer closed")
+        data += chunk
+    return bytes(data)
 
 
 class OwnerProcess:

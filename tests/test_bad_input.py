@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 import tensorx as tx
 from tensorx import _auth, _wire
 from tensorx._wire import Kind
-from tensorx.node import parse_address
-from tensorx.testing import OwnerProcess, digest, pattern
+from tensorx.testing import OwnerProcess, digest, pattern, raw_socket, recv_frame
 
 TOKEN = "s3cret"
 
@@ -136,38 +135,18 @@ async def test_unusable_calls_are_usage_errors(owner: OwnerProcess) -> None:
 
 # -- raw frames: speak the protocol by hand, then misbehave --------------------------------
 def _raw_socket(owner: OwnerProcess) -> socket.socket:
-    _, host, port = parse_address(owner.address)
-    sock = socket.create_connection((host, port), timeout=5)
-    return sock
-
-
-def _recv_frame(sock: socket.socket) -> tuple[Kind, dict[str, object]]:
-    prefix = _recv_exact(sock, _wire.PREFIX.size)
-    kind, hlen, plen = _wire.decode_prefix(prefix)
-    header = _wire.decode_header(kind, _recv_exact(sock, hlen), plen)
-    _recv_exact(sock, plen)
-    return kind, header
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
+    return raw_socket(owner.address)
 
 
 def _authenticated_socket(owner: OwnerProcess) -> socket.socket:
     sock = _raw_socket(owner)
     nonce = _auth.new_nonce()
     sock.sendall(_wire.encode(Kind.HELLO, {"id": "fuzzer", "nonce": nonce}))
-    kind, ch = _recv_frame(sock)
+    kind, ch = recv_frame(sock)
     assert kind is Kind.CHALLENGE
     proof = _auth.make_proof(TOKEN.encode(), b"client", nonce, ch["nonce"], "fuzzer", ch["id"])
     sock.sendall(_wire.encode(Kind.AUTH, {"proof": proof, "caps": {}}))
-    assert _recv_frame(sock)[0] is Kind.WELCOME
+    assert recv_frame(sock)[0] is Kind.WELCOME
     return sock
 
 
@@ -215,7 +194,7 @@ def test_forged_write_frame_past_the_end_changes_nothing(owner: OwnerProcess) ->
     sock = _authenticated_socket(owner)
     header = {"req": 1, "rid": d.region_id, "ck": d.cookie, "off": 64, "n": 4096, "last": True}
     sock.sendall(_wire.encode(Kind.WRITE, header, 4096) + b"\xff" * 4096)
-    kind, reply = _recv_frame(sock)
+    kind, reply = recv_frame(sock)
     assert kind is Kind.ERROR and reply["code"] == "region"
     sock.close()
     assert owner.call_blocking("digest", d.region_id) == digest(pattern(128, 5))
@@ -236,7 +215,7 @@ async def test_owner_keeps_serving_after_all_of_the_above(owner: OwnerProcess) -
 def test_malformed_frame_gets_a_protocol_error_reply(owner: OwnerProcess, frame: bytes) -> None:
     sock = _authenticated_socket(owner)
     sock.sendall(frame)  # no EOF from us: the owner must notice by itself
-    kind, reply = _recv_frame(sock)
+    kind, reply = recv_frame(sock)
     assert kind is Kind.ERROR and reply["code"] == "protocol" and reply["req"] == 0
     assert _closed_by_owner(sock)
     assert owner.call_blocking("guards_intact")

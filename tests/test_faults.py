@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -12,8 +11,7 @@ import pytest
 import tensorx as tx
 from tensorx import _auth, _wire
 from tensorx._wire import Kind
-from tensorx.node import parse_address
-from tensorx.testing import FaultyProxy
+from tensorx.testing import FaultyProxy, raw_socket, recv_frame
 
 
 def open_fds() -> int:
@@ -69,43 +67,24 @@ async def test_connections_that_come_and_go_leak_nothing() -> None:
         assert owner.endpoints == []
 
 
-def _raw(address: str) -> socket.socket:
-    _, host, port = parse_address(address)
-    return socket.create_connection((host, port), timeout=5)
-
-
-def _frame(sock: socket.socket) -> tuple[Kind, dict[str, object]]:
-    def exact(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError("closed")
-            data += chunk
-        return data
-
-    kind, hlen, plen = _wire.decode_prefix(exact(_wire.PREFIX.size))
-    return kind, _wire.decode_header(kind, exact(hlen), plen)
-
-
 async def test_replayed_handshake_is_refused() -> None:
     token = b"tok"
     async with tx.Node(transport="tcp", token=token) as owner:
         def record_then_replay() -> tuple[Kind, dict[str, object]]:
             nonce = _auth.new_nonce()
-            with _raw(owner.address) as first:
+            with raw_socket(owner.address) as first:
                 first.sendall(_wire.encode(Kind.HELLO, {"id": "me", "nonce": nonce}))
-                _, ch = _frame(first)
+                _, ch = recv_frame(first)
                 proof = _auth.make_proof(token, b"client", nonce, ch["nonce"], "me",
                                          ch["id"])  # type: ignore[arg-type]
                 auth = _wire.encode(Kind.AUTH, {"proof": proof, "caps": {}})
                 first.sendall(auth)
-                assert _frame(first)[0] is Kind.WELCOME
-            with _raw(owner.address) as second:  # an eavesdropper replays both messages
+                assert recv_frame(first)[0] is Kind.WELCOME
+            with raw_socket(owner.address) as second:  # an eavesdropper replays both messages
                 second.sendall(_wire.encode(Kind.HELLO, {"id": "me", "nonce": nonce}))
-                _frame(second)
+                recv_frame(second)
                 second.sendall(auth)
-                return _frame(second)
+                return recv_frame(second)
 
         kind, header = await asyncio.to_thread(record_then_replay)
         assert kind is Kind.ERROR
@@ -115,9 +94,9 @@ async def test_replayed_handshake_is_refused() -> None:
 async def test_protocol_version_mismatch_is_explained_to_the_peer() -> None:
     async with tx.Node(transport="tcp") as owner:
         def speak_v2() -> tuple[Kind, dict[str, object]]:
-            with _raw(owner.address) as sock:
+            with raw_socket(owner.address) as sock:
                 sock.sendall(_wire.PREFIX.pack(b"TX", 2, Kind.HELLO, 0, 0))
-                return _frame(sock)
+                return recv_frame(sock)
 
         kind, header = await asyncio.to_thread(speak_v2)
         assert kind is Kind.ERROR
@@ -129,7 +108,7 @@ async def test_protocol_version_mismatch_is_explained_to_the_peer() -> None:
 
 async def test_silent_peer_handshake_times_out_and_node_keeps_serving() -> None:
     async with tx.Node(transport="tcp", timeout=0.5) as owner:
-        silent = await asyncio.to_thread(_raw, owner.address)
+        silent = await asyncio.to_thread(raw_socket, owner.address)
         await asyncio.sleep(1.0)
         silent.settimeout(2)
         assert silent.recv(100) == b""  # dropped after its handshake deadline
