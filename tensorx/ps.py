@@ -35,6 +35,7 @@ from tensorx._ps.shard import (
     checkpoint_path,
     load_checkpoint,
 )
+from tensorx._ps.sparse import SparseReceiver, dynamic_path_ok
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     PlanMismatchError,
@@ -109,13 +110,16 @@ class ParameterServer:
         self._peers: dict[Endpoint, _Peer] = {}
         self._waiting: list[_Peer] = []    # said hello before the parameters were initialised
         self._slot_descs: dict[int, RegionDescriptor] = {}
+        self._header_descs: dict[int, bytes] = {}
+        self._sparse: SparseReceiver | None = None
         self._events: asyncio.Queue[tuple[str, Endpoint, bytes]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._closed = False
         self._initialised = False  # parameters came from rank 0 or a checkpoint
         self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "max_gap": 0,
-                                      "max_version_lag": 0, "apply_s": 0.0}
+                                      "max_version_lag": 0, "apply_s": 0.0,
+                                      "sparse_rows": 0}
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> ParameterServer:
@@ -173,6 +177,8 @@ class ParameterServer:
             await self.node.aclose()
             if self.state is not None:
                 self.state.close()
+            if self._sparse is not None:
+                self._sparse.close()
 
     async def __aenter__(self) -> ParameterServer:
         return await self.start()
@@ -211,6 +217,8 @@ class ParameterServer:
         self._plan, self._plan_bytes = plan, plan_bytes
         layout = ShardLayout.from_plan(plan, self.shard)
         self.state = ShardState(layout, self.num_workers, self._optimizer, self._lr_scheduler)
+        if dynamic_path_ok(plan) and plan.header_bytes(self.shard):
+            self._sparse = SparseReceiver(plan, self.shard, self.num_workers)
         return plan
 
     # -- event loop -----------------------------------------------------------------------
@@ -270,6 +278,8 @@ class ParameterServer:
         self.state.verify = self.state.verify or msg["verify"]
         if rank not in self._slot_descs:
             self._slot_descs[rank] = self.node.export(self.state.slot_region(rank), access="w")
+            self._header_descs[rank] = b"" if self._sparse is None else self.node.export(
+                self._sparse.headers[rank], access="w").to_bytes()
         self.scheduler.join(rank)
         logger.info("ps shard %d: worker rank %d joined from %s", self.shard, rank, ep.peer)
         if self._initialised or rank == 0:
@@ -312,7 +322,8 @@ class ParameterServer:
             await peer.ep.write(self.state.params_region, peer.params, timeout=self.timeout)
             await peer.ep.notify(protocol.encode(
                 "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
-                version=self.state.version, mode=self.mode, checksum=self.state.checksum()),
+                headers=self._header_descs[peer.rank], version=self.state.version,
+                mode=self.mode, checksum=self.state.checksum()),
                 timeout=self.timeout)
         except TensorxError as exc:
             logger.warning("ps shard %d: lost rank %d at welcome: %s", self.shard, peer.rank, exc)
@@ -327,6 +338,10 @@ class ParameterServer:
         self.stats["pushes"] += 1
         lag = self.state.version - msg["version"]
         self.stats["max_version_lag"] = max(self.stats["max_version_lag"], lag)
+        if self._sparse is not None:
+            self._sparse.announce(peer.rank, msg["staging"])
+            self.stats["sparse_rows"] += await self._sparse.receive(
+                ep, peer.rank, self.state.slot_region(peer.rank), self.timeout)
         await self._act(self.scheduler.push(peer.rank))
 
     async def _act(self, decision: Decision) -> None:

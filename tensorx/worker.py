@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tensorx._ps import protocol
+from tensorx._ps.sparse import SparseSender, dynamic_path_ok, static_ranges
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     AuthError,
@@ -82,6 +83,9 @@ class Worker:
         self.mode = ""
         self._eps: list[Endpoint] = []
         self._slots: list[RegionDescriptor] = []
+        self._headers: list[bytes] = []
+        self._ranges: list[list[tuple[int, int]]] = []
+        self._sparse: SparseSender | None = None
         self._inbox: list[asyncio.Queue[dict[str, Any]]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
@@ -97,8 +101,12 @@ class Worker:
 
         self.plan = GraphAnalyzer(self.model, num_shards=self.num_shards,
                                   **self._plan_options).plan()
-        self.binding = self.plan.bind(self.model)
+        dynamic = dynamic_path_ok(self.plan)
+        self.binding = self.plan.bind(self.model, densify_sparse=not dynamic)
+        self._ranges = [static_ranges(self.plan, s, dynamic) for s in range(self.num_shards)]
         await self.node.start()
+        if dynamic:
+            self._sparse = SparseSender(self.binding, self.model, self.node)
         try:
             await self._handshake()
         except BaseException:
@@ -116,6 +124,7 @@ class Worker:
         welcomes = await asyncio.gather(*(self._expect(s, "welcome")
                                           for s in range(self.num_shards)))
         self._slots = [RegionDescriptor.from_bytes(w["slot"]) for w in welcomes]
+        self._headers = [w["headers"] for w in welcomes]
         self.mode = welcomes[0]["mode"]
         for s, w in enumerate(welcomes):
             self._accept_params(s, w)
@@ -167,10 +176,16 @@ class Worker:
         await asyncio.gather(*(self._push(s) for s in range(self.num_shards)))
 
     async def _push(self, shard: int) -> None:
-        ep = self._eps[shard]
-        await ep.write(self._region(shard, "grads"), self._slots[shard], timeout=self.timeout)
-        await ep.notify(protocol.encode("push", step=self.steps, version=self.version[shard]),
-                        timeout=self.timeout)
+        ep, grads, slot = self._eps[shard], self._region(shard, "grads"), self._slots[shard]
+        ops: list[tuple[Any, ...]] = [(grads, slot, off, off, n) for off, n in self._ranges[shard]]
+        staging: dict[str, bytes] = {}
+        if self._sparse is not None and self._headers[shard]:
+            staging = self._sparse.stage(shard)
+            ops.append((self._region(shard, "headers"), self._headers[shard], 0, 0, None))
+        if ops:
+            await ep.write_many(ops, timeout=self.timeout)
+        await ep.notify(protocol.encode("push", step=self.steps, version=self.version[shard],
+                                        staging=staging), timeout=self.timeout)
 
     async def pull(self) -> None:
         """Wait until every shard has written its answer to our push into our arenas."""

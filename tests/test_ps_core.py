@@ -154,8 +154,9 @@ def test_checksum_changes_with_every_update() -> None:
 
 # -- control messages -------------------------------------------------------------------
 def test_messages_round_trip() -> None:
-    raw = protocol.encode("push", step=3, version=7)
-    assert protocol.decode(raw) == {"t": "push", "step": 3, "version": 7}
+    raw = protocol.encode("push", step=3, version=7, staging={"emb.weight": b"desc"})
+    assert protocol.decode(raw) == {"t": "push", "step": 3, "version": 7,
+                                    "staging": {"emb.weight": b"desc"}}
 
 
 @pytest.mark.parametrize("payload", [
@@ -170,6 +171,6 @@ def test_wrong_field_type_is_a_protocol_error() -> None:
     import msgpack
 
     with pytest.raises(ProtocolError, match="step"):
-        protocol.decode(msgpack.packb({"t": "push", "step": "3", "version": 1}))
+        protocol.decode(msgpack.packb({"t": "push", "step": "3", "version": 1, "staging": {}}))
     with pytest.raises(ProtocolError, match="unknown"):
         protocol.decode(msgpack.packb({"t": "pickle"}))

@@ -229,6 +229,9 @@ async def test_sparse_embedding_model_trains(transport: str) -> None:
                 loss_of(m, r).backward()
             await asyncio.gather(*(w.step() for w in ws))
         last = float(loss_of(models[0]).detach())
+        # the dynamic path carried the rows (2 workers x 25 steps x <= 32*4 ids x 2 tables)
+        rows = sum(ps.stats["sparse_rows"] for ps in shards)
+        assert 0 < rows <= 2 * 25 * 32 * 4 * 2
     assert last < 0.2 * first
     ref = sparse_embedding()
     opt = sgd(list(ref.parameters()))  # type: ignore[arg-type]

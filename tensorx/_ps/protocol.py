@@ -30,11 +30,14 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"proto": int, "rank": int, "num_workers": int, "shard": int, "num_shards": int,
               "fingerprint": str, "plan": bytes, "params": bytes, "verify": bool},
     # shard -> worker: your gradient slot; your arena now holds parameters `version`
-    "welcome": {"slot": bytes, "version": int, "mode": str, "checksum": _OPT_INT},
+    # (and, with sparse tensors, your header region for the dynamic path; else b"")
+    "welcome": {"slot": bytes, "headers": bytes, "version": int, "mode": str,
+                "checksum": _OPT_INT},
     # shard -> worker: the handshake or a step failed; `code` names the error class
     "error": {"code": str, "msg": str},
-    # worker -> shard: my slot holds the gradient of my step `step`, computed on `version`
-    "push": {"step": int, "version": int},
+    # worker -> shard: my slot holds the gradient of my step `step`, computed on `version`;
+    # `staging`: {tensor name: descriptor} of sparse staging regions that are new
+    "push": {"step": int, "version": int, "staging": dict},
     # shard -> worker: your arena now holds parameters `version` (checksum if asked)
     "params": {"version": int, "step": int, "checksum": _OPT_INT},
     # worker -> shard: I am leaving

@@ -1,0 +1,138 @@
+"""The dynamic path between a worker and a shard: sparse gradients as rows, not tables.
+
+Worker: stages each sparse gradient (indices, then rows) in a registered staging region,
+exports it read-only, writes the header slots into its header region on the shard, and
+names any new staging region in the push message. Shard: for each dynamic entry, decodes
+the header, reads ``nbytes`` straight out of the worker's staging region (one-sided), checks
+the indices and scatters the rows into that worker's dense gradient slot, so averaging and
+the optimizer see an ordinary dense gradient. Only the touched rows cross the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tensorx.errors import ProtocolError, RegionError
+from tensorx.memregion import MemoryRegion, RegionDescriptor
+
+__all__ = ["SparseReceiver", "SparseSender", "dynamic_path_ok", "static_ranges"]
+
+
+def dynamic_path_ok(plan: Any) -> bool:
+    """True when the plan has sparse tensors and none of them was split into chunks."""
+    dynamic = [e for e in plan.entries if e.kind == "dynamic"]
+    return bool(dynamic) and all(e.whole for e in dynamic)
+
+
+def static_ranges(plan: Any, shard: int, dynamic: bool) -> list[tuple[int, int]]:
+    """(offset, nbytes) runs of the shard's arena that hold dense gradients."""
+    if not dynamic:
+        return [(0, plan.arena_bytes(shard))]
+    runs: list[list[int]] = []
+    for e in plan.shard_entries(shard):
+        if e.kind == "dynamic":
+            runs.append([])
+            continue
+        if runs and runs[-1]:
+            runs[-1][1] = e.end
+        else:
+            runs.append([e.offset, e.end])
+    return [(r[0], r[1] - r[0]) for r in runs if r]
+
+
+class SparseSender:
+    """Worker side: stage, export, and say which staging regions are new."""
+
+    def __init__(self, binding: Any, model: torch.nn.Module, node: Any) -> None:
+        self.binding = binding
+        self.node = node
+        self.entries = list(binding.plan.dynamic_entries)
+        self._params = dict(model.named_parameters())
+        self._exported: dict[str, int] = {}  # name -> region id we last announced
+
+    def stage(self, shard: int) -> dict[str, bytes]:
+        """Stage this shard's sparse gradients; descriptors of staging regions to announce."""
+        announce = {}
+        for entry in self.entries:
+            if entry.shard != shard:
+                continue
+            param = self._params[entry.name]
+            if param.grad is None or not param.grad.is_sparse:
+                param.grad = _empty_sparse(param, entry)
+            staged = self.binding.stage_sparse(entry.name)
+            if self._exported.get(entry.name) != staged.region.region_id:
+                desc = self.node.export(staged.region, access="r")
+                self._exported[entry.name] = staged.region.region_id
+                announce[entry.name] = desc.to_bytes()
+        return announce
+
+
+def _empty_sparse(param: torch.Tensor, entry: Any) -> torch.Tensor:
+    dense = param.grad
+    if dense is not None:  # somebody handed us a dense gradient: send its nonzero rows
+        rows = dense.reshape(dense.shape[0], -1).abs().sum(1).nonzero().reshape(-1)
+        return torch.sparse_coo_tensor(rows[None], dense[rows], dense.shape)
+    idx = torch.zeros((1, 0), dtype=torch.int64)
+    values = torch.zeros((0, *entry.row_shape), dtype=param.dtype)
+    return torch.sparse_coo_tensor(idx, values, param.shape)
+
+
+class SparseReceiver:
+    """Shard side: per-worker header regions, staging descriptors, and the scatter."""
+
+    def __init__(self, plan: Any, shard: int, num_workers: int) -> None:
+        self.entries = [d for d in plan.dynamic_entries if d.shard == shard]
+        offsets = {e.name: e.offset for e in plan.shard_entries(shard) if e.kind == "dynamic"}
+        self._offsets = offsets
+        size = plan.header_bytes(shard)
+        self.headers = [MemoryRegion.allocate(size) for _ in range(num_workers)]
+        self._staging: dict[tuple[int, str], RegionDescriptor] = {}
+        self._recv: dict[str, MemoryRegion] = {}
+
+    def announce(self, rank: int, staging: Mapping[Any, Any]) -> None:
+        names = {d.name for d in self.entries}
+        for name, raw in staging.items():
+            if name not in names or not isinstance(raw, bytes):
+                raise ProtocolError(f"staging announcement for unknown tensor {name!r}")
+            self._staging[(rank, name)] = RegionDescriptor.from_bytes(raw)
+
+    async def receive(self, ep: Any, rank: int, slot: MemoryRegion,
+                      timeout: float | None) -> int:
+        """Read every sparse gradient of ``rank``, scatter it into its dense ``slot``;
+        return how many rows came."""
+        from tensorx.graph_analyzer import payload_views, read_header
+
+        rows = 0
+        for entry in self.entries:
+            header = read_header(self.headers[rank], entry)
+            dense = slot.view(getattr(torch, entry.dtype), (entry.num_rows, *entry.row_shape),
+                              self._offsets[entry.name])
+            dense.zero_()
+            if header.rows == 0:
+                continue
+            desc = self._staging.get((rank, entry.name))
+            if desc is None:
+                raise ProtocolError(f"rank {rank} sent rows of {entry.name} without staging")
+            recv = self._buffer(entry.name, header.nbytes)
+            await ep.read(recv, desc, nbytes=header.nbytes, timeout=timeout)
+            indices, values = payload_views(recv, entry, header.rows)
+            if bool((indices < 0).any()) or bool((indices >= entry.num_rows).any()):
+                raise RegionError(f"rank {rank}: {entry.name} row index out of range")
+            dense.index_add_(0, indices, values)
+            rows += header.rows
+        return rows
+
+    def _buffer(self, name: str, nbytes: int) -> MemoryRegion:
+        region = self._recv.get(name)
+        if region is None or region.nbytes < nbytes:
+            if region is not None:
+                region.close()
+            region = self._recv[name] = MemoryRegion.allocate(max(nbytes, 4096))
+        return region
+
+    def close(self) -> None:
+        for region in [*self.headers, *self._recv.values()]:
+            region.close()
