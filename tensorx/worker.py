@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from tensorx._ps import protocol
-from tensorx._ps.sparse import SparseSender, dynamic_path_ok, static_ranges
+from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
+from tensorx._ps.sparse import SparseSender, dynamic_path_ok
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     AuthError,
@@ -58,12 +59,15 @@ class Worker:
     initial parameters seed the shards unless they resumed from a checkpoint. ``verify``:
     check every pull against the checksum the shard stamped on its update.
     ``plan_options``: passed to :class:`tensorx.GraphAnalyzer` (every worker must agree).
+    ``overlap``: start writing a gradient bucket (about ``bucket_bytes``) to its shard as
+    soon as autograd has finished it, during backward.
     """
 
     def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
                  num_workers: int = 1, *, token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 60.0, verify: bool = False,
-                 plan_options: dict[str, Any] | None = None) -> None:
+                 plan_options: dict[str, Any] | None = None, overlap: bool = True,
+                 bucket_bytes: int = 1 << 20) -> None:
         self.model = model
         self.addresses = [ps] if isinstance(ps, str) else list(ps)
         if not self.addresses:
@@ -84,7 +88,9 @@ class Worker:
         self._eps: list[Endpoint] = []
         self._slots: list[RegionDescriptor] = []
         self._headers: list[bytes] = []
-        self._ranges: list[list[tuple[int, int]]] = []
+        self._overlap = overlap
+        self._bucket_bytes = bucket_bytes
+        self._pusher: BucketPusher | None = None
         self._sparse: SparseSender | None = None
         self._inbox: list[asyncio.Queue[dict[str, Any]]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -103,7 +109,6 @@ class Worker:
                                   **self._plan_options).plan()
         dynamic = dynamic_path_ok(self.plan)
         self.binding = self.plan.bind(self.model, densify_sparse=not dynamic)
-        self._ranges = [static_ranges(self.plan, s, dynamic) for s in range(self.num_shards)]
         await self.node.start()
         if dynamic:
             self._sparse = SparseSender(self.binding, self.model, self.node)
@@ -125,6 +130,9 @@ class Worker:
                                           for s in range(self.num_shards)))
         self._slots = [RegionDescriptor.from_bytes(w["slot"]) for w in welcomes]
         self._headers = [w["headers"] for w in welcomes]
+        self._pusher = BucketPusher(make_buckets(self.plan, self._bucket_bytes), self.model,
+                                    self._write_bucket, asyncio.get_running_loop(),
+                                    self._overlap)
         self.mode = welcomes[0]["mode"]
         for s, w in enumerate(welcomes):
             self._accept_params(s, w)
@@ -143,6 +151,8 @@ class Worker:
         if self._closed:
             return
         self._closed = True
+        if self._pusher is not None:
+            self._pusher.close()
         for ep in self._eps:
             with contextlib.suppress(TensorxError):
                 await ep.notify(protocol.encode("bye"), timeout=5.0)
@@ -169,21 +179,29 @@ class Worker:
         self.stats["steps"] += 1
 
     async def push(self) -> None:
-        """Write every shard's gradient arena into our slot there, then notify."""
+        """Write every gradient bucket not yet written into our slots, then notify."""
+        if self._pusher is None:
+            raise UsageError("the worker is not started; use 'async with Worker(...)'")
         copied = self.binding.ensure_bound()
-        if copied and logger.isEnabledFor(logging.DEBUG):
-            logger.debug("re-bound %s to the arenas (copied once)", ", ".join(copied))
+        if copied:
+            self._pusher.invalidate()
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("re-bound %s to the arenas (copied once)", ", ".join(copied))
+        await self._pusher.flush()
         await asyncio.gather(*(self._push(s) for s in range(self.num_shards)))
 
+    async def _write_bucket(self, bucket: Bucket) -> None:
+        await self._eps[bucket.shard].write(
+            self._region(bucket.shard, "grads"), self._slots[bucket.shard], bucket.offset,
+            bucket.offset, bucket.nbytes, timeout=self.timeout)
+
     async def _push(self, shard: int) -> None:
-        ep, grads, slot = self._eps[shard], self._region(shard, "grads"), self._slots[shard]
-        ops: list[tuple[Any, ...]] = [(grads, slot, off, off, n) for off, n in self._ranges[shard]]
+        ep = self._eps[shard]
         staging: dict[str, bytes] = {}
         if self._sparse is not None and self._headers[shard]:
             staging = self._sparse.stage(shard)
-            ops.append((self._region(shard, "headers"), self._headers[shard], 0, 0, None))
-        if ops:
-            await ep.write_many(ops, timeout=self.timeout)
+            await ep.write(self._region(shard, "headers"), self._headers[shard],
+                           timeout=self.timeout)
         await ep.notify(protocol.encode("push", step=self.steps, version=self.version[shard],
                                         staging=staging), timeout=self.timeout)
 
@@ -199,6 +217,8 @@ class Worker:
         """Zero the gradient arenas in place (keeps ``param.grad`` bound to them)."""
         for s in range(self.num_shards):
             self._region(s, "grads").view(torch.uint8).zero_()
+        if self._pusher is not None:
+            self._pusher.reset()
         for p in self.model.parameters():
             if p.grad is not None and p.grad.is_sparse:
                 p.grad = None  # sparse gradients live outside the arenas; start afresh

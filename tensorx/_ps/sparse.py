@@ -18,29 +18,13 @@ import torch
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
-__all__ = ["SparseReceiver", "SparseSender", "dynamic_path_ok", "static_ranges"]
+__all__ = ["SparseReceiver", "SparseSender", "dynamic_path_ok"]
 
 
 def dynamic_path_ok(plan: Any) -> bool:
     """True when the plan has sparse tensors and none of them was split into chunks."""
     dynamic = [e for e in plan.entries if e.kind == "dynamic"]
     return bool(dynamic) and all(e.whole for e in dynamic)
-
-
-def static_ranges(plan: Any, shard: int, dynamic: bool) -> list[tuple[int, int]]:
-    """(offset, nbytes) runs of the shard's arena that hold dense gradients."""
-    if not dynamic:
-        return [(0, plan.arena_bytes(shard))]
-    runs: list[list[int]] = []
-    for e in plan.shard_entries(shard):
-        if e.kind == "dynamic":
-            runs.append([])
-            continue
-        if runs and runs[-1]:
-            runs[-1][1] = e.end
-        else:
-            runs.append([e.offset, e.end])
-    return [(r[0], r[1] - r[0]) for r in runs if r]
 
 
 class SparseSender:

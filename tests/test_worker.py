@@ -1,0 +1,113 @@
+"""The worker side: gradient buckets pushed during backward, and the blocking facade."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from tensorx._ps.buckets import make_buckets
+from tensorx.errors import UsageError
+from tensorx.graph_analyzer import GraphAnalyzer
+from tensorx.ps import ParameterServer
+from tensorx.worker import RemoteOptimizer, Worker
+
+from .models import mlp
+
+
+class WithUnused(nn.Module):
+    """An MLP plus a parameter no forward pass touches (its gradient stays None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.unused = nn.Parameter(torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+
+def test_buckets_tile_the_dense_entries() -> None:
+    plan = GraphAnalyzer(mlp(), num_shards=2).plan()
+    buckets = make_buckets(plan, bucket_bytes=4096)
+    assert len(buckets) > plan.num_shards  # small buckets: several per shard
+    for shard in range(plan.num_shards):
+        mine = sorted((b for b in buckets if b.shard == shard), key=lambda b: b.offset)
+        entries = plan.shard_entries(shard)
+        assert mine[0].offset == entries[0].offset
+        assert mine[-1].offset + mine[-1].nbytes == entries[-1].end
+        for a, b in itertools.pairwise(mine):
+            assert a.offset + a.nbytes <= b.offset
+    names = set().union(*(b.names for b in buckets))
+    assert names == {e.name for e in plan.entries}
+
+
+@contextlib.contextmanager
+def server_thread(**kw: object) -> Iterator[ParameterServer]:
+    """A ParameterServer on its own event loop thread (the test thread blocks in step)."""
+    ready = threading.Event()
+    box: dict[str, object] = {}
+    loop = asyncio.new_event_loop()
+
+    async def serve() -> None:
+        ps = ParameterServer(transport="tcp", **kw)  # type: ignore[arg-type]
+        await ps.start()
+        box["ps"] = ps
+        ready.set()
+        await ps.serve()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(30), "server did not start"
+        yield box["ps"]  # type: ignore[misc]
+    finally:
+        ps = box.get("ps")
+        if ps is not None:
+            loop.call_soon_threadsafe(ps.stop)  # type: ignore[attr-defined]
+        thread.join(30)
+        loop.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_remote_optimizer_equals_local_training(overlap: bool) -> None:
+    """Two backward passes per step (accumulation), an unused parameter, small buckets
+    pushed from autograd's hooks on the caller's thread: same result as torch.optim."""
+    def sgd(p: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=0.05, momentum=0.9)
+
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 64, generator=gen), torch.randint(0, 10, (8,), generator=gen))
+            for _ in range(24)]
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer | RemoteOptimizer) -> None:
+        for i in range(0, len(data), 2):
+            opt.zero_grad()
+            for x, y in data[i:i + 2]:
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    with server_thread(num_workers=1, optimizer=sgd) as ps:
+        model = WithUnused()
+        with RemoteOptimizer(model, ps=ps.address, transport="tcp", bucket_bytes=2048,
+                             overlap=overlap) as remote:
+            train(model, remote)
+            pusher = remote.worker._pusher
+            assert pusher is not None
+            assert (pusher.early > 0) == overlap
+    want = WithUnused()
+    train(want, sgd(list(want.parameters())))
+    for (name, g), w in zip(model.named_parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+async def test_step_before_start_is_a_clear_error() -> None:
+    w = Worker(mlp(), "tcp://127.0.0.1:1", transport="tcp")
+    with pytest.raises(UsageError, match="async with"):
+        await w.push()
