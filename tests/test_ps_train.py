@@ -99,33 +99,48 @@ async def test_sync_equals_single_process(opt: OptFactory, num_shards: int,
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def digits() -> tuple[torch.Tensor, ...]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x / 16.0, y, test_size=0.2, random_state=0,
+                                              stratify=y)
+    f = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    return f(x_tr), torch.tensor(y_tr), f(x_te), torch.tensor(y_te)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", ["async", "bounded"])
-async def test_async_modes_train_and_respect_staleness(mode: str, transport: str) -> None:
-    models = [make_model(), make_model()]
-    data = batches(30, 2)
+async def test_async_modes_converge_on_digits(mode: str, transport: str) -> None:
+    """Two workers on halves of digits; rank 0 is slowed down now and then, so gradients
+    really are stale. Both modes still reach good accuracy; bounded keeps its bound."""
+    x_tr, y_tr, x_te, y_te = digits()
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)) for _ in range(2)]
 
-    async def run(w: Worker, m: nn.Module, rank: int) -> float:
-        loss = 0.0
-        for i, step in enumerate(data):
-            x, y = step[rank]
+    async def run(w: Worker, m: nn.Module, rank: int) -> None:
+        gen = torch.Generator().manual_seed(rank)
+        xs, ys = x_tr[rank::2], y_tr[rank::2]
+        for i in range(150):
+            idx = torch.randint(0, len(xs), (32,), generator=gen)
             w.zero_grad()
-            out = nn.functional.cross_entropy(m(x), y)
-            out.backward()
-            loss = float(out.detach())
+            nn.functional.cross_entropy(m(xs[idx]), ys[idx]).backward()
             await w.step()
-            if rank == 0 and i % 3 == 0:
-                await asyncio.sleep(0.005)  # a slow worker: the fast one must wait (bounded)
-        return loss
+            if rank == 0 and i % 4 == 0:
+                await asyncio.sleep(0.002)
 
-    async with servers(1, 2, transport, mode=mode, staleness=1, optimizer=ADAM) as (ps,):
+    adam: OptFactory = lambda p: torch.optim.Adam(p, lr=3e-3)  # noqa: E731
+    async with servers(1, 2, transport, mode=mode, staleness=2, optimizer=adam) as (ps,):
         async with workers(models, [ps.address], transport, verify=True) as ws:
-            losses = await asyncio.gather(*(run(w, m, r) for r, (w, m) in
-                                            enumerate(zip(ws, models, strict=True))))
-        assert ps.stats["updates"] == 60
-        assert all(loss == loss for loss in losses)  # finite, no NaN
-        if mode == "bounded":
-            assert ps.stats["max_gap"] <= 1
+            await asyncio.gather(*(run(w, m, r) for r, (w, m) in
+                                   enumerate(zip(ws, models, strict=True))))
+            with torch.no_grad():
+                accuracy = float((models[1](x_te).argmax(1) == y_te).float().mean())
+    assert ps.stats["updates"] == 300
+    assert accuracy >= 0.9, accuracy
+    if mode == "bounded":
+        assert ps.stats["max_gap"] <= 2
 
 
 async def test_bounded_staleness_is_held_by_the_server() -> None:
