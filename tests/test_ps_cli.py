@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._commands.ps import parse_optimizer, shard_listen
+from tensorx._commands.ps import parse_lr_scheduler, parse_optimizer, shard_listen
 from tensorx.errors import UsageError
 from tensorx.worker import Worker
 
@@ -126,3 +126,13 @@ def test_optimizer_spec() -> None:
 def test_shard_ports_follow_the_first() -> None:
     assert shard_listen("tcp://0.0.0.0:7000", 2) == "tcp://0.0.0.0:7002"
     assert shard_listen("tcp://127.0.0.1:0", 1) == "tcp://127.0.0.1:0"
+
+
+def test_lr_scheduler_spec() -> None:
+    assert parse_lr_scheduler(None) is None
+    make = parse_lr_scheduler("StepLR:step_size=3,gamma=0.5")
+    assert make is not None
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    assert isinstance(make(opt), torch.optim.lr_scheduler.StepLR)
+    with pytest.raises(UsageError, match="unknown lr scheduler"):
+        parse_lr_scheduler("warp:speed=9")

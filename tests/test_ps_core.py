@@ -174,3 +174,24 @@ def test_wrong_field_type_is_a_protocol_error() -> None:
         protocol.decode(msgpack.packb({"t": "push", "step": "3", "version": 1, "staging": {}}))
     with pytest.raises(ProtocolError, match="unknown"):
         protocol.decode(msgpack.packb({"t": "pickle"}))
+
+
+def test_lr_scheduler_steps_with_every_update() -> None:
+    def make(p: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=0.5, momentum=0.5)
+
+    def sched(o: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.1)
+
+    state = ShardState(_layout(), 1, make, lr_scheduler=sched)
+    w, b = torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(3))
+    opt = make([w, b])
+    ref = sched(opt)
+    for step in range(5):
+        state._slots[0][0].fill_(step + 1.0)
+        state.apply([0])
+        w.grad, b.grad = torch.full((6,), step + 1.0), torch.zeros(3)
+        opt.step()
+        ref.step()
+    assert torch.allclose(state.params[0], w)
+    assert state.optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * 0.01)

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from tensorx.errors import TensorxError, UsageError
 
-__all__ = ["add_parser", "main", "parse_optimizer", "run"]
+__all__ = ["add_parser", "main", "parse_lr_scheduler", "parse_optimizer", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", type=int, default=None, help="run only this shard")
     p.add_argument("--optimizer", default="sgd:lr=0.1",
                    help='torch.optim class and arguments, e.g. "adam:lr=1e-3"')
+    p.add_argument("--lr-scheduler", default=None,
+                   help='torch.optim.lr_scheduler class and arguments, stepped per update, '
+                        'e.g. "steplr:step_size=1000,gamma=0.5"')
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint here; resume from here")
     p.add_argument("--checkpoint-every", type=int, default=None, help="updates between saves")
     p.add_argument("--token", default=None, help="shared secret (default $TENSORX_TOKEN)")
@@ -77,6 +80,24 @@ def parse_optimizer(spec: str) -> Callable[[list[Any]], Any]:
     kwargs = _literal_kwargs(rest)
     cls([torch.zeros(1, requires_grad=True)], **kwargs)  # fail now on a bad argument
     return lambda params: cls(params, **kwargs)
+
+
+def parse_lr_scheduler(spec: str | None) -> Callable[[Any], Any] | None:
+    """``"steplr:step_size=100,gamma=0.5"`` -> ``lambda opt: StepLR(opt, ...)`` (or None)."""
+    if not spec:
+        return None
+    import torch
+
+    sched = torch.optim.lr_scheduler
+    name, _, rest = spec.partition(":")
+    classes = {n.lower(): getattr(sched, n) for n in dir(sched)
+               if isinstance(getattr(sched, n), type)
+               and issubclass(getattr(sched, n), sched.LRScheduler)}
+    cls = classes.get(name.strip().lower())
+    if cls is None:
+        raise UsageError(f"unknown lr scheduler {name!r}; one of {', '.join(sorted(classes))}")
+    kwargs = _literal_kwargs(rest)
+    return lambda opt: cls(opt, **kwargs)
 
 
 def _literal_kwargs(text: str) -> dict[str, Any]:
@@ -122,6 +143,7 @@ async def serve(args: argparse.Namespace) -> None:
     servers = [ParameterServer(
         shard_listen(args.listen, s), num_workers=args.workers, mode=args.mode,
         staleness=args.staleness, optimizer=optimizer, shard=s, num_shards=args.shards,
+        lr_scheduler=parse_lr_scheduler(args.lr_scheduler),
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         token=args.token, transport=args.transport, insecure=args.insecure) for s in shards]
     loop = asyncio.get_running_loop()
