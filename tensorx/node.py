@@ -12,6 +12,8 @@ import logging
 import os
 import secrets
 import socket
+import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,6 +22,7 @@ from tensorx.endpoint import DEFAULT, Endpoint
 from tensorx.errors import (
     ClosedError,
     TensorxError,
+    TimeoutError,
     TransportUnavailableError,
     UsageError,
 )
@@ -35,6 +38,14 @@ logger = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "tcp", "ucx")
 REQUIREMENTS = (None, "ucx", "rdma")
 RDMA_LANES = ("rc", "dc", "ud", "ib", "roce", "mlx", "verbs", "efa")
+
+
+def _budget(timeout: float | None) -> Callable[[], float | None]:
+    """Seconds left of one timeout shared by several steps (``None``: no limit)."""
+    if timeout is None:
+        return lambda: None
+    deadline = time.monotonic() + timeout
+    return lambda: max(0.0, deadline - time.monotonic())
 
 
 def _is_loopback(host: str) -> bool:
@@ -205,15 +216,19 @@ class Node:
         return caps
 
     async def connect(self, address: str, *, timeout: float | None = DEFAULT) -> Endpoint:
-        """Connect and authenticate to the node at ``address``."""
+        """Connect and authenticate to the node at ``address``; ``timeout`` is one budget for
+        connecting, the handshake and opening the data lane."""
         self._check_running()
-        t = self.timeout if timeout is DEFAULT else timeout
+        left = _budget(self.timeout if timeout is DEFAULT else timeout)
         _, host, port = parse_address(address)
-        sock = await asyncio.wait_for(open_socket(host, port), t)
+        try:
+            sock = await asyncio.wait_for(open_socket(host, port), left())
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"connecting to {address} timed out") from None
         conn = Connection(sock, self._exports, f"{self.id}->{address}")
         try:
-            await handshake.initiate(conn, self.id, self._token, self._caps(), t)
-            return await self._finish(conn, address, t)
+            await handshake.initiate(conn, self.id, self._token, self._caps(), left())
+            return await self._finish(conn, address, left())
         except BaseException:
             conn.abort()
             raise

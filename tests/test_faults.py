@@ -119,3 +119,16 @@ async def test_silent_peer_handshake_times_out_and_node_keeps_serving() -> None:
             await ep.read(tx.MemoryRegion.register(out),
                           owner.export(np.arange(4, dtype=np.uint8)))
             assert out.tolist() == [0, 1, 2, 3]
+
+
+async def test_connect_to_a_silent_listener_times_out_within_one_budget() -> None:
+    with socket.socket() as listener:  # accepts (kernel backlog) but never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        async with tx.Node(listen=None, transport="tcp") as node:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(tx.TimeoutError):
+                await node.connect(f"tcp://127.0.0.1:{port}", timeout=0.5)
+            assert loop.time() - started < 1.5
