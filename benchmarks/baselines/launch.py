@@ -1,0 +1,44 @@
+"""Entry point of one benchmark process: ``python -m benchmarks.baselines.launch SYSTEM ROLE``.
+
+    SYSTEM: tensorx | tensorpipe | grpc | raw      ROLE: server | client
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.baselines import common
+
+MODULES = {"tensorx": "tensorx_ps", "tensorpipe": "rpc", "grpc": "grpc_ps", "raw": "raw"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("system", choices=sorted(MODULES))
+    p.add_argument("role", choices=("server", "client"))
+    p.add_argument("--model", choices=sorted(common.MODELS), default="resnet50")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="the server's port (client)")
+    p.add_argument("--address", default="", help="the server's tensorx address (client)")
+    p.add_argument("--transport", default="tcp", help="tensorx: tcp | ucx | ucx-shm")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"[{args.system} {args.role}] %(levelname)s %(message)s")
+    common.setup_process(args.threads)
+    module = importlib.import_module(f"benchmarks.baselines.{MODULES[args.system]}")
+    getattr(module, "serve" if args.role == "server" else "client")(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""A running system: its server and client processes, driven over the line protocol.
+
+``Pair.start`` launches the server (reads its READY line for the address), then the client;
+``run(n)`` asks the client for ``n`` timed rounds. A placement puts a command prefix in front
+of each process (``ip netns exec NS`` for the two-namespace placement).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+START_TIMEOUT = 120.0
+# tensorx refuses to listen beyond loopback without a shared secret: one per benchmark run.
+TOKEN = secrets.token_hex(16)
+
+
+class BenchError(RuntimeError):
+    """A benchmark process failed; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    name: str
+    server_host: str
+    server_prefix: tuple[str, ...] = ()
+    client_prefix: tuple[str, ...] = ()
+    server_env: dict[str, str] = field(default_factory=dict)
+    client_env: dict[str, str] = field(default_factory=dict)
+
+
+SAME_HOST = Placement("same host", "127.0.0.1")
+
+
+@dataclass(frozen=True)
+class System:
+    """One column of the comparison: a launch.py system plus its options."""
+
+    label: str
+    system: str
+    options: tuple[str, ...] = ()
+
+
+class _Proc:
+    """A child process whose stdout lines arrive on a queue (stderr goes to a log file)."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        self._log_file = log.open("ab")
+        self.popen = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._log_file,
+                                      env={**os.environ, "TENSORX_TOKEN": TOKEN, **env}, text=True, bufsize=1)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(self.popen.stdout,), daemon=True).start()
+
+    def _pump(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        for line in stream:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def expect(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise BenchError(f"no {prefix} within {timeout:.0f} s{self.tail()}") from None
+            if line is None:
+                raise BenchError(f"process exited (rc={self.popen.wait()}) before "
+                                 f"{prefix}{self.tail()}")
+            if line.startswith(prefix + " "):
+                return line[len(prefix) + 1:]
+
+    def send(self, line: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(line + "\n")
+        self.popen.stdin.flush()
+
+    def tail(self, n: int = 25) -> str:
+        self._log_file.flush()
+        lines = self.log.read_text(errors="replace").splitlines()[-n:]
+        return "\n  log " + str(self.log) + ":\n    " + "\n    ".join(lines) if lines else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log_file.close()
+
+
+class Pair:
+    """A system's server and client processes for one model and placement."""
+
+    def __init__(self, system: System, model: str, placement: Placement, logdir: Path) -> None:
+        self.system = system
+        self.model = model
+        self.placement = placement
+        self.logdir = logdir
+        self.info: dict[str, Any] = {}
+        self._server: _Proc | None = None
+        self._client: _Proc | None = None
+
+    def _cmd(self, role: str, prefix: tuple[str, ...], extra: list[str]) -> list[str]:
+        return [*prefix, PYTHON, "-m", "benchmarks.baselines.launch", self.system.system, role,
+                "--model", self.model, "--host", self.placement.server_host,
+                *self.system.options, *extra]
+
+    def _log(self, role: str) -> Path:
+        slug = "".join(c if c.isalnum() else "-" for c in
+                       f"{self.placement.name}-{self.system.label}-{self.model}-{role}")
+        return self.logdir / f"{slug}.log"
+
+    def start(self) -> Pair:
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self._server = _Proc(self._cmd("server", self.placement.server_prefix, []),
+                             self._log("server"), self.placement.server_env)
+        ready = json.loads(self._server.expect("READY", START_TIMEOUT))
+        extra = ["--port", str(ready.get("port", 0)), "--address", ready.get("address", "")]
+        self._client = _Proc(self._cmd("client", self.placement.client_prefix, extra),
+                             self._log("client"), self.placement.client_env)
+        self.info = json.loads(self._client.expect("READY", START_TIMEOUT))
+        return self
+
+    def run(self, rounds: int, timeout: float = 300.0) -> list[float]:
+        assert self._client is not None
+        self._client.send(f"run {rounds}")
+        times: list[float] = json.loads(self._client.expect("TIMES", timeout))
+        return times
+
+    def close(self) -> None:
+        client, server = self._client, self._server
+        self._client = self._server = None
+        if client is not None:
+            if client.popen.poll() is None:
+                try:
+                    client.send("quit")
+                    client.popen.wait(30)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            client.stop()
+        if server is not None:
+            server.stop()

@@ -1,0 +1,248 @@
+"""One PS round with real model shapes: tensorx against TensorPipe RPC, gRPC and raw sockets.
+
+A round: the worker pushes every gradient, the PS applies plain SGD, the worker gets every
+parameter back. Models: ResNet-50 (161 tensors, 25.6M parameters), BERT-base (199 tensors,
+109M) and many-small (2000 tensors of 256 floats). Every system runs as its own server and
+client processes (``benchmarks/baselines/``); all of a model's systems are started, then
+measured in alternating blocks (A B C .. then .. C B A) so that the machine's noise hits them
+alike. Placements: same host (loopback) and two network namespaces joined by a veth pair
+(skipped with a message where namespaces cannot be made).
+
+    python benchmarks/ps_round.py                       # everything, table + chart
+    python benchmarks/ps_round.py --models resnet50 --placements same --blocks 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import netns
+from benchmarks.baselines import common
+from benchmarks.baselines.pair import SAME_HOST, Pair, Placement, System
+
+SYSTEMS = {
+    "tensorx-ucx": System("tensorx ucx", "tensorx", ("--transport", "ucx")),
+    "tensorx-ucx-shm": System("tensorx ucx, shm lanes", "tensorx", ("--transport", "ucx-shm")),
+    "tensorx-tcp": System("tensorx tcp", "tensorx", ("--transport", "tcp")),
+    "tensorpipe": System("TensorPipe RPC", "tensorpipe"),
+    "grpc": System("gRPC", "grpc"),
+    "raw": System("raw socket", "raw"),
+}
+REFERENCES = ("tensorpipe", "grpc")
+MODEL_LABELS = {"resnet50": "ResNet-50", "bert-base": "BERT-base", "many-small": "many-small"}
+# Bytes alive per system and model byte (worker params+grads, PS params+slot+acc, buffers).
+LIVE_FACTOR = 7
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- measuring -------------------------------------------------------------------------------
+def start_all(keys: list[str], model: str, placement: Placement, logdir: Path
+              ) -> dict[str, Pair]:
+    """Start every system's pair in parallel (imports dominate); close them all on failure."""
+    pairs = {k: Pair(SYSTEMS[k], model, placement, logdir) for k in keys}
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        futures = {k: pool.submit(p.start) for k, p in pairs.items()}
+    failed = {k: f.exception() for k, f in futures.items() if f.exception() is not None}
+    for k, exc in failed.items():
+        progress(f"  {SYSTEMS[k].label} failed to start, left out: {exc}")
+        pairs.pop(k).close()
+    return pairs
+
+
+def rounds_per_block(pair: Pair, block_s: float) -> int:
+    probe = statistics.median(pair.run(2))
+    return max(1, min(50, round(block_s / max(probe, 1e-6))))
+
+
+def measure(pairs: dict[str, Pair], blocks: int, block_s: float) -> dict[str, list[float]]:
+    counts = {k: rounds_per_block(p, block_s) for k, p in pairs.items()}
+    times: dict[str, list[float]] = {k: [] for k in pairs}
+    order = list(pairs)
+    for b in range(blocks):
+        for k in order if b % 2 == 0 else order[::-1]:
+            times[k] += pairs[k].run(counts[k])
+    return times
+
+
+def groups(keys: list[str], model: str, budget: int) -> list[list[str]]:
+    """Systems to run side by side: all of them if memory allows, else the references plus
+    as many others as fit (so every ratio is still measured in the same run)."""
+    per = LIVE_FACTOR * common.model_bytes(model)
+    if per * len(keys) <= budget:
+        return [keys]
+    refs = [k for k in keys if k in REFERENCES]
+    others = [k for k in keys if k not in REFERENCES]
+    room = max(1, budget // per - len(refs))
+    return [refs + others[i:i + room] for i in range(0, len(others), room)] or [refs]
+
+
+def run_model(keys: list[str], model: str, placement: Placement,
+              args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for group in groups(keys, model, int(args.memory_gb * 2**30)):
+        progress(f"{placement.name}, {MODEL_LABELS[model]}: starting "
+                 f"{', '.join(SYSTEMS[k].label for k in group)}")
+        pairs = start_all(group, model, placement, args.logdir)
+        try:
+            times = measure(pairs, args.blocks, args.block_s)
+        finally:
+            for p in pairs.values():
+                p.close()
+        rows += summarise(times, pairs, model, placement, seen={r["key"] for r in rows})
+        progress("  " + ", ".join(f"{SYSTEMS[k].label} {statistics.median(t) * 1e3:.1f} ms"
+                                  for k, t in times.items()))
+    return rows
+
+
+def summarise(times: dict[str, list[float]], pairs: dict[str, Pair], model: str,
+              placement: Placement, seen: set[str]) -> list[dict[str, Any]]:
+    med = {k: statistics.median(t) for k, t in times.items()}
+    nbytes = 2 * common.model_bytes(model)  # gradients out, parameters back
+    rows = []
+    for k, m in med.items():
+        if k in seen:
+            continue
+        rows.append({"placement": placement.name, "model": model, "key": k,
+                     "system": SYSTEMS[k].label, "median_s": m, "rounds": len(times[k]),
+                     "gbps": nbytes / m / 1e9, "lanes": pairs[k].info.get("lanes", []),
+                     "vs_tensorpipe": m / med["tensorpipe"] if "tensorpipe" in med else None,
+                     "vs_grpc": m / med["grpc"] if "grpc" in med else None})
+    return rows
+
+
+# -- placements ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def placement(name: str) -> Iterator[Placement | None]:
+    if name == "same":
+        yield SAME_HOST
+        return
+    try:
+        with netns.two_hosts() as p:
+            yield p
+    except netns.Unavailable as exc:
+        progress(f"two namespaces: skipped ({exc})")
+        yield None
+
+
+# -- output ----------------------------------------------------------------------------------
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}x"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for place in dict.fromkeys(r["placement"] for r in rows):
+        lines += [f"**{place}**", "",
+                  "| model | system | s / round (median) | GB/s | time vs TensorPipe |"
+                  " time vs gRPC | rounds |", "|---|---|---|---|---|---|---|"]
+        for r in (r for r in rows if r["placement"] == place):
+            lines.append(f"| {MODEL_LABELS[r['model']]} | {r['system']} | "
+                         f"{r['median_s']:.4f} | {r['gbps']:.2f} | "
+                         f"{ratio(r['vs_tensorpipe'])} | {ratio(r['vs_grpc'])} | "
+                         f"{r['rounds']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    places = list(dict.fromkeys(r["placement"] for r in rows))
+    fig, axes = plt.subplots(1, len(places), figsize=(6.5 * len(places), 4.2), squeeze=False)
+    for ax, place in zip(axes[0], places, strict=True):
+        _bars(ax, [r for r in rows if r["placement"] == place])
+        ax.set_title(f"one PS round, {place}")
+    axes[0][0].set_ylabel("seconds per round (median, log)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    progress(f"chart saved to {path}")
+
+
+def _bars(ax: Any, rows: list[dict[str, Any]]) -> None:
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    keys = [k for k in SYSTEMS if any(r["key"] == k for r in rows)]
+    width = 0.8 / max(1, len(keys))
+    for i, k in enumerate(keys):
+        ys = [next((r["median_s"] for r in rows if r["model"] == m and r["key"] == k), 0)
+              for m in models]
+        ax.bar([j + i * width for j in range(len(models))], ys, width, label=SYSTEMS[k].label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))])
+    ax.set_xticklabels([MODEL_LABELS[m] for m in models])
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, checked for every tensorx row they apply to."""
+    checks = [("same host", "resnet50", "vs_tensorpipe", 0.35),
+              ("two namespaces (veth)", "resnet50", "vs_tensorpipe", 0.9),
+              ("same host", "many-small", "vs_tensorpipe", 0.05),
+              ("two namespaces (veth)", "many-small", "vs_tensorpipe", 0.05),
+              (None, "resnet50", "vs_grpc", 0.1), (None, "bert-base", "vs_grpc", 0.1)]
+    out = []
+    for place, model, col, limit in checks:
+        for r in rows:
+            if r["key"].startswith("tensorx") and r["model"] == model and r[col] is not None \
+                    and place in (None, r["placement"]):
+                ok = "MET" if r[col] <= limit else "missed"
+                out.append(f"- {r['placement']}, {MODEL_LABELS[model]}, {r['system']}: "
+                           f"{col.replace('_', ' ')} {r[col]:.3f}x (target <= {limit}x) {ok}")
+    return out
+
+
+# -- main ------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODEL_LABELS))
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--placements", default="same,netns", help="same,netns")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks per system")
+    p.add_argument("--block-s", type=float, default=0.8, help="target seconds per block")
+    p.add_argument("--memory-gb", type=float, default=12.0,
+                   help="run fewer systems side by side when a model would need more")
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--plot", type=Path, default=None, help="PNG (default OUT/ps_round.png)")
+    args = p.parse_args(argv)
+    args.logdir = args.out / "logs"
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    keys = [k for k in args.systems.split(",") if k]
+    rows: list[dict[str, Any]] = []
+    for name in args.placements.split(","):
+        with placement(name) as place:
+            if place is None:
+                continue
+            for model in args.models.split(","):
+                rows += run_model(keys, model, place, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ps_round.json").write_text(json.dumps(rows, indent=1))
+    print()
+    print(table(rows))
+    print("\n".join(targets(rows)))
+    plot(rows, args.plot or args.out / "ps_round.png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
