@@ -140,10 +140,11 @@ def _lane_owner(conn: Connection, tls: str, error_handling: bool, size: int) -> 
 
 
 def tensorx_gbps(tls: str, size: int, *, error_handling: bool, iters: int = 20,
-                 timeout: float = 300.0) -> dict[str, Any]:
+                 timeout: float = 300.0, **factory_options: Any) -> dict[str, Any]:
     """GB/s of ``write``/``read`` of ``size`` bytes through tensorx's UcxLane between two
     fresh processes (UCX is configured once per process), plus the median 8-byte write
-    (put + flush) round trip in microseconds and the lanes used."""
+    (put + flush) round trip in microseconds and the lanes used. ``factory_options`` go to
+    the measuring side's ``UcxFactory`` (e.g. ``chunk_bytes``)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -153,11 +154,14 @@ def tensorx_gbps(tls: str, size: int, *, error_handling: bool, iters: int = 20,
                         daemon=True)
     owner.start()
     client = ctx.Process(target=_lane_client,
-                         args=(child, owner_conn, tls, size, error_handling, iters), daemon=True)
+                         args=(child, owner_conn, tls, size, error_handling, iters,
+                               factory_options), daemon=True)
     client.start()
     try:
-        if not conn.poll(timeout):
-            raise RuntimeError("the tensorx measurement did not finish")
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.2):
+            if not client.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the tensorx measurement failed or did not finish")
         result: dict[str, Any] = conn.recv()
         return result
     finally:
@@ -169,22 +173,23 @@ def tensorx_gbps(tls: str, size: int, *, error_handling: bool, iters: int = 20,
 
 
 def _lane_client(conn: Connection, owner: Connection, tls: str, size: int,
-                 error_handling: bool, iters: int) -> None:
+                 error_handling: bool, iters: int, options: dict[str, Any]) -> None:
     import asyncio
 
     if not owner.poll(60):
         raise RuntimeError("tensorx owner process did not start")
     info, keys = owner.recv()
-    conn.send(asyncio.run(_measure_lane(info, keys, tls, size, error_handling, iters)))
+    conn.send(asyncio.run(_measure_lane(info, keys, tls, size, error_handling, iters, options)))
 
 
 async def _measure_lane(info: dict[str, Any], keys: dict[str, Any], tls: str, size: int,
-                        error_handling: bool, iters: int) -> dict[str, Any]:
+                        error_handling: bool, iters: int,
+                        options: dict[str, Any]) -> dict[str, Any]:
     from tensorx.memregion import MemoryRegion, RegionDescriptor
     from tensorx.transport.base import Op
     from tensorx.transport.ucx import UcxFactory
 
-    factory = UcxFactory(error_handling=error_handling, tls=tls)
+    factory = UcxFactory(error_handling=error_handling, tls=tls, **options)
     try:
         lane = await factory.open_lane(info, peer="owner", timeout=30)
         remote = RegionDescriptor("owner", 1, 1, size, "cpu", "rw", {"ucx": keys})

@@ -43,7 +43,7 @@ __all__ = ["UcxFactory", "UcxLane"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
 
-DEFAULT_CHUNK = 8 << 20
+DEFAULT_CHUNK = 256 << 20
 CONNECT_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 2.0
 # Settings applied when this process initialises ucxx (never at import time).
@@ -258,12 +258,27 @@ class UcxFactory(LaneFactory):
             self._waits.pop(key, None)
             return
         try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"UCX operation did not complete within {timeout} s") from None
+            await self._sleep_until(fut, w, timeout)
         finally:
             if self._waits.pop(key, None) is not None and w.pending:
                 _ORPHANS.append(w)
+
+    async def _sleep_until(self, fut: asyncio.Future[None], w: Any,
+                           timeout: float | None) -> None:
+        """Await ``fut``; every so often progress inline too, because shared-memory lanes
+        have no event fd to wake ucxx's progress thread with."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poll = 0.001
+        while True:
+            left = _remaining(deadline)
+            await asyncio.wait([fut], timeout=poll if left is None else min(poll, left))
+            if fut.done() or w.pending == 0:
+                return
+            if left is not None and left <= poll:
+                raise TimeoutError(f"UCX operation did not complete within {timeout} s")
+            self._lib.tx_progress(self.worker_handle, self.inline_progress, w)
+            self._lib.tx_signal(self.worker_handle)
+            poll = min(poll * 2, 0.05)
 
     def _check_open(self) -> None:
         if self._closed:
