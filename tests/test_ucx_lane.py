@@ -164,6 +164,7 @@ async def test_lane_info_names_real_lanes(lane: UcxLane) -> None:
     assert info["transport"] == "ucx"
     assert info["error_handling"] is True
     assert any(name.startswith("tcp/") for name in info["lanes"])
+    assert any("am" in roles for roles in info["roles"].values())
     assert "BrokenError" in info["why"]
     assert "lane[" in lane.describe()
 
@@ -241,6 +242,18 @@ async def test_closed_lane_raises_closed(factory: UcxFactory, owner: Owner) -> N
         await lane.write(Op(MemoryRegion.allocate(8), owner.desc, 0, 0, 8), timeout=5)
 
 
+async def test_error_handling_default_comes_from_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, expected in (("0", False), ("1", True), (None, True)):
+        if value is None:
+            monkeypatch.delenv("TENSORX_UCX_ERROR_HANDLING")
+        else:
+            monkeypatch.setenv("TENSORX_UCX_ERROR_HANDLING", value)
+        f = UcxFactory()
+        assert f.error_handling is expected
+        await f.aclose()
+
+
 async def test_mismatched_error_handling_is_unavailable(owner: Owner) -> None:
     fast = UcxFactory(error_handling=False)
     try:
@@ -310,6 +323,7 @@ async def test_without_error_handling_uses_shared_memory_lanes() -> None:
         with owner_process(error_handling=False) as peer:
             lane = await fast.open_lane(peer.info, peer="peer", timeout=10)
             assert {"cma/memory", "posix/memory"} & set(lane.info["lanes"])
+            assert "rma_bw" in lane.info["roles"].get("cma/memory", [])
             local = MemoryRegion.allocate(16 * MiB)
             local.view(np.uint8)[:] = _pattern(16 * MiB, 21)
             await lane.write(Op(local, peer.desc, 0, 0, 16 * MiB), timeout=10)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -59,7 +60,8 @@ class UcxFactory(LaneFactory):
 
     Parameters:
         error_handling: use UCX peer-failure handling on every endpoint (both peers must
-            agree, see :meth:`local_info`). ``True`` (default, safe): a dead peer gives
+            agree, see :meth:`local_info`). ``None`` reads ``$TENSORX_UCX_ERROR_HANDLING``
+            (``0`` or ``1``, default ``1``). ``True`` (the default, safe): a dead peer gives
             ``BrokenError``; on one host UCX then only offers tcp lanes. ``False`` (fast):
             same-host peers get cma/posix lanes, but a peer dying mid-transfer aborts this
             process from inside libucp. On RDMA NICs both go together.
@@ -81,13 +83,15 @@ class UcxFactory(LaneFactory):
 
     name = "ucx"
 
-    def __init__(self, *, error_handling: bool = True, tls: str | None = None,
+    def __init__(self, *, error_handling: bool | None = None, tls: str | None = None,
                  options: Mapping[str, str] | None = None, chunk_bytes: int = DEFAULT_CHUNK,
                  offload_bytes: int = 1 << 20, spin_s: float = 0.05,
                  inline_progress: int = 64) -> None:
         if chunk_bytes <= 0 or inline_progress < 0 or offload_bytes < 0 or spin_s < 0:
             raise UsageError("chunk_bytes must be > 0; offload_bytes, spin_s and "
                              "inline_progress >= 0")
+        if error_handling is None:
+            error_handling = os.environ.get("TENSORX_UCX_ERROR_HANDLING", "1") != "0"
         self.error_handling = bool(error_handling)
         self.chunk_bytes = int(chunk_bytes)
         self.offload_bytes = int(offload_bytes)
@@ -137,7 +141,7 @@ class UcxFactory(LaneFactory):
             lane.abort()
             raise
         self._lanes.add(lane)
-        logger.info("ucx lane to %s: %s (%s)", peer, ", ".join(lane.lanes), lane.why)
+        logger.debug("ucx lane to %s: %s %s", peer, lane.roles, lane.why)
         return lane
 
     async def aclose(self) -> None:
@@ -311,6 +315,7 @@ class UcxLane(DataLane):
         self._closed = False
         self._broken: str | None = None
         self.lanes: list[str] = []
+        self.roles: dict[str, list[str]] = {}
         self.why = ""
         self.stats = {"ops": 0, "bytes": 0}
         self._active = 0  # calls running on the helper thread
@@ -319,6 +324,7 @@ class UcxLane(DataLane):
     @property
     def info(self) -> dict[str, Any]:
         return {"transport": "ucx", "lanes": list(self.lanes), "why": self.why,
+                "roles": {k: list(v) for k, v in self.roles.items()},
                 "error_handling": self._f.error_handling}
 
     async def _connect(self, timeout: float) -> None:
@@ -334,6 +340,7 @@ class UcxLane(DataLane):
         except (BrokenError, TimeoutError) as exc:
             raise TransportUnavailableError(f"UCX cannot reach {self.peer}: {exc}") from exc
         self.lanes = self._query_lanes()
+        self.roles = _roles(self.describe())
         self.why = _why(self.lanes, self._f.error_handling)
 
     def _query_lanes(self) -> list[str]:
@@ -555,6 +562,21 @@ def _forget(lib: Any, w: Any) -> None:
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+_LANE_LINE = re.compile(r"lane\[\d+\]:\s+\d+:(\S+?)\.\d+\s.*?->\s+\S+\s*(.*)$")
+
+
+def _roles(description: str) -> dict[str, list[str]]:
+    """``{"cma/memory": ["rma_bw"], "sysv/memory": ["am"]}`` from ``ucp_ep_print_info``."""
+    roles: dict[str, list[str]] = {}
+    for line in description.splitlines():
+        m = _LANE_LINE.search(line)
+        if m:
+            words = [w for w in m.group(2).split() if not w.startswith(("seg", "md[")) and
+                     not w.isdigit()]
+            roles.setdefault(m.group(1), []).extend(w.split("#")[0] for w in words)
+    return roles
 
 
 def _why(lanes: list[str], error_handling: bool) -> str:
