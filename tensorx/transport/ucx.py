@@ -384,8 +384,12 @@ class UcxLane(DataLane):
         if self._ep and self._broken is None:
             try:
                 await self.flush(timeout=CLOSE_TIMEOUT)
-            except Exception as exc:  # closing anyway
+            except Exception as exc:  # an unresponsive peer: close without waiting
                 logger.debug("flush before closing the lane to %s: %s", self.peer, exc)
+                self._broken = str(exc)
+        if self._broken is not None:
+            self.abort()
+            return
         self._mark_closed()
         if self._active:  # the helper thread closes it when done (within spin_s)
             self._deferred_close = self._f.error_handling
