@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 
-from benchmarks.baselines.pair import Placement
+from benchmarks.baselines.pair import NETWORK_ONLY, Placement
 
 SERVER_IP = "10.203.0.1"
 CLIENT_IP = "10.203.0.2"
@@ -41,13 +41,19 @@ def _setup(ns: tuple[str, str], veth: tuple[str, str]) -> None:
         _ip("-n", name, "link", "set", "lo", "up")
 
 
+def _env(dev: str) -> dict[str, str]:
+    # Two namespaces still share one kernel, so TensorPipe (shm, cma) and UCX (cma, posix)
+    # would find same-host shortcuts that two real hosts do not have: network lanes only.
+    # TensorPipe and its Gloo rendezvous also need the interface named (else: hostname).
+    return {"TP_SOCKET_IFNAME": dev, "GLOO_SOCKET_IFNAME": dev, NETWORK_ONLY: "1",
+            "UCX_TLS": "tcp"}
+
+
 def _placement(ns: tuple[str, str], veth: tuple[str, str]) -> Placement:
-    # TensorPipe and its Gloo rendezvous pick an interface from the hostname unless told.
     return Placement("two namespaces (veth)", SERVER_IP,
                      server_prefix=("ip", "netns", "exec", ns[0]),
                      client_prefix=("ip", "netns", "exec", ns[1]),
-                     server_env={"TP_SOCKET_IFNAME": veth[0], "GLOO_SOCKET_IFNAME": veth[0]},
-                     client_env={"TP_SOCKET_IFNAME": veth[1], "GLOO_SOCKET_IFNAME": veth[1]})
+                     server_env=_env(veth[0]), client_env=_env(veth[1]))
 
 
 @contextlib.contextmanager

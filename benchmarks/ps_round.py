@@ -33,12 +33,22 @@ from benchmarks.baselines.pair import SAME_HOST, Pair, Placement, System
 
 SYSTEMS = {
     "tensorx-ucx": System("tensorx ucx", "tensorx", ("--transport", "ucx")),
-    "tensorx-ucx-shm": System("tensorx ucx, shm lanes", "tensorx", ("--transport", "ucx-shm")),
+    "tensorx-ucx-noeh": System("tensorx ucx, no err. handling", "tensorx",
+                               ("--transport", "ucx-shm")),
     "tensorx-tcp": System("tensorx tcp", "tensorx", ("--transport", "tcp")),
     "tensorpipe": System("TensorPipe RPC", "tensorpipe"),
     "grpc": System("gRPC", "grpc"),
     "raw": System("raw socket", "raw"),
 }
+EXPERIMENTS = {  # not tensorx as shipped: what a proposed PS/worker change would give
+    "x-tcp-nocopy": System("EXP tensorx tcp, PS w/o slot copy", "tensorx",
+                           ("--transport", "tcp", "--variant", "ps-nocopy")),
+    "x-tcp-nocopy-1b": System("EXP tensorx tcp, PS w/o copy, 1 bucket", "tensorx",
+                              ("--transport", "tcp", "--variant", "ps-nocopy,one-bucket")),
+    "x-noeh-nocopy": System("EXP tensorx ucx no-eh, PS w/o slot copy", "tensorx",
+                            ("--transport", "ucx-shm", "--variant", "ps-nocopy")),
+}
+ALL = {**SYSTEMS, **EXPERIMENTS}
 REFERENCES = ("tensorpipe", "grpc")
 MODEL_LABELS = {"resnet50": "ResNet-50", "bert-base": "BERT-base", "many-small": "many-small"}
 # Bytes alive per system and model byte (worker params+grads, PS params+slot+acc, buffers).
@@ -53,18 +63,18 @@ def progress(msg: str) -> None:
 def start_all(keys: list[str], model: str, placement: Placement, logdir: Path
               ) -> dict[str, Pair]:
     """Start every system's pair in parallel (imports dominate); close them all on failure."""
-    pairs = {k: Pair(SYSTEMS[k], model, placement, logdir) for k in keys}
+    pairs = {k: Pair(ALL[k], model, placement, logdir) for k in keys}
     with ThreadPoolExecutor(len(pairs)) as pool:
         futures = {k: pool.submit(p.start) for k, p in pairs.items()}
     failed = {k: f.exception() for k, f in futures.items() if f.exception() is not None}
     for k, exc in failed.items():
-        progress(f"  {SYSTEMS[k].label} failed to start, left out: {exc}")
+        progress(f"  {ALL[k].label} failed to start, left out: {exc}")
         pairs.pop(k).close()
     return pairs
 
 
 def rounds_per_block(pair: Pair, block_s: float) -> int:
-    probe = statistics.median(pair.run(2))
+    probe = pair.run(1)[0]
     return max(1, min(50, round(block_s / max(probe, 1e-6))))
 
 
@@ -95,7 +105,7 @@ def run_model(keys: list[str], model: str, placement: Placement,
     rows: list[dict[str, Any]] = []
     for group in groups(keys, model, int(args.memory_gb * 2**30)):
         progress(f"{placement.name}, {MODEL_LABELS[model]}: starting "
-                 f"{', '.join(SYSTEMS[k].label for k in group)}")
+                 f"{', '.join(ALL[k].label for k in group)}")
         pairs = start_all(group, model, placement, args.logdir)
         try:
             times = measure(pairs, args.blocks, args.block_s)
@@ -103,7 +113,7 @@ def run_model(keys: list[str], model: str, placement: Placement,
             for p in pairs.values():
                 p.close()
         rows += summarise(times, pairs, model, placement, seen={r["key"] for r in rows})
-        progress("  " + ", ".join(f"{SYSTEMS[k].label} {statistics.median(t) * 1e3:.1f} ms"
+        progress("  " + ", ".join(f"{ALL[k].label} {statistics.median(t) * 1e3:.1f} ms"
                                   for k, t in times.items()))
     return rows
 
@@ -117,7 +127,7 @@ def summarise(times: dict[str, list[float]], pairs: dict[str, Pair], model: str,
         if k in seen:
             continue
         rows.append({"placement": placement.name, "model": model, "key": k,
-                     "system": SYSTEMS[k].label, "median_s": m, "rounds": len(times[k]),
+                     "system": ALL[k].label, "median_s": m, "rounds": len(times[k]),
                      "gbps": nbytes / m / 1e9, "lanes": pairs[k].info.get("lanes", []),
                      "vs_tensorpipe": m / med["tensorpipe"] if "tensorpipe" in med else None,
                      "vs_grpc": m / med["grpc"] if "grpc" in med else None})
@@ -178,12 +188,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def _bars(ax: Any, rows: list[dict[str, Any]]) -> None:
     models = list(dict.fromkeys(r["model"] for r in rows))
-    keys = [k for k in SYSTEMS if any(r["key"] == k for r in rows)]
+    keys = [k for k in ALL if any(r["key"] == k for r in rows)]
     width = 0.8 / max(1, len(keys))
     for i, k in enumerate(keys):
         ys = [next((r["median_s"] for r in rows if r["model"] == m and r["key"] == k), 0)
               for m in models]
-        ax.bar([j + i * width for j in range(len(models))], ys, width, label=SYSTEMS[k].label)
+        ax.bar([j + i * width for j in range(len(models))], ys, width, label=ALL[k].label)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))])
     ax.set_xticklabels([MODEL_LABELS[m] for m in models])
     ax.set_yscale("log")
@@ -212,9 +222,10 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODEL_LABELS))
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"of {', '.join(ALL)}")
     p.add_argument("--placements", default="same,netns", help="same,netns")
-    p.add_argument("--blocks", type=int, default=4, help="alternating blocks per system")
+    p.add_argument("--blocks", type=int, default=3, help="alternating blocks per system")
     p.add_argument("--block-s", type=float, default=0.8, help="target seconds per block")
     p.add_argument("--memory-gb", type=float, default=12.0,
                    help="run fewer systems side by side when a model would need more")

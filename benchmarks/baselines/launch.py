@@ -1,6 +1,8 @@
 """Entry point of one benchmark process: ``python -m benchmarks.baselines.launch SYSTEM ROLE``.
 
-    SYSTEM: tensorx | tensorpipe | grpc | raw      ROLE: server | client
+    SYSTEM: tensorx | tensorpipe | grpc | raw (one PS round)
+            train-tensorx | train-rpc (PS training, two workers: --rank)
+    ROLE:   server | client
 """
 
 from __future__ import annotations
@@ -15,19 +17,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.baselines import common
 
-MODULES = {"tensorx": "tensorx_ps", "tensorpipe": "rpc", "grpc": "grpc_ps", "raw": "raw"}
+ENTRIES = {  # system: (module, server function, client function)
+    "tensorx": ("tensorx_ps", "serve", "client"),
+    "tensorpipe": ("rpc", "serve", "client"),
+    "grpc": ("grpc_ps", "serve", "client"),
+    "raw": ("raw", "serve", "client"),
+    "train-tensorx": ("training", "tensorx_serve", "tensorx_client"),
+    "train-rpc": ("training", "rpc_serve", "rpc_client"),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("system", choices=sorted(MODULES))
+    p.add_argument("system", choices=sorted(ENTRIES))
     p.add_argument("role", choices=("server", "client"))
-    p.add_argument("--model", choices=sorted(common.MODELS), default="resnet50")
+    p.add_argument("--model", choices=[*sorted(common.MODELS), "wide-mlp"], default="resnet50")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="the server's port (client)")
     p.add_argument("--address", default="", help="the server's tensorx address (client)")
     p.add_argument("--transport", default="tcp", help="tensorx: tcp | ucx | ucx-shm")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--variant", default="", help="tensorx experiments: ps-nocopy,one-bucket")
+    p.add_argument("--rank", type=int, default=0, help="worker rank (training)")
+    p.add_argument("--overlap", choices=("on", "off"), default="on", help="tensorx training")
     return p.parse_args(argv)
 
 
@@ -36,8 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"[{args.system} {args.role}] %(levelname)s %(message)s")
     common.setup_process(args.threads)
-    module = importlib.import_module(f"benchmarks.baselines.{MODULES[args.system]}")
-    getattr(module, "serve" if args.role == "server" else "client")(args)
+    module, serve, client = ENTRIES[args.system]
+    entry = getattr(importlib.import_module(f"benchmarks.baselines.{module}"),
+                    serve if args.role == "server" else client)
+    entry(args)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ PYTHON = sys.executable
 START_TIMEOUT = 120.0
 # tensorx refuses to listen beyond loopback without a shared secret: one per benchmark run.
 TOKEN = secrets.token_hex(16)
+NETWORK_ONLY = "TX_BENCH_NETWORK_ONLY"  # set: systems use only what works between hosts
 
 
 class BenchError(RuntimeError):
@@ -61,7 +62,8 @@ class _Proc:
         self._log_file = log.open("ab")
         self.popen = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._log_file,
-                                      env={**os.environ, "TENSORX_TOKEN": TOKEN, **env}, text=True, bufsize=1)
+                                      env={**os.environ, "TENSORX_TOKEN": TOKEN, **env},
+                                      text=True, bufsize=1)
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, args=(self.popen.stdout,), daemon=True).start()
 
@@ -106,16 +108,19 @@ class _Proc:
 
 
 class Pair:
-    """A system's server and client processes for one model and placement."""
+    """A system's server and client processes for one model and placement (``clients``
+    workers, ``--rank`` 0.. each; a round's time is the slowest worker's)."""
 
-    def __init__(self, system: System, model: str, placement: Placement, logdir: Path) -> None:
+    def __init__(self, system: System, model: str, placement: Placement, logdir: Path,
+                 clients: int = 1) -> None:
         self.system = system
+        self.clients = clients
         self.model = model
         self.placement = placement
         self.logdir = logdir
         self.info: dict[str, Any] = {}
         self._server: _Proc | None = None
-        self._client: _Proc | None = None
+        self._clients: list[_Proc] = []
 
     def _cmd(self, role: str, prefix: tuple[str, ...], extra: list[str]) -> list[str]:
         return [*prefix, PYTHON, "-m", "benchmarks.baselines.launch", self.system.system, role,
@@ -133,21 +138,24 @@ class Pair:
                              self._log("server"), self.placement.server_env)
         ready = json.loads(self._server.expect("READY", START_TIMEOUT))
         extra = ["--port", str(ready.get("port", 0)), "--address", ready.get("address", "")]
-        self._client = _Proc(self._cmd("client", self.placement.client_prefix, extra),
-                             self._log("client"), self.placement.client_env)
-        self.info = json.loads(self._client.expect("READY", START_TIMEOUT))
+        self._clients = [_Proc(self._cmd("client", self.placement.client_prefix,
+                                         [*extra, "--rank", str(r)]),
+                               self._log(f"client{r}"), self.placement.client_env)
+                         for r in range(self.clients)]
+        infos = [json.loads(c.expect("READY", START_TIMEOUT)) for c in self._clients]
+        self.info = infos[0]
         return self
 
     def run(self, rounds: int, timeout: float = 300.0) -> list[float]:
-        assert self._client is not None
-        self._client.send(f"run {rounds}")
-        times: list[float] = json.loads(self._client.expect("TIMES", timeout))
-        return times
+        for c in self._clients:
+            c.send(f"run {rounds}")
+        times = [json.loads(c.expect("TIMES", timeout)) for c in self._clients]
+        return [max(ts) for ts in zip(*times, strict=True)]
 
     def close(self) -> None:
-        client, server = self._client, self._server
-        self._client = self._server = None
-        if client is not None:
+        clients, server = self._clients, self._server
+        self._clients, self._server = [], None
+        for client in clients:
             if client.popen.poll() is None:
                 try:
                     client.send("quit")

@@ -14,6 +14,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from benchmarks.baselines import common
+from benchmarks.baselines.pair import NETWORK_ONLY
 
 _PARAMS: list[torch.Tensor] = []
 RPC_TIMEOUT = 300.0
@@ -25,10 +26,18 @@ def ps_round(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return _PARAMS
 
 
+def network_only() -> dict[str, list[str]]:
+    """Between namespaces, only what TensorPipe would use between two hosts: the uv (TCP)
+    transport and the basic channel (no shm transport, no cma channel)."""
+    if os.environ.get(NETWORK_ONLY):
+        return {"_transports": ["uv"], "_channels": ["basic"]}
+    return {}
+
+
 def _init(name: str, rank: int, host: str, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}",
-                                           rpc_timeout=RPC_TIMEOUT)
+                                           rpc_timeout=RPC_TIMEOUT, **network_only())
     rpc.init_rpc(name, rank=rank, world_size=2, rpc_backend_options=opts)
 
 

@@ -36,7 +36,42 @@ def _transport(name: str) -> tuple[str, dict[str, Any] | None]:
 
 
 def _optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=common.LR)
+    # foreach=True: the baselines apply SGD with torch._foreach_add_ too (on CPU torch's
+    # default is a Python loop over the tensors).
+    return torch.optim.SGD(params, lr=common.LR, foreach=True)
+
+
+def _apply_from_slot(self: Any, ranks: Any) -> None:
+    """EXPERIMENT (--variant ps-nocopy), not tensorx code: one worker's gradients are used
+    where they landed (``.grad`` views of its slot) instead of being copied into the
+    accumulator first; several are summed with foreach ops. Same result for SGD."""
+    ranks = list(ranks)
+    if len(ranks) == 1:
+        grads = self._slots[ranks[0]]
+    else:
+        grads = self._acc
+        torch._foreach_copy_(grads, self._slots[ranks[0]])
+        for r in ranks[1:]:
+            torch._foreach_add_(grads, self._slots[r])
+        torch._foreach_div_(grads, len(ranks))
+    for p, g in zip(self.params, grads, strict=True):
+        p.grad = g
+    self.optimizer.step()
+    for p, g in zip(self.params, self._acc, strict=True):
+        p.grad = g
+    self.version += 1
+    self._checksum = None
+
+
+def _experiment(variant: str) -> dict[str, Any]:
+    """Patch in an experimental variant (server side); return Worker options (client)."""
+    if "ps-nocopy" in variant:
+        from tensorx._ps import shard
+
+        shard.ShardState.apply = _apply_from_slot  # type: ignore[method-assign]
+    if "one-bucket" in variant:
+        return {"bucket_bytes": 1 << 40}
+    return {}
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -45,6 +80,7 @@ def serve(args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     transport, ucx_options = _transport(args.transport)
+    _experiment(args.variant)
     listen = f"tcp://{args.host}:0"
     ps = ParameterServer(listen, num_workers=1, mode="sync", optimizer=_optimizer,
                          transport=transport, timeout=TIMEOUT)
@@ -64,7 +100,7 @@ async def _client(args: argparse.Namespace) -> None:
     transport, ucx_options = _transport(args.transport)
     model = common.ShapeModel(common.MODELS[args.model]())
     worker = Worker(model, args.address, rank=0, num_workers=1, transport=transport,
-                    timeout=TIMEOUT)
+                    timeout=TIMEOUT, **_experiment(args.variant))
     if ucx_options is not None:
         worker.node = Node(None, transport=transport, timeout=TIMEOUT, ucx_options=ucx_options)
     async with worker:

@@ -1,0 +1,128 @@
+"""End-to-end PS training throughput: one PS and two workers, steps per second.
+
+A communication-heavy model (a wide MLP, 20M parameters, small batches; see
+``benchmarks/baselines/training.py``) trained in sync mode by:
+
+* tensorx (``ParameterServer`` + ``RemoteOptimizer`` in a plain PyTorch loop), with gradient
+  overlap on (buckets written during backward) and off, over tcp and over UCX;
+* the ``torch.distributed.rpc`` parameter-server pattern (TensorPipe) from the PyTorch
+  tutorial.
+
+All systems are started, then measured in alternating blocks of steps; a step's time is the
+slower worker's. Prints a markdown table; results go to ``OUT/train_throughput.json``.
+
+    python benchmarks/train_throughput.py
+    python benchmarks/train_throughput.py --systems tensorx-tcp-overlap,rpc --blocks 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.baselines import training
+from benchmarks.baselines.pair import SAME_HOST, Pair, System
+
+SYSTEMS = {
+    "tensorx-tcp-overlap": System("tensorx tcp, overlap on", "train-tensorx",
+                                  ("--transport", "tcp", "--overlap", "on")),
+    "tensorx-tcp": System("tensorx tcp, overlap off", "train-tensorx",
+                          ("--transport", "tcp", "--overlap", "off")),
+    "tensorx-ucx-overlap": System("tensorx ucx, overlap on", "train-tensorx",
+                                  ("--transport", "ucx", "--overlap", "on")),
+    "tensorx-ucx": System("tensorx ucx, overlap off", "train-tensorx",
+                          ("--transport", "ucx", "--overlap", "off")),
+    "rpc": System("torch.distributed.rpc PS (TensorPipe)", "train-rpc"),
+}
+REFERENCE = "rpc"
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def start_all(keys: list[str], logdir: Path) -> dict[str, Pair]:
+    pairs = {k: Pair(SYSTEMS[k], "wide-mlp", SAME_HOST, logdir, clients=training.WORKERS)
+             for k in keys}
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        futures = {k: pool.submit(p.start) for k, p in pairs.items()}
+    for k, f in futures.items():
+        if f.exception() is not None:
+            progress(f"  {SYSTEMS[k].label} failed to start, left out: {f.exception()}")
+            pairs.pop(k).close()
+    return pairs
+
+
+def measure(pairs: dict[str, Pair], blocks: int, steps: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in pairs}
+    order = list(pairs)
+    for b in range(blocks):
+        for k in order if b % 2 == 0 else order[::-1]:
+            times[k] += pairs[k].run(steps)
+        progress(f"  block {b + 1}/{blocks} done")
+    return times
+
+
+def summarise(times: dict[str, list[float]]) -> list[dict[str, Any]]:
+    rate = {k: 1.0 / statistics.median(t) for k, t in times.items()}
+    ref = rate.get(REFERENCE)
+    return [{"key": k, "system": SYSTEMS[k].label, "steps_per_s": r,
+             "median_step_s": 1.0 / r, "steps": len(times[k]),
+             "vs_rpc": r / ref if ref else None} for k, r in rate.items()]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| system | steps/s (median step) | ms / step | throughput vs RPC PS | steps |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        vs = "-" if r["vs_rpc"] is None else f"{r['vs_rpc']:.2f}x"
+        lines.append(f"| {r['system']} | {r['steps_per_s']:.2f} | "
+                     f"{r['median_step_s'] * 1e3:.1f} | {vs} | {r['steps']} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    return [f"- training, {r['system']}: {r['vs_rpc']:.2f}x the RPC pattern's throughput "
+            f"(target >= 1.5x) {'MET' if r['vs_rpc'] >= 1.5 else 'missed'}"
+            for r in rows if r["key"] != REFERENCE and r["vs_rpc"] is not None]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks per system")
+    p.add_argument("--steps", type=int, default=8, help="steps per block")
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    keys = [k for k in args.systems.split(",") if k]
+    progress(f"training throughput: starting {', '.join(SYSTEMS[k].label for k in keys)} "
+             f"(one PS + {training.WORKERS} workers each)")
+    pairs = start_all(keys, args.out / "logs")
+    try:
+        times = measure(pairs, args.blocks, args.steps)
+    finally:
+        for p in pairs.values():
+            p.close()
+    rows = summarise(times)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train_throughput.json").write_text(json.dumps(rows, indent=1))
+    print()
+    print(table(rows))
+    print("\n".join(targets(rows)))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
