@@ -48,7 +48,6 @@ void tx_wait_init(tx_wait_t *w, int efd);
 int tx_wait_release(tx_wait_t *w);
 
 unsigned tx_progress(uintptr_t worker, unsigned rounds, tx_wait_t *w);
-int tx_progress_for(uintptr_t worker, tx_wait_t *w, long target, uint64_t max_ns);
 int tx_signal(uintptr_t worker);
 const char *tx_status_string(int status);
 const char *tx_version(void);
@@ -60,7 +59,6 @@ SOURCE = r"""
 #include <string.h>
 #include <unistd.h>
 #include <stdint.h>
-#include <time.h>
 #include <ucp/api/ucp.h>
 
 typedef struct {
@@ -307,28 +305,6 @@ unsigned tx_progress(uintptr_t worker, unsigned rounds, tx_wait_t *w)
         ucp_worker_progress((ucp_worker_h)worker);
     }
     return i;
-}
-
-/* Progress until ``w->pending <= target`` or ``max_ns`` passed; 1 if the target was met.
- * Called from a helper thread (cffi releases the GIL) for large transfers. */
-int tx_progress_for(uintptr_t worker, tx_wait_t *w, long target, uint64_t max_ns)
-{
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {
-        unsigned i;
-        for (i = 0; i < 16; ++i) {
-            if (w->pending <= target) {
-                return 1;
-            }
-            ucp_worker_progress((ucp_worker_h)worker);
-        }
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        if ((uint64_t)(t.tv_sec - t0.tv_sec) * 1000000000ull + (uint64_t)t.tv_nsec -
-                (uint64_t)t0.tv_nsec >= max_ns) {
-            return w->pending <= target;
-        }
-    }
 }
 
 int tx_signal(uintptr_t worker)

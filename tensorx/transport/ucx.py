@@ -10,10 +10,11 @@ failure mode, which confines them to tcp lanes but turns a dead peer into ``Brok
 with ``error_handling=False`` endpoints get shared-memory lanes (cma, posix) and run several
 times faster, but a peer that dies during a transfer aborts *this* process inside libucp.
 
-Completion: each call issues its ops and a flush against one ``tx_wait_t``; it progresses the
-worker inline a few dozen times (most small ops finish there, in microseconds), then wakes
-ucxx's progress thread and awaits an eventfd that the C completion callback writes. The
-event loop never spins.
+Completion: each call issues its ops and a flush against one ``tx_wait_t`` (issuing returns
+at once; UCX moves the data while the worker progresses). A small call progresses the worker
+inline a few dozen times (most finish there, in microseconds); then it wakes ucxx's progress
+thread and awaits an eventfd that the C completion callback writes. Large calls leave all
+progress to that thread. The event loop never spins.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import re
 import socket
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tensorx.errors import (
@@ -69,12 +69,11 @@ class UcxFactory(LaneFactory):
             (``None``: UCX's choice, or the environment's ``UCX_TLS``).
         options: extra UCX settings (names without ``UCX_``); override the defaults.
         chunk_bytes: transfers are issued to UCP in pieces of at most this size.
-        offload_bytes: calls moving at least this many bytes are issued and progressed on
-            a helper thread (cffi drops the GIL), so a shared-memory copy runs at full
-            speed without blocking the event loop; smaller ones stay on the loop.
-        spin_s: how long that helper thread drives progress itself before the call falls
-            back to sleeping on the eventfd (bounds the CPU spent on slow lanes).
-        inline_progress: worker progress passes made inline before waiting on the eventfd.
+        inline_bytes: calls moving fewer bytes progress the worker inline a little before
+            sleeping (microsecond latency); larger ones leave all progress to ucxx's thread,
+            since two threads progressing one worker contend for its lock and halve the
+            speed of a shared-memory copy.
+        inline_progress: worker progress passes made inline for small calls.
 
     UCX settings only take effect if this is the first user of ucxx in the process (ucxx
     has one context per process); otherwise the running context is used and a differing
@@ -85,19 +84,15 @@ class UcxFactory(LaneFactory):
 
     def __init__(self, *, error_handling: bool | None = None, tls: str | None = None,
                  options: Mapping[str, str] | None = None, chunk_bytes: int = DEFAULT_CHUNK,
-                 offload_bytes: int = 1 << 20, spin_s: float = 0.05,
-                 inline_progress: int = 64) -> None:
-        if chunk_bytes <= 0 or inline_progress < 0 or offload_bytes < 0 or spin_s < 0:
-            raise UsageError("chunk_bytes must be > 0; offload_bytes, spin_s and "
-                             "inline_progress >= 0")
+                 inline_bytes: int = 256 << 10, inline_progress: int = 64) -> None:
+        if chunk_bytes <= 0 or inline_progress < 0 or inline_bytes < 0:
+            raise UsageError("chunk_bytes must be > 0; inline_bytes, inline_progress >= 0")
         if error_handling is None:
             error_handling = os.environ.get("TENSORX_UCX_ERROR_HANDLING", "1") != "0"
         self.error_handling = bool(error_handling)
         self.chunk_bytes = int(chunk_bytes)
-        self.offload_bytes = int(offload_bytes)
-        self.spin_ns = int(spin_s * 1e9)
+        self.inline_bytes = int(inline_bytes)
         self.inline_progress = int(inline_progress)
-        self._pool: ThreadPoolExecutor | None = None
         self._ucp = _ucp.load()
         self._ffi, self._lib = self._ucp.ffi, self._ucp.lib
         self._ctx = _ucxx_context(tls, options)
@@ -155,8 +150,6 @@ class UcxFactory(LaneFactory):
             for region_id in list(self._regs):
                 self._unregister(region_id)
             self._detach_loop()
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)  # its spin is bounded by spin_s
             self._retire_efd()
 
     def _retire_efd(self) -> None:
@@ -208,11 +201,6 @@ class UcxFactory(LaneFactory):
             return 0
 
     # -- completion ------------------------------------------------------------------
-    def _helper(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorx-ucx")
-        return self._pool
-
     def _attach_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is loop:
@@ -245,11 +233,11 @@ class UcxFactory(LaneFactory):
         self._lib.tx_wait_init(w, self._efd)
         return w
 
-    async def _complete(self, w: Any, timeout: float | None) -> None:
+    async def _complete(self, w: Any, timeout: float | None, *, inline: bool = True) -> None:
         """Release the issuer's guard on ``w`` and wait until every op on it finished."""
         if self._lib.tx_wait_release(w):
             return
-        if self.inline_progress:
+        if inline and self.inline_progress:
             self._lib.tx_progress(self.worker_handle, self.inline_progress, w)
             if w.pending == 0:
                 return
@@ -269,8 +257,8 @@ class UcxFactory(LaneFactory):
 
     async def _sleep_until(self, fut: asyncio.Future[None], w: Any,
                            timeout: float | None) -> None:
-        """Await ``fut``; every so often progress inline too, because shared-memory lanes
-        have no event fd to wake ucxx's progress thread with."""
+        """Await ``fut``; every so often wake ucxx's progress thread again, as a safety net
+        (shared-memory lanes have no event fd to wake it with)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         poll = 0.001
         while True:
@@ -280,7 +268,6 @@ class UcxFactory(LaneFactory):
                 return
             if left is not None and left <= poll:
                 raise TimeoutError(f"UCX operation did not complete within {timeout} s")
-            self._lib.tx_progress(self.worker_handle, self.inline_progress, w)
             self._lib.tx_signal(self.worker_handle)
             poll = min(poll * 2, 0.05)
 
@@ -318,8 +305,6 @@ class UcxLane(DataLane):
         self.roles: dict[str, list[str]] = {}
         self.why = ""
         self.stats = {"ops": 0, "bytes": 0}
-        self._active = 0  # calls running on the helper thread
-        self._deferred_close: bool | None = None
 
     @property
     def info(self) -> dict[str, Any]:
@@ -391,9 +376,6 @@ class UcxLane(DataLane):
             self.abort()
             return
         self._mark_closed()
-        if self._active:  # the helper thread closes it when done (within spin_s)
-            self._deferred_close = self._f.error_handling
-            return
         closing = self._teardown(self._f.error_handling)
         if closing is not None:
             try:
@@ -405,10 +387,7 @@ class UcxLane(DataLane):
         if self._closed:
             return
         self._mark_closed()
-        if self._active:  # the helper thread is still issuing on the endpoint
-            self._deferred_close = self._f.error_handling
-        else:
-            _forget(self._lib, self._teardown(self._f.error_handling))
+        _forget(self._lib, self._teardown(self._f.error_handling))
 
     # -- internals -----------------------------------------------------------------------
     async def _run(self, ops: list[Op], *, put: bool, timeout: float | None) -> None:
@@ -417,15 +396,12 @@ class UcxLane(DataLane):
         plan = [self._plan(op) for op in ops if op.nbytes]
         w = self._f._new_wait()
         try:
-            if sum(p[1] for p in plan) >= self._f.offload_bytes:
-                st = await self._offload(plan, put, w)
-            else:
-                st = self._issue_all(plan, put, w)
+            st = self._issue_all(plan, put, w)  # returns at once: UCX copies in progress
         except BaseException:
-            if self._lib.tx_wait_release(w) == 0:
-                _ORPHANS.append(w)
+            _forget(self._lib, w)
             raise
-        await self._finish(w, st, _remaining(deadline))
+        small = sum(p[1] for p in plan) < self._f.inline_bytes
+        await self._finish(w, st, _remaining(deadline), inline=small)
         self.stats["ops"] += len(ops)
         self.stats["bytes"] += sum(op.nbytes for op in ops)
 
@@ -449,37 +425,10 @@ class UcxLane(DataLane):
                     return int(st)
         return int(self._lib.tx_flush(ep, w))
 
-    async def _offload(self, plan: list[tuple[int, int, int, int, int]], put: bool,
-                       w: Any) -> int:
-        """Issue and progress on the helper thread, for at most ``spin_s``."""
-        loop = asyncio.get_running_loop()
-        self._active += 1
-        fut: Future[int] = self._f._helper().submit(self._issue_and_spin, plan, put, w)
-        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._offload_done))
-        issued = asyncio.wrap_future(fut)
+    async def _finish(self, w: Any, st: int, timeout: float | None, *,
+                      inline: bool = True) -> None:
         try:
-            return await asyncio.shield(issued)
-        except asyncio.CancelledError:
-            # Return only once every piece is issued, so later calls are issued after it.
-            await asyncio.wait([issued])
-            raise
-
-    def _issue_and_spin(self, plan: list[tuple[int, int, int, int, int]], put: bool,
-                        w: Any) -> int:
-        st = self._issue_all(plan, put, w)
-        if st >= 0:
-            self._lib.tx_progress_for(self._f.worker_handle, w, 1, self._f.spin_ns)
-        return st
-
-    def _offload_done(self) -> None:
-        self._active -= 1
-        if self._active == 0 and self._deferred_close is not None:
-            force, self._deferred_close = self._deferred_close, None
-            _forget(self._lib, self._teardown(force))
-
-    async def _finish(self, w: Any, st: int, timeout: float | None) -> None:
-        try:
-            await self._f._complete(w, timeout)
+            await self._f._complete(w, timeout, inline=inline)
         except TimeoutError:
             self._check_usable()
             raise
