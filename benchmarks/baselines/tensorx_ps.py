@@ -63,12 +63,60 @@ def _apply_from_slot(self: Any, ranks: Any) -> None:
     self._checksum = None
 
 
+def _flat_optimizer(state: Any, factory: Any) -> None:
+    """EXPERIMENT (--variant ps-flat): the optimizer sees one flat parameter per shard (the
+    whole arena, valid for elementwise optimizers on a single-dtype arena) whose ``.grad``
+    is the worker's slot: one kernel per update instead of one per tensor."""
+    n = state.layout.nbytes // 4
+    flat = torch.nn.Parameter(state.params_region.view(torch.float32, (n,)))
+    slot = state.slot_regions[0].view(torch.float32, (n,))
+
+    def apply(ranks: Any) -> None:
+        flat.grad = slot
+        opt.step()
+        state.version += 1
+        state._checksum = None
+
+    opt = factory([flat])
+    state.apply = apply
+
+
+def _fast_ensure_bound(original: Any) -> Any:
+    """EXPERIMENT (--variant fast-bind): after one full pass, check each tensor's binding
+    with two pointer/identity comparisons and take the full pass only when one fails."""
+    def ensure_bound(self: Any) -> list[str]:
+        cache = getattr(self, "_bench_bound", None)
+        if cache is not None and all(t.data_ptr() == ptr and t.grad is g for t, ptr, g in cache):
+            return []
+        copied: list[str] = original(self)
+        self._bench_bound = [(t, t.data_ptr(), t.grad) for t in self._tensors.values()]
+        return copied
+
+    return ensure_bound
+
+
 def _experiment(variant: str) -> dict[str, Any]:
     """Patch in an experimental variant (server side); return Worker options (client)."""
     if "ps-nocopy" in variant:
         from tensorx._ps import shard
 
         shard.ShardState.apply = _apply_from_slot  # type: ignore[method-assign]
+    if "ps-flat" in variant:
+        from tensorx._ps import shard
+
+        init = shard.ShardState.__init__
+
+        def patched(self: Any, layout: Any, num_workers: int, optimizer: Any,
+                    *args: Any, **kwargs: Any) -> None:
+            init(self, layout, num_workers, optimizer, *args, **kwargs)
+            _flat_optimizer(self, optimizer)
+
+        shard.ShardState.__init__ = patched  # type: ignore[method-assign]
+    if "fast-bind" in variant:
+        from tensorx._analyzer import binding
+
+        binding.Binding.ensure_bound = _fast_ensure_bound(  # type: ignore[method-assign]
+            binding.Binding.ensure_bound)
     if "one-bucket" in variant:
         return {"bucket_bytes": 1 << 40}
     return {}
