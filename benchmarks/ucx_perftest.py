@@ -21,13 +21,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-__all__ = ["CONFIGS", "compare", "limits", "perftest_binary", "perftest_gbps", "tensorx_gbps"]
+__all__ = ["CONFIGS", "compare", "limits", "perftest_binary", "perftest_gbps", "tensorx_gbps",
+           "tensorx_settings"]
 
 # (UCX_TLS, peer-failure endpoints) pairs: the lanes tensorx uses in each mode.
 CONFIGS: tuple[tuple[str, bool], ...] = (("tcp", True), ("posix,cma", False))
@@ -54,14 +56,17 @@ def _free_port() -> int:
 
 
 def perftest_gbps(tls: str, test: str, size: int, *, error_handling: bool = False,
-                  iters: int = 20, warmup: int = 3, timeout: float = 120.0) -> float:
+                  iters: int = 20, warmup: int = 3, timeout: float = 120.0,
+                  settings: Mapping[str, str] | None = None) -> float:
     """Overall bandwidth in GB/s (1e9 B/s) of one ``ucx_perftest`` run on ``UCX_TLS=tls``.
 
     Runs the server and the client as two processes on 127.0.0.1. ``error_handling``
     passes ``-e`` (peer-failure endpoints), as tensorx's default transport uses.
+    ``settings`` are UCX settings (names without ``UCX_``) for both processes.
     """
     binary, libdir = perftest_binary()
-    env = dict(os.environ, UCX_TLS=tls, UCX_WARN_UNUSED_ENV_VARS="n",
+    env = dict(os.environ, **{f"UCX_{k}": v for k, v in (settings or {}).items()})
+    env.update(UCX_TLS=tls, UCX_WARN_UNUSED_ENV_VARS="n",
                LD_LIBRARY_PATH=f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
     port = _free_port()
     args = ["-p", str(port)]
@@ -101,11 +106,21 @@ def _parse(out: str) -> float:
     return overall_mb * (1 << 20) / 1e9  # perftest's MB is MiB
 
 
-def limits(size: int, *, iters: int = 20) -> dict[str, float]:
+def tensorx_settings() -> dict[str, str]:
+    """The UCX settings tensorx's UCX transport applies by default (same lanes, same knobs)."""
+    from tensorx.transport.ucx import DEFAULT_OPTIONS
+
+    return {k: v for k, v in DEFAULT_OPTIONS.items() if k != "WARN_UNUSED_ENV_VARS"}
+
+
+def limits(size: int, *, iters: int = 20, same_settings: bool = True) -> dict[str, float]:
     """GB/s of ``ucp_put_bw`` and ``ucp_get`` for every config in :data:`CONFIGS`.
 
-    Keys read ``"<tls>[ -e] <test>"``; a config that cannot run here is left out.
+    Keys read ``"<tls>[ -e] <test>"``; a config that cannot run here is left out. With
+    ``same_settings`` perftest runs with the UCX settings tensorx applies (tcp segment
+    sizes), otherwise with UCX's defaults.
     """
+    settings = tensorx_settings() if same_settings else {}
     out: dict[str, float] = {}
     try:
         perftest_binary()
@@ -115,7 +130,8 @@ def limits(size: int, *, iters: int = 20) -> dict[str, float]:
         for test in TESTS:
             key = f"{tls}{' -e' if eh else ''} {test}"
             try:
-                out[key] = perftest_gbps(tls, test, size, error_handling=eh, iters=iters)
+                out[key] = perftest_gbps(tls, test, size, error_handling=eh, iters=iters,
+                                         settings=settings)
             except (RuntimeError, subprocess.TimeoutExpired, StopIteration,
                     IndexError, ValueError) as exc:
                 print(f"ucx_perftest {key}: {exc}")
@@ -216,14 +232,18 @@ async def _measure_lane(info: dict[str, Any], keys: dict[str, Any], tls: str, si
 
 
 def compare(size: int, *, rounds: int = 3, iters: int = 20) -> list[dict[str, Any]]:
-    """Interleaved rounds of ucx_perftest and tensorx on each config; medians per config."""
-    rows = []
+    """Interleaved rounds of ucx_perftest (UCX defaults, and tensorx's settings) and tensorx
+    on each config; medians per config."""
+    rows, same = [], tensorx_settings()
     for tls, eh in CONFIGS:
         samples: dict[str, list[float]] = {}
         lanes: Any = None
         for _ in range(rounds):
-            for test, key in (("ucp_put_bw", "perftest put"), ("ucp_get", "perftest get")):
-                samples.setdefault(key, []).append(
+            for test, key in (("ucp_put_bw", "put"), ("ucp_get", "get")):
+                samples.setdefault(f"perftest {key}", []).append(
+                    perftest_gbps(tls, test, size, error_handling=eh, iters=iters,
+                                  settings=same))
+                samples.setdefault(f"perftest-default {key}", []).append(
                     perftest_gbps(tls, test, size, error_handling=eh, iters=iters))
             res = tensorx_gbps(tls, size, error_handling=eh, iters=iters)
             lanes = res.pop("lanes")
@@ -250,13 +270,14 @@ def main() -> None:
             print(f"{key:28s} {value:6.2f} GB/s")
         return
     print("| UCX_TLS | error handling | lanes | put: tensorx / perftest | get: tensorx / "
-          "perftest | 8 B put+flush |")
-    print("|---|---|---|---|---|---|")
+          "perftest | perftest, UCX defaults: put / get | 8 B put+flush |")
+    print("|---|---|---|---|---|---|---|")
     for r in compare(size, rounds=args.rounds, iters=args.iters):
         put, get = r["tensorx put"] / r["perftest put"], r["tensorx get"] / r["perftest get"]
         print(f"| {r['tls']} | {r['error_handling']} | {', '.join(r['lanes'])} | "
               f"{r['tensorx put']:.2f} / {r['perftest put']:.2f} GB/s ({put:.0%}) | "
               f"{r['tensorx get']:.2f} / {r['perftest get']:.2f} GB/s ({get:.0%}) | "
+              f"{r['perftest-default put']:.2f} / {r['perftest-default get']:.2f} GB/s | "
               f"{r['tensorx put8_us']:.1f} us |")
 
 

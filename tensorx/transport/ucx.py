@@ -50,6 +50,10 @@ CLOSE_TIMEOUT = 2.0
 # Settings applied when this process initialises ucxx (never at import time).
 DEFAULT_OPTIONS: Mapping[str, str] = {
     "RNDV_SCHEME": "put_zcopy",  # tag transfers: the sender pushes; get is emulated on tcp
+    # RMA over tcp is emulated with active messages cut into segments: 8K (UCX's default)
+    # costs ucx_perftest itself about half of its put/get bandwidth on loopback.
+    "TCP_TX_SEG_SIZE": "256K",
+    "TCP_RX_SEG_SIZE": "1M",
     "WARN_UNUSED_ENV_VARS": "n",
 }
 _ORPHANS: list[Any] = []  # waits still owned by UCX after a timeout or cancellation
