@@ -65,6 +65,7 @@ def run_ps(results: Any, args: argparse.Namespace) -> None:
 async def _serve(results: Any, args: argparse.Namespace) -> None:
     from tensorx.ps import ParameterServer
 
+    torch.set_num_threads(1)  # three processes share this machine's cores
     ps = ParameterServer("tcp://127.0.0.1:0", num_workers=args.workers, mode=args.mode,
                          staleness=args.staleness, optimizer=make_optimizer,
                          transport=args.transport)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,15 @@ OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SGD_MOMENTUM: OptFactory = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
 ADAM: OptFactory = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
 TRANSPORTS = transports()
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny ops on a shared 2-core box: OpenMP spinning costs more than it brings."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def make_model(seed: int = 0, hidden: int = 16) -> nn.Module:
@@ -122,7 +131,7 @@ async def test_async_modes_converge_on_digits(mode: str, transport: str) -> None
     async def run(w: Worker, m: nn.Module, rank: int) -> None:
         gen = torch.Generator().manual_seed(rank)
         xs, ys = x_tr[rank::2], y_tr[rank::2]
-        for i in range(150):
+        for i in range(100):
             idx = torch.randint(0, len(xs), (32,), generator=gen)
             w.zero_grad()
             nn.functional.cross_entropy(m(xs[idx]), ys[idx]).backward()
@@ -130,14 +139,14 @@ async def test_async_modes_converge_on_digits(mode: str, transport: str) -> None
             if rank == 0 and i % 4 == 0:
                 await asyncio.sleep(0.002)
 
-    adam: OptFactory = lambda p: torch.optim.Adam(p, lr=3e-3)  # noqa: E731
+    adam: OptFactory = lambda p: torch.optim.Adam(p, lr=5e-3)  # noqa: E731
     async with servers(1, 2, transport, mode=mode, staleness=2, optimizer=adam) as (ps,):
         async with workers(models, [ps.address], transport, verify=True) as ws:
             await asyncio.gather(*(run(w, m, r) for r, (w, m) in
                                    enumerate(zip(ws, models, strict=True))))
             with torch.no_grad():
                 accuracy = float((models[1](x_te).argmax(1) == y_te).float().mean())
-    assert ps.stats["updates"] == 300
+    assert ps.stats["updates"] == 200
     assert accuracy >= 0.9, accuracy
     if mode == "bounded":
         assert ps.stats["max_gap"] <= 2
