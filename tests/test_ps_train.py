@@ -97,9 +97,17 @@ def train_single(opt: OptFactory, steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("opt", [SGD_MOMENTUM, ADAM], ids=["sgd-momentum", "adam"])
-@pytest.mark.parametrize("num_shards", [1, 2])
+UCX_MARKS = TRANSPORTS[1].marks  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("opt", "num_shards", "transport"), [
+    pytest.param(SGD_MOMENTUM, 1, "tcp", id="sgd-momentum-1-tcp"),
+    pytest.param(ADAM, 1, "tcp", id="adam-1-tcp"),
+    pytest.param(SGD_MOMENTUM, 2, "tcp", id="sgd-momentum-2-tcp"),
+    pytest.param(ADAM, 2, "tcp", id="adam-2-tcp"),
+    pytest.param(SGD_MOMENTUM, 1, "ucx", id="sgd-momentum-1-ucx", marks=UCX_MARKS),
+    pytest.param(ADAM, 2, "ucx", id="adam-2-ucx", marks=UCX_MARKS),
+])
 async def test_sync_equals_single_process(opt: OptFactory, num_shards: int,
                                           transport: str) -> None:
     got = await train_sync(opt, 24, num_shards, transport)
