@@ -338,6 +338,48 @@ async def test_without_error_handling_uses_shared_memory_lanes() -> None:
         await fast.aclose()
 
 
+def _fast_lane_after_peer_death(conn: Connection) -> None:
+    async def main() -> str:
+        fast = UcxFactory(error_handling=False)
+        try:
+            with owner_process(error_handling=False) as peer:
+                lane = await fast.open_lane(peer.info, peer="peer", timeout=10)
+                op = Op(MemoryRegion.allocate(4096), peer.desc, 0, 0, 4096)
+                await lane.write(op, timeout=10)
+                peer.kill()
+                await asyncio.sleep(0.2)  # the pidfd watch notices
+                try:
+                    await lane.write(op, timeout=10)
+                except BrokenError:
+                    lane.abort()
+                    return "broken"
+                return "written"
+        finally:
+            await fast.aclose()
+
+    conn.send(asyncio.run(main()))
+
+
+def test_without_error_handling_a_dead_peer_is_broken_not_an_abort() -> None:
+    # In a child: without UCX error handling, libucp aborts the process that touches a
+    # dead peer; the lane must refuse the op first.
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_fast_lane_after_peer_death, args=(child,))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not conn.poll(0.1):
+            assert proc.is_alive(), f"client died (exit code {proc.exitcode})"
+            assert time.monotonic() < deadline
+        assert conn.recv() == "broken"
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+
+
 @pytest.mark.gpu
 async def test_cuda_tensor_registers_as_cuda_memory(factory: UcxFactory) -> None:
     torch = pytest.importorskip("torch")

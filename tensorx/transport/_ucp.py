@@ -16,18 +16,21 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from tensorx.errors import TransportUnavailableError
 
-__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "load", "status_string", "ucx_paths"]
+__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "lane_roles", "load", "status_string",
+           "ucx_paths", "ucxx_context"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
 
@@ -155,3 +158,45 @@ def _import_from(path: Path) -> ModuleType:
     except ImportError as exc:
         raise TransportUnavailableError(f"cannot load the UCX binding {path}: {exc}") from exc
     return module
+
+
+_LANE_LINE = re.compile(r"lane\[\d+\]:\s+\d+:(\S+?)\.\d+\s.*?->\s+\S+\s*(.*)$")
+
+
+def lane_roles(description: str) -> dict[str, list[str]]:
+    """``{"cma/memory": ["rma_bw"], "sysv/memory": ["am"]}`` from ``ucp_ep_print_info``."""
+    roles: dict[str, list[str]] = {}
+    for line in description.splitlines():
+        m = _LANE_LINE.search(line)
+        if m:
+            words = [w for w in m.group(2).split() if not w.startswith(("seg", "md[")) and
+                     not w.isdigit()]
+            roles.setdefault(m.group(1), []).extend(w.split("#")[0] for w in words)
+    return roles
+
+
+def ucxx_context(defaults: Mapping[str, str], tls: str | None,
+                 options: Mapping[str, str] | None) -> Any:
+    """ucxx's per-process context, initialised with our settings if we are its first user.
+
+    ``defaults`` yield to ``UCX_*`` environment variables; ``options`` and ``tls`` win
+    over both. A context that already exists is used as it is (a differing ``tls`` is
+    logged)."""
+    try:
+        import ucxx
+        from ucxx import core
+    except Exception as exc:
+        raise TransportUnavailableError(f"ucxx is not usable here: {exc}") from exc
+    wanted = {k: v for k, v in defaults.items() if f"UCX_{k}" not in os.environ}
+    wanted.update(options or {})
+    if tls is not None:
+        wanted["TLS"] = tls
+    try:
+        if core._ctx is None:
+            ucxx.init(options=wanted, progress_mode="thread")
+        elif tls is not None and core._ctx.config.get("TLS") != tls:
+            logger.warning("UCX already initialised in this process with TLS=%s; tls=%r "
+                           "is ignored", core._ctx.config.get("TLS"), tls)
+        return core._get_ctx()
+    except Exception as exc:
+        raise TransportUnavailableError(f"cannot initialise UCX: {exc}") from exc

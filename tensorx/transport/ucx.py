@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -99,7 +98,7 @@ class UcxFactory(LaneFactory):
         self.inline_progress = int(inline_progress)
         self._ucp = _ucp.load()
         self._ffi, self._lib = self._ucp.ffi, self._ucp.lib
-        self._ctx = _ucxx_context(tls, options)
+        self._ctx = _ucp.ucxx_context(DEFAULT_OPTIONS, tls, options)
         self.context_handle = int(self._ctx.context.handle)
         self.worker_handle = int(self._ctx.worker.handle)
         self._address = bytes(self._ctx.worker_address.tobytes())
@@ -132,7 +131,7 @@ class UcxFactory(LaneFactory):
                 f"UCX error handling differs ({peer}: {peer_info.get('error_handling')}, "
                 f"here: {self.error_handling}); UCX needs both sides to agree")
         self._attach_loop()
-        lane = UcxLane(self, address, peer)
+        lane = UcxLane(self, address, peer, peer_info)
         budget = CONNECT_TIMEOUT if timeout is None else min(timeout, CONNECT_TIMEOUT)
         try:
             await lane._connect(budget)
@@ -237,7 +236,8 @@ class UcxFactory(LaneFactory):
         self._lib.tx_wait_init(w, self._efd)
         return w
 
-    async def _complete(self, w: Any, timeout: float | None, *, inline: bool = True) -> None:
+    async def _complete(self, w: Any, timeout: float | None, *, inline: bool = True,
+                        lane: UcxLane | None = None) -> None:
         """Release the issuer's guard on ``w`` and wait until every op on it finished."""
         if self._lib.tx_wait_release(w):
             return
@@ -254,13 +254,13 @@ class UcxFactory(LaneFactory):
             self._waits.pop(key, None)
             return
         try:
-            await self._sleep_until(fut, w, timeout)
+            await self._sleep_until(fut, w, timeout, lane)
         finally:
             if self._waits.pop(key, None) is not None and w.pending:
                 _ORPHANS.append(w)
 
     async def _sleep_until(self, fut: asyncio.Future[None], w: Any,
-                           timeout: float | None) -> None:
+                           timeout: float | None, lane: UcxLane | None) -> None:
         """Await ``fut``; every so often wake ucxx's progress thread again, as a safety net
         (shared-memory lanes have no event fd to wake it with)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -270,6 +270,8 @@ class UcxFactory(LaneFactory):
             await asyncio.wait([fut], timeout=poll if left is None else min(poll, left))
             if fut.done() or w.pending == 0:
                 return
+            if lane is not None:
+                lane._check_usable()  # e.g. the peer process exited meanwhile
             if left is not None and left <= poll:
                 raise TimeoutError(f"UCX operation did not complete within {timeout} s")
             self._lib.tx_signal(self.worker_handle)
@@ -293,7 +295,8 @@ class UcxLane(DataLane):
 
     name = "ucx"
 
-    def __init__(self, factory: UcxFactory, address: bytes, peer: str) -> None:
+    def __init__(self, factory: UcxFactory, address: bytes, peer: str,
+                 peer_info: Mapping[str, Any]) -> None:
         self._f = factory
         self._lib = factory._lib
         self.peer = peer
@@ -306,6 +309,8 @@ class UcxLane(DataLane):
         self._closed = False
         self._broken: str | None = None
         self.lanes: list[str] = []
+        self._peer_info = dict(peer_info)
+        self._pidfd = -1
         self.roles: dict[str, list[str]] = {}
         self.why = ""
         self.stats = {"ops": 0, "bytes": 0}
@@ -329,8 +334,39 @@ class UcxLane(DataLane):
         except (BrokenError, TimeoutError) as exc:
             raise TransportUnavailableError(f"UCX cannot reach {self.peer}: {exc}") from exc
         self.lanes = self._query_lanes()
-        self.roles = _roles(self.describe())
+        self.roles = _ucp.lane_roles(self.describe())
         self.why = _why(self.lanes, self._f.error_handling)
+        if not self._f.error_handling:
+            self._watch_peer_process()
+
+    def _watch_peer_process(self) -> None:
+        """Without UCX error handling, a dead peer aborts us inside libucp on the next op:
+        watch a same-host peer's pid (pidfd) and refuse ops once it has exited. This cannot
+        save an op already in flight when the peer dies."""
+        pid, host = self._peer_info.get("pid"), self._peer_info.get("host")
+        same_host = host == socket.gethostname() and any(
+            lane.split("/")[0] in ("cma", "posix", "sysv", "knem", "xpmem") for lane in self.lanes)
+        if not (same_host and isinstance(pid, int) and hasattr(os, "pidfd_open")):
+            return
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            raise TransportUnavailableError(f"peer process {pid} is gone: {exc}") from exc
+        assert self._f._loop is not None
+        self._f._loop.add_reader(self._pidfd, self._peer_exited)
+
+    def _peer_exited(self) -> None:
+        if self._broken is None:
+            self._broken = "the peer process exited"
+            logger.warning("ucx lane to %s broke: %s", self.peer, self._broken)
+        self._unwatch_peer_process()
+
+    def _unwatch_peer_process(self) -> None:
+        if self._pidfd >= 0:
+            if self._f._loop is not None and not self._f._loop.is_closed():
+                self._f._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     def _query_lanes(self) -> list[str]:
         out = self._f._ffi.new("char[]", 1024)
@@ -432,7 +468,7 @@ class UcxLane(DataLane):
     async def _finish(self, w: Any, st: int, timeout: float | None, *,
                       inline: bool = True) -> None:
         try:
-            await self._f._complete(w, timeout, inline=inline)
+            await self._f._complete(w, timeout, inline=inline, lane=self)
         except TimeoutError:
             self._check_usable()
             raise
@@ -467,6 +503,7 @@ class UcxLane(DataLane):
 
     def _teardown(self, force: bool) -> Any:
         """Destroy the rkeys and start closing the endpoint; the close's wait (guard held)."""
+        self._unwatch_peer_process()
         self._release_rkeys()
         ep, self._ep = self._ep, 0
         if not ep:
@@ -521,21 +558,6 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-_LANE_LINE = re.compile(r"lane\[\d+\]:\s+\d+:(\S+?)\.\d+\s.*?->\s+\S+\s*(.*)$")
-
-
-def _roles(description: str) -> dict[str, list[str]]:
-    """``{"cma/memory": ["rma_bw"], "sysv/memory": ["am"]}`` from ``ucp_ep_print_info``."""
-    roles: dict[str, list[str]] = {}
-    for line in description.splitlines():
-        m = _LANE_LINE.search(line)
-        if m:
-            words = [w for w in m.group(2).split() if not w.startswith(("seg", "md[")) and
-                     not w.isdigit()]
-            roles.setdefault(m.group(1), []).extend(w.split("#")[0] for w in words)
-    return roles
-
-
 def _why(lanes: list[str], error_handling: bool) -> str:
     fast = any(lane.split("/")[0] in ("cma", "posix", "sysv", "knem", "xpmem", "rc_mlx5",
                                       "rc_verbs", "dc_mlx5", "ud_mlx5", "cuda_ipc")
@@ -546,25 +568,3 @@ def _why(lanes: list[str], error_handling: bool) -> str:
     return ("UCX error handling off (fast lanes"
             + (")" if fast else ", but none found)") + ": a peer dying mid-transfer aborts "
             "this process")
-
-
-def _ucxx_context(tls: str | None, options: Mapping[str, str] | None) -> Any:
-    try:
-        import ucxx
-        from ucxx import core
-    except Exception as exc:
-        raise TransportUnavailableError(f"ucxx is not usable here: {exc}") from exc
-    # Defaults yield to UCX_* environment variables; explicit arguments win over both.
-    wanted = {k: v for k, v in DEFAULT_OPTIONS.items() if f"UCX_{k}" not in os.environ}
-    wanted.update(options or {})
-    if tls is not None:
-        wanted["TLS"] = tls
-    try:
-        if core._ctx is None:
-            ucxx.init(options=wanted, progress_mode="thread")
-        elif tls is not None and core._ctx.config.get("TLS") != tls:
-            logger.warning("UCX already initialised in this process with TLS=%s; tls=%r "
-                           "is ignored", core._ctx.config.get("TLS"), tls)
-        return core._get_ctx()
-    except Exception as exc:
-        raise TransportUnavailableError(f"cannot initialise UCX: {exc}") from exc
