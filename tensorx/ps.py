@@ -77,7 +77,7 @@ class ParameterServer:
     Initial parameters come from the checkpoint in ``checkpoint_dir`` when there is one, else
     from worker rank 0. ``checkpoint_every``: also checkpoint every N updates.
     ``token`` (default ``$TENSORX_TOKEN``) is required to listen beyond loopback, unless
-    ``insecure=True``.
+    ``insecure=True``. ``log_every``: seconds between throughput log lines (None: never).
     """
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,
@@ -87,7 +87,7 @@ class ParameterServer:
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int | None = None, token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 30.0,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, log_every: float | None = 60.0) -> None:
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= shard < num_shards:
@@ -99,6 +99,7 @@ class ParameterServer:
         self.timeout = timeout
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
+        self.log_every = log_every
         self._optimizer = optimizer or _default_optimizer
         self._lr_scheduler = lr_scheduler
         self.scheduler = Scheduler(mode, num_workers, staleness)
@@ -129,6 +130,8 @@ class ParameterServer:
         self._tasks = [loop.create_task(self._pump_notifications()),
                        loop.create_task(self._pump_disconnects()),
                        loop.create_task(self._run())]
+        if self.log_every:
+            self._tasks.append(loop.create_task(self._report(self.log_every)))
         logger.info("ps shard %d/%d listening on %s: mode=%s workers=%d", self.shard,
                     self.num_shards, self.node.address, self.mode, self.num_workers)
         return self
@@ -222,6 +225,16 @@ class ParameterServer:
         return plan
 
     # -- event loop -----------------------------------------------------------------------
+    async def _report(self, every: float) -> None:
+        last, t0 = 0, time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            now, updates = time.monotonic(), self.stats["updates"]
+            if updates != last:
+                logger.info("ps shard %d: version %d, %.1f updates/s, %d worker(s)", self.shard,
+                            self.version, (updates - last) / (now - t0), len(self._peers))
+            last, t0 = updates, now
+
     async def _pump_notifications(self) -> None:
         while True:
             ep, payload = await self.node.notifications.get()

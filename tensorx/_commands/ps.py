@@ -61,6 +61,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rendezvous", action="store_true",
                    help="publish addresses in the torchrun TCPStore")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-every", type=float, default=60.0,
+                   help="seconds between throughput log lines (0: never)")
 
 
 def parse_optimizer(spec: str) -> Callable[[list[Any]], Any]:
@@ -145,7 +147,8 @@ async def serve(args: argparse.Namespace) -> None:
         staleness=args.staleness, optimizer=optimizer, shard=s, num_shards=args.shards,
         lr_scheduler=parse_lr_scheduler(args.lr_scheduler),
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        token=args.token, transport=args.transport, insecure=args.insecure) for s in shards]
+        token=args.token, transport=args.transport, insecure=args.insecure,
+        log_every=args.log_every or None) for s in shards]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _stop_all, servers, sig)
