@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import hashlib
 import multiprocessing as mp
 import os
@@ -382,6 +383,8 @@ def test_without_error_handling_a_dead_peer_is_broken_not_an_abort() -> None:
 
 @pytest.mark.gpu
 async def test_cuda_tensor_registers_as_cuda_memory(factory: UcxFactory) -> None:
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        pytest.skip("no CUDA device")
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
