@@ -124,6 +124,9 @@ class ParameterServer:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> ParameterServer:
+        """Listen and start serving in the background. Starting a started server is a no-op."""
+        if self._tasks:
+            return self
         await self.node.start()
         self._restore()
         loop = asyncio.get_running_loop()

@@ -31,6 +31,7 @@ from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     AuthError,
     BrokenError,
+    ClosedError,
     PlanMismatchError,
     ProtocolError,
     RegionError,
@@ -60,14 +61,16 @@ class Worker:
     check every pull against the checksum the shard stamped on its update.
     ``plan_options``: passed to :class:`tensorx.GraphAnalyzer` (every worker must agree).
     ``overlap``: start writing a gradient bucket (about ``bucket_bytes``) to its shard as
-    soon as autograd has finished it, during backward.
+    soon as autograd has finished it, during backward. ``reconnect``: when a shard goes away
+    mid-step, keep trying this many seconds to rejoin (a restarted server resumes from its
+    checkpoint); the step's gradient is dropped and the model takes the server's parameters.
     """
 
     def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
                  num_workers: int = 1, *, token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 60.0, verify: bool = False,
                  plan_options: dict[str, Any] | None = None, overlap: bool = True,
-                 bucket_bytes: int = 1 << 20) -> None:
+                 bucket_bytes: int = 1 << 20, reconnect: float | None = None) -> None:
         self.model = model
         self.addresses = [ps] if isinstance(ps, str) else list(ps)
         if not self.addresses:
@@ -89,13 +92,15 @@ class Worker:
         self._slots: list[RegionDescriptor] = []
         self._headers: list[bytes] = []
         self._overlap = overlap
+        self.reconnect = reconnect
         self._bucket_bytes = bucket_bytes
         self._pusher: BucketPusher | None = None
         self._sparse: SparseSender | None = None
         self._inbox: list[asyncio.Queue[dict[str, Any]]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        self.stats: dict[str, float] = {"push_s": 0.0, "wait_s": 0.0, "steps": 0}
+        self.stats: dict[str, float] = {"push_s": 0.0, "wait_s": 0.0, "steps": 0,
+                                        "rejoins": 0}
 
     @property
     def num_shards(self) -> int:
@@ -130,14 +135,44 @@ class Worker:
                                           for s in range(self.num_shards)))
         self._slots = [RegionDescriptor.from_bytes(w["slot"]) for w in welcomes]
         self._headers = [w["headers"] for w in welcomes]
-        self._pusher = BucketPusher(make_buckets(self.plan, self._bucket_bytes), self.model,
-                                    self._write_bucket, asyncio.get_running_loop(),
-                                    self._overlap)
+        if self._pusher is None:
+            self._pusher = BucketPusher(make_buckets(self.plan, self._bucket_bytes),
+                                        self.model, self._write_bucket,
+                                        asyncio.get_running_loop(), self._overlap)
         self.mode = welcomes[0]["mode"]
         for s, w in enumerate(welcomes):
             self._accept_params(s, w)
         logger.info("worker rank %d/%d joined %d shard(s), mode=%s, version=%s", self.rank,
                     self.num_workers, self.num_shards, self.mode, self.version)
+
+    async def _rejoin(self, why: BaseException, budget: float) -> None:
+        """Drop every endpoint and handshake again until ``budget`` seconds are spent."""
+        logger.warning("worker rank %d lost the server (%s); rejoining for up to %.0f s",
+                       self.rank, why, budget)
+        deadline = time.monotonic() + budget
+        while True:
+            await self._drop_endpoints()
+            try:
+                await self._handshake()
+                break
+            except (BrokenError, ClosedError, TimeoutError, OSError) as exc:
+                if time.monotonic() > deadline:
+                    raise BrokenError(f"could not rejoin within {budget} s: {exc}") from exc
+                await asyncio.sleep(0.5)
+        assert self._pusher is not None
+        self._pusher.reset()
+        self.stats["rejoins"] += 1
+
+    async def _drop_endpoints(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for ep in self._eps:
+            with contextlib.suppress(TensorxError):
+                await ep.aclose()
+        self._eps, self._tasks = [], []
+        if self._sparse is not None:
+            self._sparse.forget_exports()
 
     async def _hello(self, shard: int) -> None:
         desc = self.node.export(self._region(shard, "params"), access="rw")
@@ -171,9 +206,15 @@ class Worker:
     async def step(self) -> None:
         """Push this step's gradients, wait as the mode requires, pull fresh parameters."""
         t0 = time.perf_counter()
-        await self.push()
-        t1 = time.perf_counter()
-        await self.pull()
+        try:
+            await self.push()
+            t1 = time.perf_counter()
+            await self.pull()
+        except (BrokenError, TimeoutError) as exc:
+            if not self.reconnect:
+                raise
+            await self._rejoin(exc, self.reconnect)
+            return
         self.stats["push_s"] += t1 - t0
         self.stats["wait_s"] += time.perf_counter() - t1
         self.stats["steps"] += 1

@@ -273,3 +273,46 @@ async def test_sparse_embedding_model_trains(transport: str) -> None:
         opt.step()
     for g, w in zip(models[0].parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-4, atol=1e-5)
+
+
+async def test_worker_rejoins_a_restarted_server(tmp_path: Path) -> None:
+    """The server stops (checkpointing) and comes back on the same address; a worker with
+    ``reconnect`` drops the step in flight, rejoins and carries on from the checkpoint."""
+    data = batches(7, 1)
+    model = make_model()
+
+    def server(listen: str) -> ParameterServer:
+        return ParameterServer(listen, num_workers=1, optimizer=ADAM, checkpoint_dir=tmp_path,
+                               transport="tcp")
+
+    first = await server("tcp://127.0.0.1:0").start()
+    address = first.address
+    async with Worker(model, address, transport="tcp", reconnect=20) as w:
+        async def step(i: int) -> None:
+            w.zero_grad()
+            backward(model, *data[i][0])
+            await w.step()
+
+        for i in range(3):
+            await step(i)
+        await first.aclose()
+
+        async def restart() -> ParameterServer:
+            await asyncio.sleep(1.0)  # the worker retries meanwhile
+            return await server(address).start()
+
+        coming_back = asyncio.create_task(restart())
+        await step(3)  # meets the dead connection: dropped, rejoins once the server is back
+        async with await coming_back as second:
+            for i in range(4, 7):
+                await step(i)
+            assert second.version == 6  # resumed at 3 from the checkpoint, then 3 more
+        assert w.stats["rejoins"] == 1
+    want = make_model()
+    opt = ADAM(list(want.parameters()))  # type: ignore[arg-type]
+    for i in (0, 1, 2, 4, 5, 6):
+        opt.zero_grad()
+        backward(want, *data[i][0])
+        opt.step()
+    for g, ref in zip(model.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(g.detach(), ref.detach(), rtol=1e-5, atol=1e-6)

@@ -37,6 +37,10 @@ class SparseSender:
         self._params = dict(model.named_parameters())
         self._exported: dict[str, int] = {}  # name -> region id we last announced
 
+    def forget_exports(self) -> None:
+        """A new server knows none of our staging regions: announce them all again."""
+        self._exported.clear()
+
     def stage(self, shard: int) -> dict[str, bytes]:
         """Stage this shard's sparse gradients; descriptors of staging regions to announce."""
         announce = {}
