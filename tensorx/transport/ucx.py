@@ -8,7 +8,8 @@ Error handling is a real trade-off on a single host (see the class docstring of
 :class:`UcxFactory`): with ``error_handling=True`` (the default) endpoints use UCX's peer
 failure mode, which confines them to tcp lanes but turns a dead peer into ``BrokenError``;
 with ``error_handling=False`` endpoints get shared-memory lanes (cma, posix) and run several
-times faster, but a peer that dies during a transfer aborts *this* process inside libucp.
+times faster, but a peer that dies *during* a transfer aborts this process inside libucp (a
+peer that exited between calls is caught by a pidfd watch and gives ``BrokenError``).
 
 Completion: each call issues its ops and a flush against one ``tx_wait_t`` (issuing returns
 at once; UCX moves the data while the worker progresses). A small call progresses the worker
@@ -67,7 +68,8 @@ class UcxFactory(LaneFactory):
             (``0`` or ``1``, default ``1``). ``True`` (the default, safe): a dead peer gives
             ``BrokenError``; on one host UCX then only offers tcp lanes. ``False`` (fast):
             same-host peers get cma/posix lanes, but a peer dying mid-transfer aborts this
-            process from inside libucp. On RDMA NICs both go together.
+            process from inside libucp (one that exited between calls is a ``BrokenError``).
+            On RDMA NICs both go together.
         tls: ``UCX_TLS`` for this process's UCX context, e.g. ``"tcp"`` or ``"posix,cma"``
             (``None``: UCX's choice, or the environment's ``UCX_TLS``).
         options: extra UCX settings (names without ``UCX_``); override the defaults.
