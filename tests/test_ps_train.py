@@ -176,19 +176,22 @@ async def test_bounded_staleness_is_held_by_the_server() -> None:
         assert ps.stats["updates"] == 40
 
 
-async def test_plan_mismatch_names_the_tensor() -> None:
-    async with ParameterServer(num_workers=2, transport="tcp") as ps:
-        w0 = Worker(make_model(), ps.address, rank=0, num_workers=2, transport="tcp")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_plan_mismatch_names_the_tensor(transport: str) -> None:
+    async with ParameterServer(num_workers=2, transport=transport) as ps:
+        w0 = Worker(make_model(), ps.address, rank=0, num_workers=2, transport=transport)
         w1 = Worker(make_model(hidden=17), ps.address, rank=1, num_workers=2,
-                    transport="tcp")
+                    transport=transport)
         async with w0:
-            with pytest.raises(PlanMismatchError, match=r"0\.(weight|bias)|2\.weight"):
+            with pytest.raises(PlanMismatchError, match=r"tensor '(0\.weight|0\.bias|2\.weight)"
+                               r"' differs.*shape=\(3, 16\).*shape=\(3, 17\)"):
                 await w1.start()
 
 
-async def test_wrong_token_is_an_auth_error() -> None:
-    async with ParameterServer(num_workers=1, token="right", transport="tcp") as ps:
-        w = Worker(make_model(), ps.address, token="wrong", transport="tcp", timeout=5)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_wrong_token_is_an_auth_error(transport: str) -> None:
+    async with ParameterServer(num_workers=1, token="right", transport=transport) as ps:
+        w = Worker(make_model(), ps.address, token="wrong", transport=transport, timeout=5)
         with pytest.raises(AuthError):
             await w.start()
 
