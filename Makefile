@@ -30,7 +30,8 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/transfer.py
+	$(BIN)/python benchmarks/transfer.py --sizes 64K,16M,64M
+	$(BIN)/python benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

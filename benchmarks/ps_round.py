@@ -47,6 +47,7 @@ EXPERIMENTS = {  # not tensorx as shipped: what a proposed PS/worker change woul
                               ("--transport", "tcp", "--variant", "ps-nocopy,one-bucket")),
     "x-noeh-nocopy": System("EXP tensorx ucx no-eh, PS w/o slot copy", "tensorx",
                             ("--transport", "ucx-shm", "--variant", "ps-nocopy")),
+    "x-raw-pipelined": System("EXP raw socket, pipelined", "raw", ("--variant", "pipelined")),
     "x-tcp-all": System("EXP tensorx tcp, all fixes", "tensorx",
                         ("--transport", "tcp", "--variant", "ps-flat,fast-bind,one-bucket")),
     "x-noeh-all": System("EXP tensorx ucx no-eh, all fixes", "tensorx",

@@ -7,6 +7,7 @@ of each process (``ip netns exec NS`` for the two-namespace placement).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -155,13 +156,13 @@ class Pair:
     def close(self) -> None:
         clients, server = self._clients, self._server
         self._clients, self._server = [], None
-        for client in clients:
+        for client in clients:  # all first: a graceful rpc.shutdown waits for every worker
             if client.popen.poll() is None:
-                try:
+                with contextlib.suppress(OSError):
                     client.send("quit")
-                    client.popen.wait(30)
-                except (OSError, subprocess.TimeoutExpired):
-                    pass
+        for client in clients:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                client.popen.wait(30)
             client.stop()
         if server is not None:
             server.stop()

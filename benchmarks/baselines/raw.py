@@ -4,6 +4,11 @@ The worker sends an 8-byte length and its flat gradient buffer; the PS receives 
 into its flat gradient buffer (``MSG_WAITALL``), applies plain SGD on the flat parameters and
 sends them back straight into the worker's flat parameter buffer. No framing, no asyncio, no
 per-tensor work: what any design on sockets can at best do.
+
+``--variant pipelined`` (an experiment: the limit of a pipelined PS round): the gradients go
+in chunks; the PS applies SGD to each chunk as it lands and sends that chunk's parameters
+back at once, while the worker is still sending (full duplex), so a round costs about one
+transfer instead of two plus the update.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import socket
 import struct
+import threading
 
 import torch
 
@@ -18,6 +24,7 @@ from benchmarks.baselines import common
 
 LEN = struct.Struct("!Q")
 SOCK_BUF = 4 << 20
+CHUNK = 4 << 20
 
 
 def _tune(sock: socket.socket) -> None:
@@ -56,11 +63,25 @@ def serve(args: argparse.Namespace) -> None:
     try:
         while True:
             _recv_into(sock, head)
-            _recv_into(sock, gview[:LEN.unpack(head)[0]])
+            nbytes = LEN.unpack(head)[0]
+            if args.variant == "pipelined":
+                _serve_pipelined(sock, params, grads, nbytes)
+                continue
+            _recv_into(sock, gview[:nbytes])
             common.sgd_([params], [grads])
             sock.sendall(pview)
     except ConnectionError:
         sock.close()
+
+
+def _serve_pipelined(sock: socket.socket, params: torch.Tensor, grads: torch.Tensor,
+                     nbytes: int) -> None:
+    gview, pview = memoryview(grads.numpy()).cast("B"), memoryview(params.numpy()).cast("B")
+    for start in range(0, nbytes, CHUNK):
+        end = min(nbytes, start + CHUNK)
+        _recv_into(sock, gview[start:end])
+        common.sgd_([params[start // 4:end // 4]], [grads[start // 4:end // 4]])
+        sock.sendall(pview[start:end])
 
 
 def client(args: argparse.Namespace) -> None:
@@ -73,6 +94,12 @@ def client(args: argparse.Namespace) -> None:
 
     def one_round() -> None:
         sock.sendall(LEN.pack(len(gview)))
+        if args.variant == "pipelined":  # send from a thread while receiving here
+            sender = threading.Thread(target=sock.sendall, args=(gview,))
+            sender.start()
+            _recv_into(sock, pview)
+            sender.join()
+            return
         sock.sendall(gview)
         _recv_into(sock, pview)
 
