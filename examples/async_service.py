@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorx.ps import ParameterServer
+import tensorx as tx
 
 SLOTS = 3  # ranks 0..2: a leaving worker frees its rank for the next one
 
@@ -50,14 +50,12 @@ def worker_main(address: str, rank: int, steps: int, transport: str, results: An
 
 
 async def _work(address: str, rank: int, steps: int, transport: str) -> float:
-    from tensorx.worker import Worker
-
     x_tr, y_tr, x_te, y_te = digits()
     x_tr, y_tr = x_tr[rank::SLOTS], y_tr[rank::SLOTS]  # this worker's own slice
     model = build_model()
     gen = torch.Generator().manual_seed(rank)
-    async with Worker(model, address, rank=rank, num_workers=SLOTS,
-                      transport=transport) as worker:
+    async with tx.Worker(model, address, rank=rank, num_workers=SLOTS,
+                         transport=transport) as worker:
         for _ in range(steps):
             idx = torch.randint(0, len(x_tr), (32,), generator=gen)
             worker.zero_grad()
@@ -71,9 +69,9 @@ async def main(args: argparse.Namespace) -> float:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     loop = asyncio.get_running_loop()
-    server = ParameterServer("tcp://127.0.0.1:0", num_workers=SLOTS, mode="async",
-                             optimizer=lambda p: torch.optim.Adam(p, lr=2e-3),
-                             checkpoint_dir=args.checkpoint_dir, transport=args.transport)
+    server = tx.ParameterServer("tcp://127.0.0.1:0", num_workers=SLOTS, mode="async",
+                                optimizer=lambda p: torch.optim.Adam(p, lr=2e-3),
+                                checkpoint_dir=args.checkpoint_dir, transport=args.transport)
     async with server:
         print(f"service up at {server.address} (async mode, {SLOTS} slots)")
         # (rank, join once the server reached this version, steps): 1 and 2 join mid-run

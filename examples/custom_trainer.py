@@ -1,7 +1,7 @@
 """A plain PyTorch training loop, moved onto a parameter server by adding two lines.
 
 The loop below is ordinary PyTorch; the two lines marked ``# tensorx`` are the whole change:
-the import, and a ``RemoteOptimizer`` where ``torch.optim.SGD`` used to be (the optimizer
+the import, and a ``tx.RemoteOptimizer`` where ``torch.optim.SGD`` used to be (the optimizer
 itself now runs on the server, configured with ``--optimizer`` there).
 
     python examples/custom_trainer.py                     # starts its own `tensorx ps`
@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
-from tensorx.worker import RemoteOptimizer  # tensorx
+import tensorx as tx  # tensorx
 
 
 def train(ps: str, rank: int, workers: int, transport: str, epochs: int) -> float:
@@ -37,8 +37,8 @@ def train(ps: str, rank: int, workers: int, transport: str, epochs: int) -> floa
     loss_fn = nn.CrossEntropyLoss()
 
     # optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    optimizer = RemoteOptimizer(model, ps=ps, rank=rank, num_workers=workers,  # tensorx
-                                transport=transport)
+    optimizer = tx.RemoteOptimizer(model, ps=ps, rank=rank, num_workers=workers,  # tensorx
+                                   transport=transport)
 
     for _ in tqdm(range(epochs), desc="epochs", file=sys.stdout):
         for xb, yb in loader:

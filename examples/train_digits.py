@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import tensorx as tx
+
 WORKERS = 2
 SEED = 0
 
@@ -63,12 +65,10 @@ def run_ps(results: Any, args: argparse.Namespace) -> None:
 
 
 async def _serve(results: Any, args: argparse.Namespace) -> None:
-    from tensorx.ps import ParameterServer
-
     torch.set_num_threads(1)  # three processes share this machine's cores
-    ps = ParameterServer("tcp://127.0.0.1:0", num_workers=args.workers, mode=args.mode,
-                         staleness=args.staleness, optimizer=make_optimizer,
-                         transport=args.transport)
+    ps = tx.ParameterServer("tcp://127.0.0.1:0", num_workers=args.workers, mode=args.mode,
+                            staleness=args.staleness, optimizer=make_optimizer,
+                            transport=args.transport)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ps.stop)
     async with ps:
         results.put(("address", ps.address))
@@ -87,16 +87,14 @@ def run_worker(results: Any, rank: int, address: str, args: argparse.Namespace) 
 async def _train(rank: int, address: str, args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from tensorx.worker import Worker
-
     torch.set_num_threads(1)
     x_tr, y_tr, x_te, y_te = load_digits()
     model = build_model()
     steps_per_epoch = len(x_tr) // (args.batch_size * args.workers)
     total = steps_per_epoch * args.epochs
     gen = torch.Generator().manual_seed(SEED)  # every worker draws the same permutations
-    async with Worker(model, address, rank=rank, num_workers=args.workers,
-                      transport=args.transport) as worker:
+    async with tx.Worker(model, address, rank=rank, num_workers=args.workers,
+                         transport=args.transport) as worker:
         transport = worker.node.endpoints[0].info["transport"]
         bar = tqdm(total=total, desc=f"digits ({transport}, {args.mode})", unit="step",
                    disable=rank != 0 or args.quiet, file=sys.stdout)
@@ -150,14 +148,12 @@ def torchrun_main(args: argparse.Namespace) -> None:
 
 
 async def _serve_until_done(store: Any, done_keys: list[str], args: argparse.Namespace) -> None:
-    from tensorx.ps import ParameterServer
-
     # one machine: stay on loopback; several: listen everywhere (needs $TENSORX_TOKEN)
     local = os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost", "::1")
-    async with ParameterServer(f"tcp://{'127.0.0.1' if local else '0.0.0.0'}:0",
-                               num_workers=args.workers, mode=args.mode,
-                               staleness=args.staleness, optimizer=make_optimizer,
-                               transport=args.transport) as ps:
+    async with tx.ParameterServer(f"tcp://{'127.0.0.1' if local else '0.0.0.0'}:0",
+                                  num_workers=args.workers, mode=args.mode,
+                                  staleness=args.staleness, optimizer=make_optimizer,
+                                  transport=args.transport) as ps:
         ps.publish(store)
         await asyncio.get_running_loop().run_in_executor(None, store.wait, done_keys)
 
