@@ -47,8 +47,8 @@ class UcpLib:
     """The compiled module: ``ffi`` and ``lib`` (functions named ``tx_*``)."""
 
     def __init__(self, module: ModuleType) -> None:
-        self.ffi: Any = module.ffi  # type: ignore[attr-defined]
-        self.lib: Any = module.lib  # type: ignore[attr-defined]
+        self.ffi: Any = module.ffi
+        self.lib: Any = module.lib
 
     def status_string(self, status: int) -> str:
         return str(self.ffi.string(self.lib.tx_status_string(status)).decode())
