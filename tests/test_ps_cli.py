@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -25,10 +26,12 @@ class PsProcess:
 
     def __init__(self, *args: str) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._log = tempfile.TemporaryFile(mode="w+")  # a file: a chatty log never blocks
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tensorx._commands.ps", *args], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=self._log, text=True)
         self.lines: list[str] = []
+        self.log = ""
         self._got_line = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -57,8 +60,11 @@ class PsProcess:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read()
+        if not self._log.closed:
+            self._log.seek(0)
+            self.log = self._log.read()
+            self._log.close()
+        return self.log
 
 
 async def _train(address: str, model: nn.Module, rounds: list[list[tuple[torch.Tensor, ...]]]
