@@ -128,7 +128,11 @@ class ParameterServer:
         if self._tasks:
             return self
         await self.node.start()
-        self._restore()
+        try:
+            self._restore()
+        except BaseException:
+            await self.node.aclose()
+            raise
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._pump_notifications()),
                        loop.create_task(self._pump_disconnects()),
@@ -249,16 +253,18 @@ class ParameterServer:
             self._events.put_nowait(("gone", ep, b""))
 
     async def _run(self) -> None:
+        """The one consumer of events: updates and writes out of the arena never interleave."""
         while True:
             kind, ep, payload = await self._events.get()
             try:
-                if kind == "gone":
-                    await self._leave(ep, "disconnected")
-                else:
-                    await self._handle(ep, payload)
-            except TensorxError as exc:
-                await self._refuse(ep, exc)
-            except Exception:
+                try:
+                    if kind == "gone":
+                        await self._leave(ep, "disconnected")
+                    else:
+                        await self._handle(ep, payload)
+                except TensorxError as exc:
+                    await self._refuse(ep, exc)
+            except Exception:  # one bad peer or bug must not stop the service
                 logger.exception("ps shard %d: failed handling a message", self.shard)
 
     async def _handle(self, ep: Endpoint, payload: bytes) -> None:
