@@ -319,3 +319,27 @@ async def test_worker_rejoins_a_restarted_server(tmp_path: Path) -> None:
         opt.step()
     for g, ref in zip(model.parameters(), want.parameters(), strict=True):
         torch.testing.assert_close(g.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+async def test_garbage_from_one_peer_does_not_stop_the_server() -> None:
+    import msgpack
+
+    from tensorx.node import Node
+
+    garbage = [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"t": "push", "step": 0,
+                                                                     "version": 0, "staging": {}}),
+               msgpack.packb({"t": "hello", "proto": 1}), msgpack.packb({"t": "exec"})]
+    async with ParameterServer(num_workers=1, transport="tcp") as ps:
+        async with Node(None, transport="tcp") as rogue:
+            ep = await rogue.connect(ps.address)
+            for payload in garbage:
+                await ep.notify(payload)
+            _, reply = await asyncio.wait_for(rogue.notifications.get(), 10)
+            assert msgpack.unpackb(reply)["t"] == "error"
+        model = make_model()
+        async with workers([model], [ps.address]) as (w,):
+            for step in batches(3, 1):
+                w.zero_grad()
+                backward(model, *step[0])
+                await w.step()
+        assert ps.version == 3
