@@ -330,9 +330,10 @@ class RemoteOptimizer:
         for x, y in data:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 
-    The worker runs on a background event loop; ``step`` blocks until fresh parameters are
-    in the model. Close it (or use ``with``) to leave the server cleanly; a forgotten one is
-    closed at interpreter exit.
+    The optimizer itself (and its learning-rate schedule) runs on the server. The worker
+    runs on a background event loop, so gradient buckets leave during backward; ``step``
+    blocks until fresh parameters are in the model. Close it (or use ``with``) to leave the
+    server cleanly; a forgotten one is closed at interpreter exit.
     """
 
     def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
