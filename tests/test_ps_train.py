@@ -116,6 +116,13 @@ async def test_sync_equals_single_process(opt: OptFactory, num_shards: int,
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+async def test_two_shards_equal_one_shard() -> None:
+    one = await train_sync(ADAM, 20, 1, "tcp")
+    two = await train_sync(ADAM, 20, 2, "tcp")
+    for a, b in zip(one, two, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def digits() -> tuple[torch.Tensor, ...]:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
