@@ -42,6 +42,12 @@ SYSTEMS = {
                           ("--transport", "ucx", "--overlap", "off")),
     "rpc": System("torch.distributed.rpc PS (TensorPipe)", "train-rpc"),
 }
+EXPERIMENTS = {  # not tensorx as shipped: the PS/worker fixes the round profiles point to
+    "x-tcp-overlap-fixes": System("EXP tensorx tcp, overlap on, PS+bind fixes",
+                                  "train-tensorx", ("--transport", "tcp", "--overlap", "on",
+                                                    "--variant", "ps-flat,fast-bind")),
+}
+ALL = {**SYSTEMS, **EXPERIMENTS}
 REFERENCE = "rpc"
 
 
@@ -50,13 +56,13 @@ def progress(msg: str) -> None:
 
 
 def start_all(keys: list[str], logdir: Path) -> dict[str, Pair]:
-    pairs = {k: Pair(SYSTEMS[k], "wide-mlp", SAME_HOST, logdir, clients=training.WORKERS)
+    pairs = {k: Pair(ALL[k], "wide-mlp", SAME_HOST, logdir, clients=training.WORKERS)
              for k in keys}
     with ThreadPoolExecutor(len(pairs)) as pool:
         futures = {k: pool.submit(p.start) for k, p in pairs.items()}
     for k, f in futures.items():
         if f.exception() is not None:
-            progress(f"  {SYSTEMS[k].label} failed to start, left out: {f.exception()}")
+            progress(f"  {ALL[k].label} failed to start, left out: {f.exception()}")
             pairs.pop(k).close()
     return pairs
 
@@ -74,7 +80,7 @@ def measure(pairs: dict[str, Pair], blocks: int, steps: int) -> dict[str, list[f
 def summarise(times: dict[str, list[float]]) -> list[dict[str, Any]]:
     rate = {k: 1.0 / statistics.median(t) for k, t in times.items()}
     ref = rate.get(REFERENCE)
-    return [{"key": k, "system": SYSTEMS[k].label, "steps_per_s": r,
+    return [{"key": k, "system": ALL[k].label, "steps_per_s": r,
              "median_step_s": 1.0 / r, "steps": len(times[k]),
              "vs_rpc": r / ref if ref else None} for k, r in rate.items()]
 
@@ -97,7 +103,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(ALL)}")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks per system")
     p.add_argument("--steps", type=int, default=8, help="steps per block")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -107,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     keys = [k for k in args.systems.split(",") if k]
-    progress(f"training throughput: starting {', '.join(SYSTEMS[k].label for k in keys)} "
+    progress(f"training throughput: starting {', '.join(ALL[k].label for k in keys)} "
              f"(one PS + {training.WORKERS} workers each)")
     pairs = start_all(keys, args.out / "logs")
     try:

@@ -65,14 +65,23 @@ def _apply_from_slot(self: Any, ranks: Any) -> None:
 
 def _flat_optimizer(state: Any, factory: Any) -> None:
     """EXPERIMENT (--variant ps-flat): the optimizer sees one flat parameter per shard (the
-    whole arena, valid for elementwise optimizers on a single-dtype arena) whose ``.grad``
-    is the worker's slot: one kernel per update instead of one per tensor."""
+    whole arena; valid for elementwise optimizers on a single-dtype arena). One worker's
+    slot is its ``.grad`` in place; several are averaged in two flat passes."""
     n = state.layout.nbytes // 4
     flat = torch.nn.Parameter(state.params_region.view(torch.float32, (n,)))
-    slot = state.slot_regions[0].view(torch.float32, (n,))
+    slots = [r.view(torch.float32, (n,)) for r in state.slot_regions]
+    acc = state._acc_region.view(torch.float32, (n,))
 
     def apply(ranks: Any) -> None:
-        flat.grad = slot
+        ranks = list(ranks)
+        if len(ranks) == 1:
+            flat.grad = slots[ranks[0]]
+        else:
+            torch.add(slots[ranks[0]], slots[ranks[1]], out=acc)
+            for r in ranks[2:]:
+                acc.add_(slots[r])
+            acc.div_(len(ranks))
+            flat.grad = acc
         opt.step()
         state.version += 1
         state._checksum = None
@@ -95,7 +104,7 @@ def _fast_ensure_bound(original: Any) -> Any:
     return ensure_bound
 
 
-def _experiment(variant: str) -> dict[str, Any]:
+def experiment(variant: str) -> dict[str, Any]:
     """Patch in an experimental variant (server side); return Worker options (client)."""
     if "ps-nocopy" in variant:
         from tensorx._ps import shard
@@ -128,7 +137,7 @@ def serve(args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     transport, ucx_options = _transport(args.transport)
-    _experiment(args.variant)
+    experiment(args.variant)
     listen = f"tcp://{args.host}:0"
     ps = ParameterServer(listen, num_workers=1, mode="sync", optimizer=_optimizer,
                          transport=transport, timeout=TIMEOUT)
@@ -148,7 +157,7 @@ async def _client(args: argparse.Namespace) -> None:
     transport, ucx_options = _transport(args.transport)
     model = common.ShapeModel(common.MODELS[args.model]())
     worker = Worker(model, args.address, rank=0, num_workers=1, transport=transport,
-                    timeout=TIMEOUT, **_experiment(args.variant))
+                    timeout=TIMEOUT, **experiment(args.variant))
     if ucx_options is not None:
         worker.node = Node(None, transport=transport, timeout=TIMEOUT, ucx_options=ucx_options)
     async with worker:

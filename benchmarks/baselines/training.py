@@ -27,6 +27,7 @@ from torch import nn
 
 from benchmarks.baselines import common
 from benchmarks.baselines.rpc import network_only
+from benchmarks.baselines.tensorx_ps import experiment
 
 WORKERS = 2
 BATCH = 16
@@ -51,12 +52,14 @@ def backward(model: nn.Module, rank: int) -> Callable[[], None]:
 
 
 def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=LR)
+    return torch.optim.SGD(params, lr=LR, foreach=True)  # as the RPC PS: foreach ops
 
 
 # -- tensorx -----------------------------------------------------------------------------------
 def tensorx_serve(args: argparse.Namespace) -> None:
     from tensorx.ps import ParameterServer
+
+    experiment(args.variant)
 
     async def serve() -> None:
         ps = ParameterServer(f"tcp://{args.host}:0", num_workers=WORKERS, mode="sync",
@@ -75,7 +78,7 @@ def tensorx_client(args: argparse.Namespace) -> None:
     model = build_model()
     with RemoteOptimizer(model, args.address, rank=args.rank, num_workers=WORKERS,
                          transport=args.transport, timeout=TIMEOUT,
-                         overlap=args.overlap == "on") as opt:
+                         overlap=args.overlap == "on", **experiment(args.variant)) as opt:
         run_backward = backward(model, args.rank)
 
         def step() -> None:
