@@ -273,7 +273,9 @@ class Worker:
         self.version[shard] = msg["version"]
         expected = msg["checksum"]
         if self.verify and expected is not None:
-            got = zlib.crc32(self._region(shard, "params").buffer())
+            region = self._region(shard, "params")
+            raw = region.view(torch.uint8).cpu().numpy() if region.is_cuda else region.buffer()
+            got = zlib.crc32(raw)
             if got != expected:
                 raise ProtocolError(f"shard {shard}: parameters of version {msg['version']} "
                                     f"fail their checksum ({got:#x} != {expected:#x})")
