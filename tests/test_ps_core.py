@@ -10,7 +10,7 @@ import torch
 
 from tensorx._ps import protocol
 from tensorx._ps.schedule import Scheduler
-from tensorx._ps.shard import ShardLayout, ShardState, Slot, load_checkpoint
+from tensorx._ps.shard import ShardLayout, ShardState, Slot, load_checkpoint, views
 from tensorx.errors import ProtocolError, UsageError
 
 
@@ -195,3 +195,43 @@ def test_lr_scheduler_steps_with_every_update() -> None:
         ref.step()
     assert torch.allclose(state.params[0], w)
     assert state.optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * 0.01)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    lambda p: torch.optim.AdamW(p, lr=0.01),
+], ids=["sgd-momentum-wd", "adamw"])
+def test_flat_optimizer_equals_per_tensor(make: object) -> None:
+    """One flat parameter over the arena (padding included) gives the same parameters as
+    one parameter per tensor, averaging two slots or taking one slot as is."""
+    states = [ShardState(_layout(), 2, make, flat=f) for f in (False, True)]  # type: ignore[arg-type]
+    assert [s.flat for s in states] == [False, True]
+    assert len(states[1].params) == 1
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        grads = [torch.randn(2, 32, generator=gen) for _ in range(2)]
+        for s in states:
+            for r in range(2):
+                for slot, view in zip(s.layout.slots, views(s.layout, s.slot_regions[r]),
+                                      strict=True):
+                    view.copy_(grads[r][0 if slot.key == "w" else 1][:slot.numel])
+            s.apply([0, 1] if step % 2 else [step % 4 // 2])
+    for a, b in zip(states[0].views, states[1].views, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_flat_checkpoint_needs_a_flat_server(tmp_path: Path) -> None:
+    def sgd(p: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=0.1)
+
+    ShardState(_layout(), 1, sgd, flat=True).save(tmp_path / "ck.pt", b"x")
+    with pytest.raises(UsageError, match="flat=True"):
+        ShardState(_layout(), 1, sgd).load_state_dict(load_checkpoint(tmp_path / "ck.pt"))
+    ShardState(_layout(), 1, sgd, flat=True).load_state_dict(load_checkpoint(tmp_path / "ck.pt"))
+
+
+def test_an_empty_shard_counts_versions() -> None:
+    state = ShardState(ShardLayout(1, 2, 0, (), "fp"), 1,
+                       lambda p: torch.optim.SGD(p, lr=0.1), flat=True)
+    state.apply([0])
+    assert state.version == 1

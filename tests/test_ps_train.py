@@ -71,11 +71,12 @@ async def workers(models: Sequence[nn.Module], addresses: list[str], transport: 
         await asyncio.gather(*(w.aclose() for w in ws), return_exceptions=True)
 
 
-async def train_sync(opt: OptFactory, steps: int, num_shards: int,
-                     transport: str) -> list[torch.Tensor]:
+async def train_sync(opt: OptFactory, steps: int, num_shards: int, transport: str,
+                     flat: bool = False) -> list[torch.Tensor]:
     data = batches(steps, 2)
     models = [make_model(), make_model(seed=99)]  # rank 1's own init must be overwritten
-    async with servers(num_shards, 2, transport, mode="sync", optimizer=opt) as shards, \
+    async with servers(num_shards, 2, transport, mode="sync", optimizer=opt,
+                       flat=flat) as shards, \
             workers(models, [ps.address for ps in shards], transport, verify=True) as ws:
         for step in data:
             for w, m, (x, y) in zip(ws, models, step, strict=True):
@@ -121,6 +122,12 @@ async def test_two_shards_equal_one_shard() -> None:
     two = await train_sync(ADAM, 20, 2, "tcp")
     for a, b in zip(one, two, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+async def test_flat_server_equals_single_process() -> None:
+    got = await train_sync(SGD_MOMENTUM, 20, 2, "tcp", flat=True)
+    for g, w in zip(got, train_single(SGD_MOMENTUM, 20), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def digits() -> tuple[torch.Tensor, ...]:

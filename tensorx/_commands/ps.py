@@ -52,6 +52,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-scheduler", default=None,
                    help='torch.optim.lr_scheduler class and arguments, stepped per update, '
                         'e.g. "steplr:step_size=1000,gamma=0.5"')
+    p.add_argument("--flat", action="store_true",
+                   help="one flat optimizer parameter per shard (elementwise optimizers only: "
+                        "SGD, momentum, Adam(W), RMSprop, Adagrad); faster")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint here; resume from here")
     p.add_argument("--checkpoint-every", type=int, default=None, help="updates between saves")
     p.add_argument("--token", default=None, help="shared secret (default $TENSORX_TOKEN)")
@@ -148,7 +151,7 @@ async def serve(args: argparse.Namespace) -> None:
         lr_scheduler=parse_lr_scheduler(args.lr_scheduler),
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         token=args.token, transport=args.transport, insecure=args.insecure,
-        log_every=args.log_every or None) for s in shards]
+        log_every=args.log_every or None, flat=args.flat) for s in shards]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _stop_all, servers, sig)

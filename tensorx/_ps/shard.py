@@ -79,31 +79,57 @@ def views(layout: ShardLayout, region: MemoryRegion) -> list[torch.Tensor]:
     return [region.view(s.dtype, (s.numel,), s.offset) for s in layout.slots]
 
 
+def _single_dtype(layout: ShardLayout) -> torch.dtype | None:
+    dtypes = {s.dtype for s in layout.slots}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _entry_splitter(layout: ShardLayout) -> Callable[[MemoryRegion], list[torch.Tensor]]:
+    return lambda region: views(layout, region)
+
+
+def _flat_splitter(layout: ShardLayout,
+                   dtype: torch.dtype) -> Callable[[MemoryRegion], list[torch.Tensor]]:
+    count = layout.nbytes // torch.empty((), dtype=dtype).element_size()
+    return lambda region: [region.view(dtype, (count,), 0)]
+
+
 class ShardState:
     """Parameters, one gradient slot per worker, and a real ``torch.optim`` optimizer.
 
-    The optimizer's parameters are views of the arena, and their ``.grad`` views of an
-    accumulator, so momentum, Adam and LR schedulers work unchanged.
+    The optimizer's parameters are views of the arena, and their ``.grad`` views of a
+    worker's slot (one gradient: no copy) or of an accumulator (the average), so momentum,
+    Adam and LR schedulers work unchanged. ``flat=True`` gives the optimizer one flat
+    parameter over the whole arena instead of one per tensor: far fewer kernel launches on a
+    CPU server, and the same result for elementwise optimizers (SGD, momentum, Adam(W),
+    RMSprop, Adagrad), not for per-tensor ones (LAMB, LARS) or per-tensor param groups.
     """
 
     def __init__(self, layout: ShardLayout, num_workers: int,
                  optimizer: OptimizerFactory, lr_scheduler: SchedulerFactory | None = None,
-                 verify: bool = False) -> None:
+                 verify: bool = False, flat: bool = False) -> None:
         self.layout = layout
         self.num_workers = num_workers
         self.version = 0
-        self.updates = 0
         self.params_region = MemoryRegion.allocate(layout.nbytes)
         self._acc_region = MemoryRegion.allocate(layout.nbytes)
         self.slot_regions = [MemoryRegion.allocate(layout.nbytes) for _ in range(num_workers)]
+        self.views = views(layout, self.params_region)  # one per plan entry, for checkpoints
+        dtype = _single_dtype(layout) if flat else None
+        if flat and dtype is None and layout.slots:
+            logger.warning("flat=True needs one dtype in the arena; optimizing per tensor")
+        self.flat = dtype is not None
+        split = _flat_splitter(layout, dtype) if dtype is not None else _entry_splitter(layout)
         self.params = [torch.nn.Parameter(v, requires_grad=True)
-                       for v in views(layout, self.params_region)]
-        self._acc = views(layout, self._acc_region)
-        self._slots = [views(layout, r) for r in self.slot_regions]
+                       for v in split(self.params_region)]
+        self._acc = split(self._acc_region)
+        self._slots = [split(r) for r in self.slot_regions]
         for p, g in zip(self.params, self._acc, strict=True):
             p.grad = g
-        self.optimizer = optimizer(self.params)
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler else None
+        # a shard the plan left empty still counts versions, with nothing to optimize
+        self.optimizer = optimizer(self.params) if self.params else None
+        self.lr_scheduler = lr_scheduler(self.optimizer) \
+            if lr_scheduler and self.optimizer is not None else None
         self.verify = verify
         self._checksum: int | None = None
 
@@ -115,18 +141,24 @@ class ShardState:
     def apply(self, ranks: Iterable[int]) -> None:
         """Average the gradients in ``ranks``' slots and take one optimizer step."""
         ranks = list(ranks)
-        with torch.no_grad():
-            for i, acc in enumerate(self._acc):
-                acc.copy_(self._slots[ranks[0]][i])
-                for r in ranks[1:]:
-                    acc.add_(self._slots[r][i])
-                if len(ranks) > 1:
-                    acc.div_(len(ranks))
-        self.optimizer.step()
+        grads = self._slots[ranks[0]] if len(ranks) == 1 else self._average(ranks)
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        if self.optimizer is not None:
+            self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.version += 1
         self._checksum = None
+
+    def _average(self, ranks: list[int]) -> list[torch.Tensor]:
+        with torch.no_grad():  # fixed rank order: the same float sums every time
+            for i, acc in enumerate(self._acc):
+                torch.add(self._slots[ranks[0]][i], self._slots[ranks[1]][i], out=acc)
+                for r in ranks[2:]:
+                    acc.add_(self._slots[r][i])
+                acc.div_(len(ranks))
+        return self._acc
 
     def checksum(self) -> int | None:
         """The current parameters' checksum when verification is on (cached per version)."""
@@ -136,10 +168,10 @@ class ShardState:
             self._checksum = checksum(self.params_region)
         return self._checksum
 
-    def load_params(self, flat: dict[str, torch.Tensor]) -> None:
+    def load_params(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for slot, p in zip(self.layout.slots, self.params, strict=True):
-                p.copy_(flat[slot.key].reshape(-1))
+            for slot, view in zip(self.layout.slots, self.views, strict=True):
+                view.copy_(tensors[slot.key].reshape(-1))
         self._checksum = None
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -151,23 +183,25 @@ class ShardState:
             "shard": self.layout.shard,
             "num_shards": self.layout.num_shards,
             "version": self.version,
-            "params": {s.key: p.detach().clone()
-                       for s, p in zip(self.layout.slots, self.params, strict=True)},
-            "optimizer": self.optimizer.state_dict(),
+            "flat": self.flat,
+            "params": {s.key: v.detach().clone()
+                       for s, v in zip(self.layout.slots, self.views, strict=True)},
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("fingerprint") != self.layout.fingerprint:
             raise UsageError("checkpoint was taken for a different plan")
+        if bool(state.get("flat")) != self.flat:
+            raise UsageError(f"checkpoint was taken with flat={bool(state.get('flat'))}; "
+                             f"this server runs flat={self.flat}")
         self.load_params(state["params"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.version = int(state["version"])
-        # load_state_dict replaces .grad bindings on some optimizers; rebind to the accumulator
-        for p, g in zip(self.params, self._acc, strict=True):
-            p.grad = g
 
     def save(self, path: Path, plan_bytes: bytes) -> None:
         """Write atomically: a crash mid-save leaves the previous checkpoint intact."""
