@@ -125,7 +125,7 @@ class Worker:
         return self
 
     async def _handshake(self) -> None:
-        self._eps = list(await asyncio.gather(*(self.node.connect(a) for a in self.addresses)))
+        self._eps = await self._connect_all()
         self._inbox = [asyncio.Queue() for _ in self._eps]
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._dispatch()),
@@ -144,6 +144,19 @@ class Worker:
             self._accept_params(s, w)
         logger.info("worker rank %d/%d joined %d shard(s), mode=%s, version=%s", self.rank,
                     self.num_workers, self.num_shards, self.mode, self.version)
+
+    async def _connect_all(self) -> list[Endpoint]:
+        """One endpoint per shard, or none: a partial set is closed before raising."""
+        got = await asyncio.gather(*(self.node.connect(a) for a in self.addresses),
+                                   return_exceptions=True)
+        failed = [r for r in got if isinstance(r, BaseException)]
+        if failed:
+            for ep in got:
+                if isinstance(ep, Endpoint):
+                    with contextlib.suppress(TensorxError):
+                        await ep.aclose()
+            raise failed[0]
+        return [ep for ep in got if isinstance(ep, Endpoint)]
 
     async def _rejoin(self, why: BaseException, budget: float) -> None:
         """Drop every endpoint and handshake again until ``budget`` seconds are spent."""
