@@ -193,10 +193,21 @@ def ucxx_context(defaults: Mapping[str, str], tls: str | None,
         wanted["TLS"] = tls
     try:
         if core._ctx is None:
-            ucxx.init(options=wanted, progress_mode="thread")
+            _init(ucxx, wanted, explicit={**(options or {}), **({"TLS": tls} if tls else {})})
         elif tls is not None and core._ctx.config.get("TLS") != tls:
             logger.warning("UCX already initialised in this process with TLS=%s; tls=%r "
                            "is ignored", core._ctx.config.get("TLS"), tls)
         return core._get_ctx()
     except Exception as exc:
         raise TransportUnavailableError(f"cannot initialise UCX: {exc}") from exc
+
+
+def _init(ucxx: Any, wanted: dict[str, str], explicit: Mapping[str, str]) -> None:
+    try:
+        ucxx.init(options=wanted, progress_mode="thread")
+    except Exception as exc:  # e.g. a default names a transport this UCX was built without
+        if dict(explicit) == wanted:
+            raise
+        logger.warning("UCX rejected tensorx's default settings (%s); using UCX's own", exc)
+        ucxx.reset()
+        ucxx.init(options=dict(explicit), progress_mode="thread")

@@ -54,6 +54,8 @@ DEFAULT_OPTIONS: Mapping[str, str] = {
     # costs ucx_perftest itself about half of its put/get bandwidth on loopback.
     "TCP_TX_SEG_SIZE": "256K",
     "TCP_RX_SEG_SIZE": "1M",
+    # cma copies in pieces of this size, one per worker progress call (UCX default: 512K).
+    "CMA_SEG_SIZE": "4M",
     "WARN_UNUSED_ENV_VARS": "n",
 }
 _ORPHANS: list[Any] = []  # waits still owned by UCX after a timeout or cancellation
