@@ -231,7 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"of {', '.join(ALL)}")
     p.add_argument("--placements", default="same,netns", help="same,netns")
     p.add_argument("--blocks", type=int, default=3, help="alternating blocks per system")
-    p.add_argument("--block-s", type=float, default=0.8, help="target seconds per block")
+    p.add_argument("--block-s", type=float, default=0.6, help="target seconds per block")
     p.add_argument("--memory-gb", type=float, default=12.0,
                    help="run fewer systems side by side when a model would need more")
     p.add_argument("--out", type=Path, default=Path("bench-results"))

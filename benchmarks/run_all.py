@@ -4,7 +4,7 @@ Writes ``OUT/performance.md`` (machine line, tables, target checks: the README's
 Performance section is pasted from it) and ``OUT/ps_round.png``; every number in it comes
 from this one run.
 
-    python benchmarks/run_all.py                 # about 8 minutes on 2 cores
+    python benchmarks/run_all.py                 # about 9 minutes on 2 cores
     python benchmarks/run_all.py --quick         # fewer blocks, a smoke test
 """
 

@@ -104,7 +104,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(ALL)}")
-    p.add_argument("--blocks", type=int, default=4, help="alternating blocks per system")
+    p.add_argument("--blocks", type=int, default=3, help="alternating blocks per system")
     p.add_argument("--steps", type=int, default=8, help="steps per block")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     return p.parse_args(argv)
