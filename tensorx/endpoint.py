@@ -53,6 +53,8 @@ class Endpoint:
         self._lane = lane
         self.address = address
         self._validated: dict[tuple[int, int], tuple[int, str]] = {}
+        self._revoked: set[int] = set()
+        conn.on_revoke = self._revoke
         self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
         self.stats = OpStats()
@@ -169,12 +171,20 @@ class Endpoint:
         self._check_device(region, desc)
         return Op(region, desc, offset, remote_offset, nbytes)
 
+    def _revoke(self, region_id: int) -> None:
+        """The owner closed or unexported a region: refuse it from now on."""
+        self._revoked.add(region_id)
+        for key in [k for k in self._validated if k[0] == region_id]:
+            del self._validated[key]
+
     async def _remote_limits(self, desc: RegionDescriptor) -> tuple[int, str]:
         """Size and rights of the remote region: from the owner (once) for lanes that
         bypass it, else from the descriptor (the owner re-checks every TCP op)."""
         if desc.owner != self.peer:
             raise RegionError(f"descriptor of region {desc.region_id:#x} belongs to node "
                               f"{desc.owner or '?'}, but this endpoint reaches {self.peer}")
+        if desc.region_id in self._revoked:
+            raise RegionError(f"region {desc.region_id:#x} was closed by its owner")
         if self._lane.name == "tcp":
             return desc.nbytes, desc.access
         key = (desc.region_id, desc.cookie)

@@ -197,12 +197,16 @@ class Node:
         if self._factory is not None:
             keys[self._factory.name] = self._factory.register(region)
         desc = self._exports.add(region, access, keys)
-        region.add_close_callback(self._exports.remove)
+        region.add_close_callback(self.unexport)
         logger.debug("exported %r as %s", region, access)
         return desc
 
     def unexport(self, region: MemoryRegion) -> None:
+        """Stop serving ``region`` and tell every connected peer to drop it. (An op a peer
+        issued before the notice arrives may still land: close regions when quiet.)"""
         self._exports.remove(region)
+        for ep in self._endpoints:
+            ep._conn.revoke(region.region_id)
 
     def exports(self) -> list[RegionDescriptor]:
         """Descriptors of every region this node exports now."""

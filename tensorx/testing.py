@@ -207,6 +207,10 @@ class _Owner:
     async def do_digest(self, rid: int) -> str:
         return digest(self.regions[rid].buffer())
 
+    async def do_backing_digest(self, rid: int) -> str:
+        """Digest of the exported range read from the backing array (valid after close)."""
+        return digest(self.backing[rid][GUARD:-GUARD])
+
     async def do_guards_intact(self) -> bool:
         return all(bool((b[:GUARD] == GUARD_BYTE).all() and (b[-GUARD:] == GUARD_BYTE).all())
                    for b in self.backing.values())

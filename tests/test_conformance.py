@@ -161,3 +161,19 @@ async def test_write_many_defaults_fill_the_rest(transport: str) -> None:
         assert await owner.call("digest", desc.region_id) == digest(expected)
         with pytest.raises(tx.UsageError):
             await ep.write_many([(region,)])
+
+
+async def test_region_closed_by_its_owner_is_refused_and_untouched(transport: str) -> None:
+    async with session(transport) as (owner, _, ep):
+        desc = await owner.export(4096, seed=21)
+        src = tx.MemoryRegion.register(pattern(4096, seed=22))
+        await ep.write(src, desc, nbytes=8)  # used (and, on UCX, validated) while open
+        await owner.call("close_region", desc.region_id)
+        await asyncio.sleep(0.2)  # the owner's revocation travels to us
+        with pytest.raises(tx.RegionError, match="closed"):
+            await ep.write(src, desc)
+        with pytest.raises(tx.RegionError, match="closed"):
+            await ep.read(src, desc)
+        expected = pattern(4096, 21)
+        expected[:8] = pattern(4096, 22)[:8]
+        assert await owner.call("backing_digest", desc.region_id) == digest(expected)

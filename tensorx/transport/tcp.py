@@ -86,6 +86,7 @@ class Connection:
         self.on_notify: NotifyHandler = lambda conn, payload: None
         self.on_closed: ClosedHandler = lambda conn, exc: None
         self.on_query: QueryHandler = lambda what: {}
+        self.on_revoke: Callable[[int], None] = lambda region_id: None
         self.stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0}
 
     # -- handshake phase ----------------------------------------------------------------
@@ -294,6 +295,11 @@ class Connection:
         answer: dict[str, Any] = await self._await(req, pending, timeout, "query")
         return answer
 
+    def revoke(self, region_id: int) -> None:
+        """Tell the peer (best effort, without waiting) that a region of ours is gone."""
+        if self._error is None:
+            self._send_frame(Kind.REVOKE, {"rid": region_id})
+
     async def notify(self, payload: bytes, timeout: float | None) -> None:
         if len(payload) > _wire.MAX_NOTIFY:
             raise UsageError(f"notification of {len(payload)} B exceeds {_wire.MAX_NOTIFY} B")
@@ -401,6 +407,9 @@ class Connection:
             return
         self._send_frame(Kind.ANSWER, {"req": h["req"], "data": data})
 
+    async def _on_revoke(self, h: dict[str, Any], payload_len: int) -> None:
+        self.on_revoke(h["rid"])
+
     async def _on_answer(self, h: dict[str, Any], payload_len: int) -> None:
         self._resolve(h["req"], h["data"])
 
@@ -408,7 +417,7 @@ class Connection:
         Kind.WRITE: _on_write, Kind.READ: _on_read, Kind.READ_DATA: _on_read_data,
         Kind.WRITE_ACK: _on_ack, Kind.VALID: _on_valid, Kind.ERROR: _on_error,
         Kind.NOTIFY: _on_notify, Kind.VALIDATE: _on_validate, Kind.QUERY: _on_query,
-        Kind.ANSWER: _on_answer,
+        Kind.ANSWER: _on_answer, Kind.REVOKE: _on_revoke,
     }
 
     def _resolve(self, req: int, value: Any) -> None:
