@@ -34,3 +34,20 @@ def test_bad_invocation_is_a_clear_error_not_a_traceback() -> None:
     out = tensorx("plan", "no.such.module:factory")
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
+
+
+async def test_info_shows_what_a_running_node_exports() -> None:
+    import asyncio
+
+    import tensorx as tx
+
+    async with tx.Node(transport="tcp", token="tok") as node:
+        desc = node.export(tx.MemoryRegion.allocate(12345), access="r")
+        out = await asyncio.to_thread(tensorx, "info", "--node", node.address, "--token", "tok")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"{desc.region_id:#x}" in out.stdout
+        assert "12,345 B" in out.stdout
+        wrong = await asyncio.to_thread(tensorx, "info", "--node", node.address,
+                                        "--token", "bad")
+        assert wrong.returncode == 1
+        assert "token" in wrong.stdout

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_parser", "collect_info", "format_info", "run"]
+__all__ = ["add_parser", "collect_info", "format_info", "format_node", "query_node", "run"]
 
 RDMA_TLS = ("rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5", "srd", "gga")
 GPU_TLS = ("cuda_copy", "cuda_ipc", "gdr_copy")
@@ -30,13 +30,56 @@ def add_parser(subparsers: Any) -> None:
         "info", help="show UCX, its transports and devices, RDMA and GPU paths",
         description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--node", metavar="ADDRESS",
+                        help="instead, ask the running node at ADDRESS what it exports and "
+                             "who is connected (authenticates with --token / TENSORX_TOKEN)")
+    parser.add_argument("--token", default=None, help="shared token (default $TENSORX_TOKEN)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.node:
+        return _run_node_query(args)
     info = collect_info()
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
+
+
+def _run_node_query(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from tensorx.errors import TensorxError
+
+    try:
+        answer = asyncio.run(query_node(args.node, args.token))
+    except TensorxError as exc:
+        print(f"tensorx info: {args.node}: {exc}")
+        return 1
+    print(json.dumps(answer, indent=2) if args.json else format_node(answer))
+    return 0
+
+
+async def query_node(address: str, token: str | None, timeout: float = 10.0) -> dict[str, Any]:
+    """What the node at ``address`` exports and who is connected to it (over TCP control)."""
+    from tensorx.node import Node
+
+    async with Node(listen=None, transport="tcp", token=token, timeout=timeout) as node:
+        ep = await node.connect(address)
+        exports = await ep.query("exports")
+        endpoints = await ep.query("endpoints")
+        await ep.aclose()
+    return {"node": exports["node"], "exports": exports["exports"],
+            "endpoints": [e for e in endpoints["endpoints"] if e.get("peer") != node.id]}
+
+
+def format_node(answer: dict[str, Any]) -> str:
+    lines = [f"node {answer['node']}", f"exports ({len(answer['exports'])}):"]
+    lines += [f"  {e['region']}  {e['nbytes']:>14,} B  {e['device']:<4}  {e['access']:<2}  "
+              f"via {', '.join(e['transports'])}" for e in answer["exports"]]
+    lines.append(f"endpoints ({len(answer['endpoints'])}, not counting this query):")
+    lines += [f"  peer {e['peer']}  {e['transport']} over {', '.join(e['lanes'])}  "
+              f"{e['address']}" for e in answer["endpoints"]]
+    return "\n".join(lines)
 
 
 def collect_info() -> dict[str, Any]:
