@@ -40,18 +40,12 @@ SYSTEMS = {
     "grpc": System("gRPC", "grpc"),
     "raw": System("raw socket", "raw"),
 }
-EXPERIMENTS = {  # not tensorx as shipped: what a proposed PS/worker change would give
-    "x-tcp-nocopy": System("EXP tensorx tcp, PS w/o slot copy", "tensorx",
-                           ("--transport", "tcp", "--variant", "ps-nocopy")),
-    "x-tcp-nocopy-1b": System("EXP tensorx tcp, PS w/o copy, 1 bucket", "tensorx",
-                              ("--transport", "tcp", "--variant", "ps-nocopy,one-bucket")),
-    "x-noeh-nocopy": System("EXP tensorx ucx no-eh, PS w/o slot copy", "tensorx",
-                            ("--transport", "ucx-shm", "--variant", "ps-nocopy")),
+EXPERIMENTS = {  # not tensorx as shipped: what a proposed worker change would give
+    "x-tcp-all": System("EXP tensorx tcp, worker fixes", "tensorx",
+                        ("--transport", "tcp", "--variant", "fast-bind,one-bucket")),
+    "x-noeh-all": System("EXP tensorx ucx no-eh, worker fixes", "tensorx",
+                         ("--transport", "ucx-shm", "--variant", "fast-bind,one-bucket")),
     "x-raw-pipelined": System("EXP raw socket, pipelined", "raw", ("--variant", "pipelined")),
-    "x-tcp-all": System("EXP tensorx tcp, all fixes", "tensorx",
-                        ("--transport", "tcp", "--variant", "ps-flat,fast-bind,one-bucket")),
-    "x-noeh-all": System("EXP tensorx ucx no-eh, all fixes", "tensorx",
-                         ("--transport", "ucx-shm", "--variant", "ps-flat,fast-bind,one-bucket")),
 }
 ALL = {**SYSTEMS, **EXPERIMENTS}
 REFERENCES = ("tensorpipe", "grpc")

@@ -42,10 +42,10 @@ SYSTEMS = {
                           ("--transport", "ucx", "--overlap", "off")),
     "rpc": System("torch.distributed.rpc PS (TensorPipe)", "train-rpc"),
 }
-EXPERIMENTS = {  # not tensorx as shipped: the PS/worker fixes the round profiles point to
-    "x-tcp-overlap-fixes": System("EXP tensorx tcp, overlap on, PS+bind fixes",
+EXPERIMENTS = {  # not tensorx as shipped: the worker fix the round profiles point to
+    "x-tcp-overlap-fixes": System("EXP tensorx tcp, overlap on, binding fix",
                                   "train-tensorx", ("--transport", "tcp", "--overlap", "on",
-                                                    "--variant", "ps-flat,fast-bind")),
+                                                    "--variant", "fast-bind")),
 }
 ALL = {**SYSTEMS, **EXPERIMENTS}
 REFERENCE = "rpc"

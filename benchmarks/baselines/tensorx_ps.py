@@ -1,8 +1,9 @@
 """tensorx: the system under test, through its parameter-server API.
 
 The server is a :class:`tensorx.ps.ParameterServer` (sync mode, one worker, plain
-``torch.optim.SGD``); the client a :class:`tensorx.worker.Worker` bound to a model with the
-benchmark's parameter shapes. A round is ``await worker.step()``: one-sided write of the
+``torch.optim.SGD`` with ``flat=True``, the documented setting for elementwise optimizers);
+the client a :class:`tensorx.worker.Worker` bound to a model with the benchmark's
+parameter shapes. A round is ``await worker.step()``: one-sided write of the
 gradient arena into the PS slot, notify, PS applies SGD, one-sided write of the parameter
 arena back into the worker's model, notify. Exactly what a PS user gets.
 
@@ -41,55 +42,6 @@ def _optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=common.LR, foreach=True)
 
 
-def _apply_from_slot(self: Any, ranks: Any) -> None:
-    """EXPERIMENT (--variant ps-nocopy), not tensorx code: one worker's gradients are used
-    where they landed (``.grad`` views of its slot) instead of being copied into the
-    accumulator first; several are summed with foreach ops. Same result for SGD."""
-    ranks = list(ranks)
-    if len(ranks) == 1:
-        grads = self._slots[ranks[0]]
-    else:
-        grads = self._acc
-        torch._foreach_copy_(grads, self._slots[ranks[0]])
-        for r in ranks[1:]:
-            torch._foreach_add_(grads, self._slots[r])
-        torch._foreach_div_(grads, len(ranks))
-    for p, g in zip(self.params, grads, strict=True):
-        p.grad = g
-    self.optimizer.step()
-    for p, g in zip(self.params, self._acc, strict=True):
-        p.grad = g
-    self.version += 1
-    self._checksum = None
-
-
-def _flat_optimizer(state: Any, factory: Any) -> None:
-    """EXPERIMENT (--variant ps-flat): the optimizer sees one flat parameter per shard (the
-    whole arena; valid for elementwise optimizers on a single-dtype arena). One worker's
-    slot is its ``.grad`` in place; several are averaged in two flat passes."""
-    n = state.layout.nbytes // 4
-    flat = torch.nn.Parameter(state.params_region.view(torch.float32, (n,)))
-    slots = [r.view(torch.float32, (n,)) for r in state.slot_regions]
-    acc = state._acc_region.view(torch.float32, (n,))
-
-    def apply(ranks: Any) -> None:
-        ranks = list(ranks)
-        if len(ranks) == 1:
-            flat.grad = slots[ranks[0]]
-        else:
-            torch.add(slots[ranks[0]], slots[ranks[1]], out=acc)
-            for r in ranks[2:]:
-                acc.add_(slots[r])
-            acc.div_(len(ranks))
-            flat.grad = acc
-        opt.step()
-        state.version += 1
-        state._checksum = None
-
-    opt = factory([flat])
-    state.apply = apply
-
-
 def _fast_ensure_bound(original: Any) -> Any:
     """EXPERIMENT (--variant fast-bind): after one full pass, check each tensor's binding
     with two pointer/identity comparisons and take the full pass only when one fails."""
@@ -105,22 +57,7 @@ def _fast_ensure_bound(original: Any) -> Any:
 
 
 def experiment(variant: str) -> dict[str, Any]:
-    """Patch in an experimental variant (server side); return Worker options (client)."""
-    if "ps-nocopy" in variant:
-        from tensorx._ps import shard
-
-        shard.ShardState.apply = _apply_from_slot  # type: ignore[method-assign]
-    if "ps-flat" in variant:
-        from tensorx._ps import shard
-
-        init = shard.ShardState.__init__
-
-        def patched(self: Any, layout: Any, num_workers: int, optimizer: Any,
-                    *args: Any, **kwargs: Any) -> None:
-            init(self, layout, num_workers, optimizer, *args, **kwargs)
-            _flat_optimizer(self, optimizer)
-
-        shard.ShardState.__init__ = patched  # type: ignore[method-assign]
+    """Patch in an experimental variant (worker side); return extra Worker options."""
     if "fast-bind" in variant:
         from tensorx._analyzer import binding
 
@@ -140,7 +77,7 @@ async def _serve(args: argparse.Namespace) -> None:
     experiment(args.variant)
     listen = f"tcp://{args.host}:0"
     ps = ParameterServer(listen, num_workers=1, mode="sync", optimizer=_optimizer,
-                         transport=transport, timeout=TIMEOUT)
+                         transport=transport, timeout=TIMEOUT, flat=True)
     if ucx_options is not None:
         ps.node = Node(listen, transport=transport, timeout=TIMEOUT, ucx_options=ucx_options)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ps.stop)

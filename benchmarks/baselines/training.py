@@ -4,9 +4,9 @@ The model is communication-heavy on purpose: a wide MLP (784 -> 4096 -> 4096 -> 
 parameters, 80 MB) on small batches of synthetic data, so a step moves far more bytes than
 it computes. Two systems:
 
-* ``tensorx``: :class:`tensorx.ps.ParameterServer` (sync) and, per worker, the blocking
-  :class:`tensorx.worker.RemoteOptimizer` in an ordinary PyTorch loop (``--overlap`` on or
-  off: gradient buckets written during backward, or all at ``step``).
+* ``tensorx``: :class:`tensorx.ps.ParameterServer` (sync, SGD with ``flat=True``) and, per
+  worker, the blocking :class:`tensorx.worker.RemoteOptimizer` in an ordinary PyTorch loop
+  (``--overlap`` on or off: gradient buckets written during backward, or all at ``step``).
 * ``rpc``: the PyTorch tutorial's batch-update parameter server on ``torch.distributed.rpc``
   (TensorPipe): each worker calls ``rpc_sync(update_and_fetch, grads)``; the PS sums, applies
   SGD to the average once every worker has pushed, and answers both with the parameters.
@@ -63,7 +63,8 @@ def tensorx_serve(args: argparse.Namespace) -> None:
 
     async def serve() -> None:
         ps = ParameterServer(f"tcp://{args.host}:0", num_workers=WORKERS, mode="sync",
-                             optimizer=_sgd, transport=args.transport, timeout=TIMEOUT)
+                             optimizer=_sgd, transport=args.transport, timeout=TIMEOUT,
+                             flat=True)
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ps.stop)
         async with ps:
             common.announce({"host": args.host, "address": ps.address})
