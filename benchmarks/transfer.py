@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -23,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tensorx as tx  # noqa: E402
-from benchmarks.rawsock import RawClient  # noqa: E402
-from tensorx.testing import OwnerProcess  # noqa: E402
+import tensorx as tx
+from benchmarks.rawsock import RawClient
+from tensorx.testing import OwnerProcess
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DEFAULT_SIZES = "4K,64K,1M,16M,64M,256M"
@@ -67,6 +68,7 @@ async def bench_tensorx(transport: str, sizes: list[int], repeat: int) -> dict[s
     results: dict[str, object] = {}
     async with OwnerProcess(transport) as owner, \
             tx.Node(listen=None, transport=transport) as node:
+        pin(owner.pid)
         ep = await node.connect(owner.address)
         results["info"] = ep.info
         desc = await owner.export(max(sizes))
@@ -84,6 +86,7 @@ async def bench_tensorx(transport: str, sizes: list[int], repeat: int) -> dict[s
 
 def bench_raw(sizes: list[int], repeat: int) -> dict[str, object]:
     client = RawClient(max(sizes))
+    pin(client.proc.pid)
     try:
         results: dict[str, object] = {}
         for n in sizes:
@@ -103,6 +106,25 @@ def ucx_perftest_limits(size: int) -> dict[str, float]:
     except ImportError:
         return {}
     return ucx_perftest.limits(size)  # type: ignore[no-any-return]
+
+
+def pin(server_pid: int | None) -> None:
+    """Client on CPU 0, server on CPU 1, for every system alike: on a 2-core machine the
+    scheduler otherwise sometimes stacks both on one core and the figures go bimodal."""
+    if server_pid is None or len(os.sched_getaffinity(0)) < 2:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[0]})
+    os.sched_setaffinity(server_pid, {cpus[1]})
+
+
+def merge(rounds: list[dict[str, object]]) -> dict[str, object]:
+    """Median over interleaved rounds of every timing; the rest from the first round."""
+    out = dict(rounds[0])
+    for key, value in rounds[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(float(r[key]) for r in rounds)  # type: ignore[arg-type]
+    return out
 
 
 def gbps(n: int, seconds: object) -> float:
@@ -158,17 +180,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7, help="timed repeats for large sizes")
     parser.add_argument("--transports", default=",".join(available_transports()))
     parser.add_argument("--plot", default="", help="write a PNG chart here")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds over all systems (medians are reported)")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    systems: dict[str, dict[str, object]] = {}
-    print(f"measuring raw sockets over {len(sizes)} sizes ...", flush=True)
-    systems["raw socket"] = bench_raw(sizes, args.repeat)
-    for transport in args.transports.split(","):
-        print(f"measuring tensorx over {transport} ...", flush=True)
-        res = asyncio.run(bench_tensorx(transport, sizes, args.repeat))
-        info = res["info"]
-        print(f"  endpoint: {info}", flush=True)
-        systems[f"tensorx {transport}"] = res
+    runs: dict[str, list[dict[str, object]]] = {}
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}: raw sockets", flush=True)
+        runs.setdefault("raw socket", []).append(bench_raw(sizes, args.repeat))
+        for transport in args.transports.split(","):
+            print(f"round {r + 1}/{args.rounds}: tensorx over {transport}", flush=True)
+            res = asyncio.run(bench_tensorx(transport, sizes, args.repeat))
+            if r == 0:
+                info = res["info"]
+                print(f"  endpoint: {info['transport']} lanes={info['lanes']}", flush=True)
+            runs.setdefault(f"tensorx {transport}", []).append(res)
+    systems = {name: merge(rounds) for name, rounds in runs.items()}
     print()
     print(table(sizes, systems))
     if "ucx" in args.transports:

@@ -22,6 +22,8 @@ logger = logging.getLogger("tensorx.transport.tcp")
 
 BUFFER_BYTES = 256 * 1024
 IOV_MAX = 512
+LOWAT_MIN = 256 * 1024
+LOWAT_MAX = 1024 * 1024
 SOCKET_BUFFER = 4 * 1024 * 1024
 
 KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
@@ -99,8 +101,18 @@ class FrameReader:
             dest[:have] = self._view[self._start:self._start + have]
             self._start += have
         pos = have
-        while pos < len(dest):
-            pos += await self._recv(dest[pos:])
+        lowat = 1
+        try:
+            while pos < len(dest):
+                # Large payloads: wake only when a big piece is ready (fewer loop turns).
+                want = min(len(dest) - pos, LOWAT_MAX) if len(dest) - pos >= LOWAT_MIN else 1
+                if want != lowat:
+                    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
+                pos += await self._recv(dest[pos:])
+        finally:
+            if lowat != 1 and self._sock.fileno() >= 0:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     async def discard(self, n: int) -> None:
         while n:
