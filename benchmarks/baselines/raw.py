@@ -21,25 +21,10 @@ import threading
 import torch
 
 from benchmarks.baselines import common
+from benchmarks.rawsock import _recv_into, _tune
 
 LEN = struct.Struct("!Q")
-SOCK_BUF = 4 << 20
 CHUNK = 4 << 20
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    pos = 0
-    while pos < len(view):
-        n = sock.recv_into(view[pos:], 0, socket.MSG_WAITALL)
-        if not n:
-            raise ConnectionError("peer closed")
-        pos += n
 
 
 def _flat(n: int) -> tuple[torch.Tensor, memoryview]:
