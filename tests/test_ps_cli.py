@@ -18,7 +18,7 @@ from tensorx._commands.ps import parse_lr_scheduler, parse_optimizer, shard_list
 from tensorx.errors import UsageError
 from tensorx.worker import Worker
 
-from .test_ps_train import ADAM, backward, batches, make_model
+from .test_ps_train import backward, batches, make_model, reference
 
 
 class PsProcess:
@@ -92,12 +92,7 @@ async def test_sigterm_checkpoints_and_a_restart_resumes(tmp_path: Path) -> None
         assert "checkpointed shard 0 at version" in log
         model = make_model(seed=7)  # the restarted server, not this init, decides
     assert "resumed from" in log
-    want = make_model()
-    opt = ADAM(list(want.parameters()))  # type: ignore[arg-type]
-    for step in data:
-        opt.zero_grad()
-        backward(want, *step[0])
-        opt.step()
+    want = reference(data)
     assert (tmp_path / "ps-shard0-of1.pt").exists()
     saved = torch.load(tmp_path / "ps-shard0-of1.pt", weights_only=True)
     assert saved["version"] == 6

@@ -49,6 +49,18 @@ def backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     nn.functional.cross_entropy(model(x), y).backward()
 
 
+def reference(steps: Sequence[list[tuple[torch.Tensor, ...]]],
+              opt: OptFactory = ADAM) -> nn.Module:
+    """Single-process training on rank 0's batch of each step: what a resumed run must equal."""
+    want = make_model()
+    optimizer = opt(list(want.parameters()))  # type: ignore[arg-type]
+    for step in steps:
+        optimizer.zero_grad()
+        backward(want, *step[0])
+        optimizer.step()
+    return want
+
+
 @contextlib.asynccontextmanager
 async def servers(num_shards: int, num_workers: int, transport: str = "tcp",
                   **kw: Any) -> AsyncIterator[list[ParameterServer]]:
@@ -227,12 +239,7 @@ async def test_checkpoint_and_resume(tmp_path: Path) -> None:
     assert await train(model, data[:3]) == 3
     fresh = make_model(seed=5)  # resuming: the checkpoint, not rank 0, seeds the server
     assert await train(fresh, data[3:]) == 6
-    want = make_model()
-    opt = ADAM(list(want.parameters()))  # type: ignore[arg-type]
-    for step in data:
-        opt.zero_grad()
-        backward(want, *step[0])
-        opt.step()
+    want = reference(data)
     for g, w in zip(fresh.parameters(), want.parameters(), strict=True):
         torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-5, atol=1e-6)
 
@@ -325,12 +332,7 @@ async def test_worker_rejoins_a_restarted_server(tmp_path: Path) -> None:
                 await step(i)
             assert second.version == 6  # resumed at 3 from the checkpoint, then 3 more
         assert w.stats["rejoins"] == 1
-    want = make_model()
-    opt = ADAM(list(want.parameters()))  # type: ignore[arg-type]
-    for i in (0, 1, 2, 4, 5, 6):
-        opt.zero_grad()
-        backward(want, *data[i][0])
-        opt.step()
+    want = reference([data[i] for i in (0, 1, 2, 4, 5, 6)])
     for g, ref in zip(model.parameters(), want.parameters(), strict=True):
         torch.testing.assert_close(g.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
 
