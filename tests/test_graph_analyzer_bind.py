@@ -210,6 +210,27 @@ def test_ensure_bound_repairs_replaced_tensors_and_zeroes_missing_grads() -> Non
     assert bool((view == 0).all())
 
 
+def test_ensure_bound_fast_path_still_sees_every_replacement() -> None:
+    """After a settled pass, a later replacement of .data or .grad (or .grad = None)
+    is still found and repaired, every time."""
+    model = models.mlp()
+    binding = GraphAnalyzer(model).plan().bind(model)
+    assert binding.ensure_bound() == []
+    assert binding.ensure_bound() == []  # the cached check
+    model[2].weight.grad = torch.full_like(model[2].weight, 2.0)
+    assert binding.ensure_bound() == ["2.weight"]
+    assert bool((binding.tensor_view("2.weight", "grads") == 2).all())
+    model[0].bias.data = torch.full_like(model[0].bias, 5.0)
+    assert binding.ensure_bound() == ["0.bias"]
+    assert bool((binding.tensor_view("0.bias", "params") == 5).all())
+    view = binding.tensor_view("4.bias", "grads")
+    view.fill_(9.0)
+    model[4].bias.grad = None
+    assert binding.ensure_bound() == []
+    assert bool((view == 0).all()) and model[4].bias.grad is not None
+    assert_in_arenas(binding, model)
+
+
 def test_unbind_restores_private_storage_and_is_idempotent() -> None:
     model = models.mlp()
     values = [p.detach().clone() for p in model.parameters()]

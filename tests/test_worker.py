@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps.buckets import make_buckets
+from tensorx._ps.buckets import make_buckets, merge_adjacent
 from tensorx.errors import UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer
@@ -46,6 +46,37 @@ def test_buckets_tile_the_dense_entries() -> None:
             assert a.offset + a.nbytes <= b.offset
     names = set().union(*(b.names for b in buckets))
     assert names == {e.name for e in plan.entries}
+
+
+def test_buckets_left_for_step_go_out_as_few_writes() -> None:
+    plan = GraphAnalyzer(mlp(), num_shards=2).plan()
+    buckets = make_buckets(plan, bucket_bytes=512)
+    merged = merge_adjacent(buckets, list(range(len(buckets))))
+    assert [b.shard for b in merged] == list(range(plan.num_shards))  # one write per shard
+    for shard, b in enumerate(merged):
+        entries = plan.shard_entries(shard)
+        assert (b.offset, b.offset + b.nbytes) == (entries[0].offset, entries[-1].end)
+        assert b.names == {e.name for e in entries}
+    # a bucket written early splits the rest: its neighbours are not joined across it
+    first = [i for i, b in enumerate(buckets) if b.shard == 0]
+    assert len(first) >= 3
+    picked = [i for i in range(len(buckets)) if i != first[1]]
+    parts = [b for b in merge_adjacent(buckets, picked) if b.shard == 0]
+    assert len(parts) == 2
+    assert parts[0].offset + parts[0].nbytes <= buckets[first[1]].offset
+    assert parts[1].offset >= buckets[first[1]].offset + buckets[first[1]].nbytes
+
+
+def test_buckets_never_join_across_a_dynamic_entry() -> None:
+    from .models import sparse_embedding
+
+    plan = GraphAnalyzer(sparse_embedding()).plan()
+    buckets = make_buckets(plan, bucket_bytes=1 << 30)
+    dynamic = [e for e in plan.entries if e.kind == "dynamic"]
+    assert dynamic
+    for b in merge_adjacent(buckets, list(range(len(buckets)))):
+        for e in dynamic:
+            assert e.end <= b.offset or e.offset >= b.offset + b.nbytes or e.shard != b.shard
 
 
 @contextlib.contextmanager

@@ -98,6 +98,10 @@ class Binding:
         if self.staging is not None:
             self.regions.update(self.staging.header_regions())
         self.bound = False
+        # what ensure_bound() last left in place: (tensor, data pointer, .grad object)
+        self._settled: list[tuple[torch.Tensor, int, Any]] | None = None
+        self._densify_each_step = densify_sparse and any(
+            c[0].kind == "dynamic" and c[0].role == "param" for c in self._chunks.values())
         self._bind()
 
     # -- views --------------------------------------------------------------------------
@@ -196,7 +200,19 @@ class Binding:
 
         Call before a push: it also zeroes the gradient slot of a parameter that received
         no gradient this step (``.grad is None``), so stale bytes are never sent.
+
+        Cheap when nothing changed (the usual step): one pointer and one identity check per
+        tensor against the state the last full pass left; any difference takes the full pass.
         """
+        if self._settled is not None and all(
+                t.data_ptr() == ptr and t.grad is g for t, ptr, g in self._settled):
+            return []
+        copied = self._full_pass()
+        if not self._densify_each_step:
+            self._settled = [(t, t.data_ptr(), t.grad) for t in self._tensors.values()]
+        return copied
+
+    def _full_pass(self) -> list[str]:
         copied = []
         for name, chunks in self._chunks.items():
             tensor = self._tensors[name]
@@ -235,6 +251,7 @@ class Binding:
         if not self.bound:
             return
         self.bound = False
+        self._settled = None
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Bucket", "BucketPusher", "make_buckets"]
+__all__ = ["Bucket", "BucketPusher", "make_buckets", "merge_adjacent"]
 
 Write = Callable[["Bucket"], Coroutine[Any, Any, None]]
 
@@ -30,6 +30,9 @@ class Bucket:
     offset: int
     nbytes: int
     names: frozenset[str]
+    # only dense entries (and alignment padding) lie between this bucket and the one
+    # before it in the same shard: the two may travel as one write
+    joins_previous: bool = False
 
 
 def make_buckets(plan: Any, bucket_bytes: int) -> list[Bucket]:
@@ -37,14 +40,37 @@ def make_buckets(plan: Any, bucket_bytes: int) -> list[Bucket]:
     out: list[Bucket] = []
     for shard in range(plan.num_shards):
         run: list[Any] = []
+        joins = False
         for e in [*plan.shard_entries(shard), None]:
             if run and (e is None or e.kind == "dynamic"
                         or e.end - run[0].offset > bucket_bytes):
                 out.append(Bucket(shard, run[0].offset, run[-1].end - run[0].offset,
-                                  frozenset(x.name for x in run)))
+                                  frozenset(x.name for x in run), joins))
                 run = []
+                joins = e is not None and e.kind == "static"
             if e is not None and e.kind == "static":
                 run.append(e)
+            elif e is not None:
+                joins = False
+    return out
+
+
+def merge_adjacent(buckets: list[Bucket], picked: list[int]) -> list[Bucket]:
+    """``buckets[i]`` for ``i`` in ``picked`` (ascending), with every run of consecutive,
+    joinable buckets (see ``Bucket.joins_previous``) as one bucket: what is left for
+    ``step`` goes out in as few writes as possible. Alignment padding between them travels
+    too; nothing reads it."""
+    out: list[Bucket] = []
+    last_index = -2
+    for i in picked:
+        b = buckets[i]
+        if out and i == last_index + 1 and b.joins_previous:
+            head = out[-1]
+            out[-1] = Bucket(b.shard, head.offset, b.offset + b.nbytes - head.offset,
+                             head.names | b.names, head.joins_previous)
+        else:
+            out.append(b)
+        last_index = i
     return out
 
 
@@ -112,9 +138,10 @@ class BucketPusher:
             await asyncio.gather(*(asyncio.wrap_future(f)
                                    if isinstance(f, concurrent.futures.Future) else f
                                    for f in inflight))
-            rest = [b for i, b in enumerate(self.buckets)
+            rest = [i for i in range(len(self.buckets))
                     if i not in self._written or i in self._dirty]
-            await asyncio.gather(*(self._write(b) for b in rest))
+            await asyncio.gather(*(self._write(b)
+                                   for b in merge_adjacent(self.buckets, rest)))
         finally:
             self._fired.clear()
             self._written.clear()
