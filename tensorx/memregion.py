@@ -18,9 +18,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from tensorx import _shm
+from tensorx._shm import host_id
 from tensorx.errors import ClosedError, ProtocolError, RegionError, UsageError
 
-__all__ = ["ExportTable", "MemoryRegion", "RegionDescriptor"]
+__all__ = ["ExportTable", "MemoryRegion", "RegionDescriptor", "host_id"]
 
 DESCRIPTOR_VERSION = 1
 ACCESS_MODES = ("r", "w", "rw")
@@ -110,6 +112,9 @@ class MemoryRegion:
         self._closed = False
         self._close_callbacks: list[Callable[[MemoryRegion], None]] = []
         self._descriptor: RegionDescriptor | None = None
+        self.shared_name: str | None = None  # the /dev/shm name, for shared regions
+        self._shm: _shm.ShmFile | None = None  # set when this process created the file
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -138,18 +143,52 @@ class MemoryRegion:
         return region
 
     @classmethod
-    def allocate(cls, nbytes: int, device: str = "cpu") -> MemoryRegion:
-        """Allocate ``nbytes`` of zeroed, page-aligned memory (``device="cpu"``) or on a GPU."""
+    def allocate(cls, nbytes: int, device: str = "cpu", *, shared: bool = False
+                 ) -> MemoryRegion:
+        """Allocate ``nbytes`` of zeroed, page-aligned memory (``device="cpu"``) or on a GPU.
+
+        ``shared=True`` (CPU only) puts it in a /dev/shm file (mode 0600) that processes of
+        this uid on this host can map with :meth:`attach` under :attr:`shared_name`; the
+        file is unlinked when the region is closed (and by the next allocation anywhere on
+        the host if this process dies first).
+        """
         if not isinstance(nbytes, int) or nbytes < 0:
             raise UsageError(f"nbytes must be a non-negative int, got {nbytes!r}")
         if device.startswith("cuda"):
+            if shared:
+                raise UsageError("shared=True allocates host memory; use device='cpu'")
             return cls.register(_cuda_empty(nbytes, device))
         if device != "cpu":
             raise UsageError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'")
-        mm = mmap.mmap(-1, max(nbytes, 1))
+        if shared:
+            return cls._shared(_shm.create(nbytes), nbytes)
+        return cls._over_mmap(mmap.mmap(-1, max(nbytes, 1)), nbytes)
+
+    @classmethod
+    def attach(cls, name: str, nbytes: int) -> MemoryRegion:
+        """Map the first ``nbytes`` of another process's ``allocate(shared=True)`` region.
+
+        Refused (RegionError, UsageError for a malformed name) unless ``name`` is a tensorx
+        shared-memory file owned by this uid, private to it and at least ``nbytes`` long.
+        Closing the attached region only unmaps it; its creator owns the file.
+        """
+        region = cls._over_mmap(_shm.attach(name, nbytes), nbytes)
+        region.shared_name = name
+        return region
+
+    @classmethod
+    def _over_mmap(cls, mm: mmap.mmap, nbytes: int) -> MemoryRegion:
         buf = memoryview(mm)[:nbytes]
         address = np.frombuffer(memoryview(mm), dtype=np.uint8).ctypes.data
         return cls(mm, address, nbytes, "cpu", False, buf)
+
+    @classmethod
+    def _shared(cls, f: _shm.ShmFile, nbytes: int) -> MemoryRegion:
+        region = cls._over_mmap(f.mm, nbytes)
+        region.shared_name, region._shm = f.name, f
+        # A safety net only: the owner is expected to close() the region.
+        region._finalizer = weakref.finalize(region, _release_unclosed, f)
+        return region
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -189,6 +228,15 @@ class MemoryRegion:
 
                 logging.getLogger(__name__).exception("region close callback failed")
         self._buffer = None
+        self._unmap()
+
+    def _unmap(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._shm is not None:
+            _shm.release(self._shm)
+        elif self.shared_name is not None:
+            _shm.unmap(self._obj)
 
     def __enter__(self) -> MemoryRegion:
         return self
@@ -259,6 +307,14 @@ class MemoryRegion:
         access = access or ("r" if self.readonly else "rw")
         return RegionDescriptor(_PROCESS_OWNER, self.region_id, 0, self.nbytes,
                                 "cuda" if self.is_cuda else "cpu", access, {})
+
+
+def _release_unclosed(f: _shm.ShmFile) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning("shared memory %s was never closed; unlinking it",
+                                        f.name)
+    _shm.release(f)
 
 
 # -- normalisation helpers ---------------------------------------------------------------
