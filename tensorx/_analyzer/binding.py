@@ -77,11 +77,20 @@ def _model_device(model: nn.Module) -> str:
 
 
 class Binding:
-    """The live link between a model and its plan's arenas; see the module docstring."""
+    """The live link between a model and its plan's arenas; see the module docstring.
+
+    ``init="tensor"`` (the default) copies each tensor's values into the arena as it binds;
+    ``init="arena"`` keeps what the ``params`` regions hold (memory a parameter server
+    shares with this process already holds the parameters) and copies nothing.
+    """
 
     def __init__(self, plan: TransferPlan, model: nn.Module,
                  regions: Mapping[tuple[int, str], MemoryRegion] | None = None,
-                 device: str | None = None, densify_sparse: bool = True) -> None:
+                 device: str | None = None, densify_sparse: bool = True,
+                 init: str = "tensor") -> None:
+        if init not in ("tensor", "arena"):
+            raise UsageError(f"init must be 'tensor' or 'arena', got {init!r}")
+        self.init = init
         self.plan = plan
         self.densify_sparse = densify_sparse
         self.model = model
@@ -185,8 +194,9 @@ class Binding:
 
     def _bind_data(self, name: str, tensor: torch.Tensor) -> None:
         view = self.tensor_view(name, "params")
-        with torch.no_grad():
-            view.copy_(tensor.detach())
+        if self.init == "tensor":
+            with torch.no_grad():
+                view.copy_(tensor.detach())
         tensor.data = view
 
     def _bind_grad(self, name: str, param: torch.Tensor) -> None:
