@@ -8,6 +8,10 @@ on a step is::
     worker: write(grads -> its slot on the shard); notify(push)
     shard:  average/apply as the mode says; write(params -> worker's arena); notify(params)
 
+Same host, sync mode (``share_memory=True``, the default): the parameter arena and the
+slots live in /dev/shm, a worker on this host maps them and its model's tensors are views
+of them, so neither write happens; a step is ``notify(push)``, apply, ``notify(params)``.
+
 The shard handles one event at a time, so an update never runs while parameters are being
 written out of the arena: a worker never sees a half-applied update, and since a push
 notification is ordered after its gradient write, a partial gradient is never applied.
@@ -43,7 +47,7 @@ from tensorx.errors import (
     TensorxError,
     UsageError,
 )
-from tensorx.memregion import RegionDescriptor
+from tensorx.memregion import RegionDescriptor, host_id
 from tensorx.node import Node
 
 if TYPE_CHECKING:
@@ -60,6 +64,8 @@ class _Peer:
     ep: Endpoint
     params: RegionDescriptor
     step: int = 0
+    offered: bool = False  # we offered it our arenas in /dev/shm
+    mapped: bool = False   # it said it mapped them: its arena is ours, nothing to write
 
 
 def _default_optimizer(params: list[Any]) -> Any:
@@ -80,6 +86,9 @@ class ParameterServer:
     ``insecure=True``. ``log_every``: seconds between throughput log lines (None: never).
     ``flat``: the optimizer sees one flat parameter per shard instead of one per tensor
     (much faster on a CPU server; right for elementwise optimizers only, see ShardState).
+    ``share_memory``: in sync mode, offer workers on this host (same :func:`host_id`: same
+    kernel, /dev/shm and network namespace) to map the parameter arena and their gradient
+    slot, so that a step copies nothing; ``False`` always copies.
     """
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,
@@ -90,7 +99,7 @@ class ParameterServer:
                  checkpoint_every: int | None = None, token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 30.0,
                  insecure: bool = False, log_every: float | None = 60.0,
-                 flat: bool = False) -> None:
+                 flat: bool = False, share_memory: bool = True) -> None:
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= shard < num_shards:
@@ -104,6 +113,7 @@ class ParameterServer:
         self.checkpoint_every = checkpoint_every
         self.log_every = log_every
         self.flat = flat
+        self.share_memory = share_memory
         self._optimizer = optimizer or _default_optimizer
         self._lr_scheduler = lr_scheduler
         self.scheduler = Scheduler(mode, num_workers, staleness)
@@ -231,7 +241,8 @@ class ParameterServer:
         self._plan, self._plan_bytes = plan, plan_bytes
         layout = ShardLayout.from_plan(plan, self.shard)
         self.state = ShardState(layout, self.num_workers, self._optimizer, self._lr_scheduler,
-                                flat=self.flat)
+                                flat=self.flat,
+                                shared=self.share_memory and self.mode == "sync")
         if dynamic_path_ok(plan) and plan.header_bytes(self.shard):
             self._sparse = SparseReceiver(plan, self.shard, self.num_workers)
         return plan
@@ -307,6 +318,7 @@ class ParameterServer:
             self._slot_descs[rank] = self.node.export(self.state.slot_region(rank), access="w")
             self._header_descs[rank] = b"" if self._sparse is None else self.node.export(
                 self._sparse.headers[rank], access="w").to_bytes()
+        peer.offered = self._offer(rank, msg["share"])
         self.scheduler.join(rank)
         logger.info("ps shard %d: worker rank %d joined from %s", self.shard, rank, ep.peer)
         if self._initialised or rank == 0:
@@ -318,6 +330,27 @@ class ParameterServer:
             await asyncio.gather(*(self._welcome(p) for p in waiting))
         else:
             self._waiting.append(peer)
+
+    def _offer(self, rank: int, asked: bool) -> bool:
+        """Offer ``rank`` our arenas to map? Loud about why not when it asked."""
+        assert self.state is not None
+        why = ("the worker did not ask" if not asked
+               else "share_memory=False" if not self.share_memory
+               else f"mode={self.mode} updates the arena while workers compute"
+               if self.mode != "sync"
+               else "the arenas are not in shared memory" if not self.state.shared else "")
+        if why and asked:
+            logger.info("ps shard %d: not offering rank %d to map the arenas: %s",
+                        self.shard, rank, why)
+        return not why
+
+    def _share_offer(self, peer: _Peer) -> dict[str, Any]:
+        assert self.state is not None
+        if not peer.offered:
+            return {}
+        return {"host": host_id(), "params": self.state.params_region.shared_name,
+                "slot": self.state.slot_region(peer.rank).shared_name,
+                "nbytes": self.state.layout.nbytes}
 
     def _check_hello(self, msg: dict[str, Any]) -> None:
         if msg["proto"] != protocol.PROTOCOL:
@@ -346,11 +379,13 @@ class ParameterServer:
     async def _welcome(self, peer: _Peer) -> None:
         assert self.state is not None
         try:
+            # Written even when mapping is offered: the worker may yet fail to map and copy.
             await peer.ep.write(self.state.params_region, peer.params, timeout=self.timeout)
             await peer.ep.notify(protocol.encode(
                 "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
                 headers=self._header_descs[peer.rank], version=self.state.version,
-                mode=self.mode, checksum=self.state.checksum()),
+                mode=self.mode, checksum=self.state.checksum(),
+                share=self._share_offer(peer)),
                 timeout=self.timeout)
         except TensorxError as exc:
             logger.warning("ps shard %d: lost rank %d at welcome: %s", self.shard, peer.rank, exc)
@@ -361,6 +396,7 @@ class ParameterServer:
         peer = self._peers.get(ep)
         if peer is None or self.state is None or not self._initialised:
             raise ProtocolError("push before a completed handshake")
+        self._check_mapped(peer, msg["mapped"])
         peer.step = msg["step"]
         self.stats["pushes"] += 1
         lag = self.state.version - msg["version"]
@@ -370,6 +406,15 @@ class ParameterServer:
             self.stats["sparse_rows"] += await self._sparse.receive(
                 ep, peer.rank, self.state.slot_region(peer.rank), self.timeout)
         await self._act(self.scheduler.push(peer.rank))
+
+    def _check_mapped(self, peer: _Peer, mapped: bool) -> None:
+        if mapped and not peer.offered:
+            raise ProtocolError(f"rank {peer.rank} says it mapped this shard's arenas, "
+                                "which were not offered to it")
+        if mapped and not peer.mapped:
+            logger.info("ps shard %d: rank %d mapped shard %d's arenas (same host, zero-copy)",
+                        self.shard, peer.rank, self.shard)
+        peer.mapped = mapped
 
     async def _act(self, decision: Decision) -> None:
         assert self.state is not None
@@ -388,7 +433,9 @@ class ParameterServer:
     async def _send_params(self, peer: _Peer) -> None:
         assert self.state is not None
         try:
-            await peer.ep.write(self.state.params_region, peer.params, timeout=self.timeout)
+            if not peer.mapped:  # a mapped worker's model is our arena already
+                await peer.ep.write(self.state.params_region, peer.params,
+                                    timeout=self.timeout)
             await peer.ep.notify(protocol.encode(
                 "params", version=self.state.version, step=peer.step,
                 checksum=self.state.checksum()), timeout=self.timeout)

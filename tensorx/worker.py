@@ -7,6 +7,9 @@ shards write fresh parameters straight into the module::
     async with Worker(model, ps=["tcp://h:7000"], rank=0, num_workers=2) as worker:
         loss.backward(); await worker.step()       # push, wait as the mode says, pull
 
+On the shards' own host, in sync mode, the arenas are the shards' memory itself (mapped
+from /dev/shm, see :mod:`tensorx._ps.shared`) and a step only exchanges notifications.
+
 :class:`RemoteOptimizer` is the blocking facade for ordinary PyTorch loops.
 """
 
@@ -26,6 +29,7 @@ import torch
 
 from tensorx._ps import protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
+from tensorx._ps.shared import SharedArenas
 from tensorx._ps.sparse import SparseSender, dynamic_path_ok
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
@@ -64,13 +68,17 @@ class Worker:
     soon as autograd has finished it, during backward. ``reconnect``: when a shard goes away
     mid-step, keep trying this many seconds to rejoin (a restarted server resumes from its
     checkpoint); the step's gradient is dropped and the model takes the server's parameters.
+    ``share_memory``: where a shard on this host offers it (sync mode), bind the model
+    straight into the shard's parameter arena and this worker's gradient slot, mapped from
+    /dev/shm, so that no step copies anything (CPU models; see :attr:`mapped`).
     """
 
     def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
                  num_workers: int = 1, *, token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 60.0, verify: bool = False,
                  plan_options: dict[str, Any] | None = None, overlap: bool = True,
-                 bucket_bytes: int = 1 << 20, reconnect: float | None = None) -> None:
+                 bucket_bytes: int = 1 << 20, reconnect: float | None = None,
+                 share_memory: bool = True) -> None:
         self.model = model
         self.addresses = [ps] if isinstance(ps, str) else list(ps)
         if not self.addresses:
@@ -94,6 +102,8 @@ class Worker:
         self._overlap = overlap
         self.reconnect = reconnect
         self._bucket_bytes = bucket_bytes
+        self.share_memory = share_memory
+        self._shared: SharedArenas | None = None
         self._pusher: BucketPusher | None = None
         self._sparse: SparseSender | None = None
         self._inbox: list[asyncio.Queue[dict[str, Any]]] = []
@@ -106,6 +116,11 @@ class Worker:
     def num_shards(self) -> int:
         return len(self.addresses)
 
+    @property
+    def mapped(self) -> list[bool]:
+        """Per shard: is the model bound straight into that shard's (shared) memory?"""
+        return list(self._shared.mapped) if self._shared else [False] * self.num_shards
+
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> Worker:
         from tensorx.graph_analyzer import GraphAnalyzer
@@ -114,6 +129,8 @@ class Worker:
                                   **self._plan_options).plan()
         dynamic = dynamic_path_ok(self.plan)
         self.binding = self.plan.bind(self.model, densify_sparse=not dynamic)
+        self._shared = SharedArenas(self.plan, self.rank, self.share_memory,
+                                    self._region(0, "params").device)
         await self.node.start()
         if dynamic:
             self._sparse = SparseSender(self.binding, self.model, self.node)
@@ -142,6 +159,8 @@ class Worker:
         self.mode = welcomes[0]["mode"]
         for s, w in enumerate(welcomes):
             self._accept_params(s, w)
+        assert self._shared is not None
+        self.binding = self._shared.map(self.binding, welcomes)
         logger.info("worker rank %d/%d joined %d shard(s), mode=%s, version=%s", self.rank,
                     self.num_workers, self.num_shards, self.mode, self.version)
 
@@ -163,6 +182,7 @@ class Worker:
         logger.warning("worker rank %d lost the server (%s); rejoining for up to %.0f s",
                        self.rank, why, budget)
         deadline = time.monotonic() + budget
+        self._unmap()  # the next hello offers our own arena again; the shard may be new
         while True:
             await self._drop_endpoints()
             try:
@@ -192,7 +212,8 @@ class Worker:
         await self._eps[shard].notify(protocol.encode(
             "hello", proto=protocol.PROTOCOL, rank=self.rank, num_workers=self.num_workers,
             shard=shard, num_shards=self.num_shards, fingerprint=self.plan.fingerprint,
-            plan=self.plan.to_bytes(), params=desc.to_bytes(), verify=self.verify))
+            plan=self.plan.to_bytes(), params=desc.to_bytes(), verify=self.verify,
+            share=self._shared is not None and self._shared.wanted))
 
     async def aclose(self) -> None:
         """Say goodbye to every shard and close the node. Idempotent."""
@@ -201,6 +222,7 @@ class Worker:
         self._closed = True
         if self._pusher is not None:
             self._pusher.close()
+        self._unmap()  # before bye: the model keeps the parameters, in its own memory
         for ep in self._eps:
             with contextlib.suppress(TensorxError):
                 await ep.notify(protocol.encode("bye"), timeout=5.0)
@@ -245,6 +267,8 @@ class Worker:
         await asyncio.gather(*(self._push(s) for s in range(self.num_shards)))
 
     async def _write_bucket(self, bucket: Bucket) -> None:
+        if self._shared is not None and self._shared.mapped[bucket.shard]:
+            return  # autograd wrote the gradient into the shard's slot itself
         await self._eps[bucket.shard].write(
             self._region(bucket.shard, "grads"), self._slots[bucket.shard], bucket.offset,
             bucket.offset, bucket.nbytes, timeout=self.timeout)
@@ -256,8 +280,9 @@ class Worker:
             staging = self._sparse.stage(shard)
             await ep.write(self._region(shard, "headers"), self._headers[shard],
                            timeout=self.timeout)
+        mapped = self._shared is not None and self._shared.mapped[shard]
         await ep.notify(protocol.encode("push", step=self.steps, version=self.version[shard],
-                                        staging=staging), timeout=self.timeout)
+                                        staging=staging, mapped=mapped), timeout=self.timeout)
 
     async def pull(self) -> None:
         """Wait until every shard has written its answer to our push into our arenas."""
@@ -278,6 +303,12 @@ class Worker:
                 p.grad = None  # sparse gradients live outside the arenas; start afresh
 
     # -- helpers --------------------------------------------------------------------------
+    def _unmap(self) -> None:
+        if self._shared is not None and self.binding is not None:
+            self.binding = self._shared.unmap(self.binding)
+            if self._pusher is not None:
+                self._pusher.reset()
+
     def _region(self, shard: int, arena: str) -> MemoryRegion:
         region: MemoryRegion = self.binding.regions[(shard, arena)]
         return region

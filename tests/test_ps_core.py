@@ -154,9 +154,10 @@ def test_checksum_changes_with_every_update() -> None:
 
 # -- control messages -------------------------------------------------------------------
 def test_messages_round_trip() -> None:
-    raw = protocol.encode("push", step=3, version=7, staging={"emb.weight": b"desc"})
+    raw = protocol.encode("push", step=3, version=7, staging={"emb.weight": b"desc"},
+                          mapped=False)
     assert protocol.decode(raw) == {"t": "push", "step": 3, "version": 7,
-                                    "staging": {"emb.weight": b"desc"}}
+                                    "staging": {"emb.weight": b"desc"}, "mapped": False}
 
 
 @pytest.mark.parametrize("payload", [
@@ -171,7 +172,8 @@ def test_wrong_field_type_is_a_protocol_error() -> None:
     import msgpack
 
     with pytest.raises(ProtocolError, match="step"):
-        protocol.decode(msgpack.packb({"t": "push", "step": "3", "version": 1, "staging": {}}))
+        protocol.decode(msgpack.packb({"t": "push", "step": "3", "version": 1, "staging": {},
+                                       "mapped": False}))
     with pytest.raises(ProtocolError, match="unknown"):
         protocol.decode(msgpack.packb({"t": "pickle"}))
 

@@ -9,6 +9,11 @@ One step, seen from a worker::
 
     worker: write(grads -> slot); notify(push)       # notify is ordered after the write
     shard:  apply when the mode allows; write(params -> worker arena); notify(params)
+
+Same host, sync mode: a worker that asks (hello ``share``) may be offered the shard's
+parameter arena and its own slot as /dev/shm files (welcome ``share``); once it has mapped
+them its model's tensors *are* that memory, it says so on each push (``mapped``), and both
+writes above are skipped: a step is two notifications.
 """
 
 from __future__ import annotations
@@ -19,30 +24,49 @@ import msgpack
 
 from tensorx.errors import ProtocolError
 
-__all__ = ["MAX_CONTROL", "PROTOCOL", "decode", "encode"]
+__all__ = ["MAX_CONTROL", "PROTOCOL", "SHARE_OFFER", "decode", "encode", "share_offer"]
 
-PROTOCOL = 1
+PROTOCOL = 2
 MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
 
 _OPT_INT = (int, type(None))
 SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    # worker -> shard: who I am, what I planned, where my parameter arena is
+    # worker -> shard: who I am, what I planned, where my parameter arena is; `share`: I
+    # would map your arenas if you are on my host
     "hello": {"proto": int, "rank": int, "num_workers": int, "shard": int, "num_shards": int,
-              "fingerprint": str, "plan": bytes, "params": bytes, "verify": bool},
+              "fingerprint": str, "plan": bytes, "params": bytes, "verify": bool,
+              "share": bool},
     # shard -> worker: your gradient slot; your arena now holds parameters `version`
-    # (and, with sparse tensors, your header region for the dynamic path; else b"")
+    # (and, with sparse tensors, your header region for the dynamic path; else b"");
+    # `share`: {} or the offer to map (see SHARE_OFFER)
     "welcome": {"slot": bytes, "headers": bytes, "version": int, "mode": str,
-                "checksum": _OPT_INT},
+                "checksum": _OPT_INT, "share": dict},
     # shard -> worker: the handshake or a step failed; `code` names the error class
     "error": {"code": str, "msg": str},
     # worker -> shard: my slot holds the gradient of my step `step`, computed on `version`;
-    # `staging`: {tensor name: descriptor} of sparse staging regions that are new
-    "push": {"step": int, "version": int, "staging": dict},
+    # `staging`: {tensor name: descriptor} of sparse staging regions that are new;
+    # `mapped`: my slot and arena are the ones you offered, nothing was (or is to be) written
+    "push": {"step": int, "version": int, "staging": dict, "mapped": bool},
     # shard -> worker: your arena now holds parameters `version` (checksum if asked)
     "params": {"version": int, "step": int, "checksum": _OPT_INT},
     # worker -> shard: I am leaving
     "bye": {},
 }
+# welcome["share"] when the shard offers mapping: its host_id(), the /dev/shm names of its
+# parameter arena and of this worker's gradient slot, and their size
+SHARE_OFFER: dict[str, type] = {"host": str, "params": str, "slot": str, "nbytes": int}
+
+
+def share_offer(welcome: dict[str, Any]) -> dict[str, Any] | None:
+    """The welcome's mapping offer, checked; None when there is none."""
+    offer = welcome["share"]
+    if not offer:
+        return None
+    if set(offer) != set(SHARE_OFFER) or not all(
+            isinstance(offer[k], t) and not isinstance(offer[k], bool)
+            for k, t in SHARE_OFFER.items()) or offer["nbytes"] < 0:
+        raise ProtocolError(f"welcome message: malformed share offer {offer!r}")
+    return dict(offer)
 
 
 def encode(kind: str, **fields: Any) -> bytes:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tensorx.errors import UsageError
+from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
 
 __all__ = ["OptimizerFactory", "SchedulerFactory", "ShardLayout", "ShardState", "checksum"]
@@ -103,17 +103,20 @@ class ShardState:
     parameter over the whole arena instead of one per tensor: far fewer kernel launches on a
     CPU server, and the same result for elementwise optimizers (SGD, momentum, Adam(W),
     RMSprop, Adagrad), not for per-tensor ones (LAMB, LARS) or per-tensor param groups.
+    ``shared=True`` puts the parameter arena and the slots in /dev/shm, so that workers on
+    this host can map them (:attr:`shared` says whether that worked; else private memory).
     """
 
     def __init__(self, layout: ShardLayout, num_workers: int,
                  optimizer: OptimizerFactory, lr_scheduler: SchedulerFactory | None = None,
-                 verify: bool = False, flat: bool = False) -> None:
+                 verify: bool = False, flat: bool = False, shared: bool = False) -> None:
         self.layout = layout
         self.num_workers = num_workers
         self.version = 0
-        self.params_region = MemoryRegion.allocate(layout.nbytes)
+        self.params_region, *self.slot_regions = _allocate(layout.nbytes, 1 + num_workers,
+                                                           shared)
+        self.shared = self.params_region.shared_name is not None
         self._acc_region = MemoryRegion.allocate(layout.nbytes)
-        self.slot_regions = [MemoryRegion.allocate(layout.nbytes) for _ in range(num_workers)]
         self.views = views(layout, self.params_region)  # one per plan entry, for checkpoints
         dtype = _single_dtype(layout) if flat else None
         if flat and dtype is None and layout.slots:
@@ -215,6 +218,21 @@ class ShardState:
     def close(self) -> None:
         for region in (self.params_region, self._acc_region, *self.slot_regions):
             region.close()
+
+
+def _allocate(nbytes: int, count: int, shared: bool) -> list[MemoryRegion]:
+    """``count`` regions, all in /dev/shm when ``shared`` and it has room, else all private."""
+    if shared:
+        regions: list[MemoryRegion] = []
+        try:
+            for _ in range(count):
+                regions.append(MemoryRegion.allocate(nbytes, shared=True))
+            return regions
+        except RegionError as exc:
+            for region in regions:
+                region.close()
+            logger.warning("shard arenas in private memory (workers cannot map them): %s", exc)
+    return [MemoryRegion.allocate(nbytes) for _ in range(count)]
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
