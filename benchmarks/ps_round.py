@@ -6,7 +6,10 @@ parameter back. Models: ResNet-50 (161 tensors, 25.6M parameters), BERT-base (19
 client processes (``benchmarks/baselines/``); all of a model's systems are started, then
 measured in alternating blocks (A B C .. then .. C B A) so that the machine's noise hits them
 alike. Placements: same host (loopback) and two network namespaces joined by a veth pair
-(skipped with a message where namespaces cannot be made).
+(skipped with a message where namespaces cannot be made). "tensorx shm" is tensorx as
+shipped (``share_memory=True``): on one host the worker maps the PS's arenas, in two
+namespaces (two "hosts") it must not, and its row says which it did; every other tensorx
+row measures the copy path (``--share-memory off``).
 
     python benchmarks/ps_round.py                       # everything, table + chart
     python benchmarks/ps_round.py --models resnet50 --placements same --blocks 6
@@ -36,6 +39,9 @@ SYSTEMS = {
     "tensorx-ucx-noeh": System("tensorx ucx, no err. handling", "tensorx",
                                ("--transport", "ucx-shm")),
     "tensorx-tcp": System("tensorx tcp", "tensorx", ("--transport", "tcp")),
+    # tensorx's default: on one host the worker maps the PS's arenas (the others copy)
+    "tensorx-shm": System("tensorx shm", "tensorx",
+                          ("--transport", "tcp", "--share-memory", "on")),
     "tensorpipe": System("TensorPipe RPC", "tensorpipe"),
     "grpc": System("gRPC", "grpc"),
     "raw": System("raw socket", "raw"),
@@ -107,12 +113,14 @@ def run_model(keys: list[str], model: str, placement: Placement,
                  f"{', '.join(ALL[k].label for k in group)}")
         pairs = start_all(group, model, placement, args.logdir)
         try:
+            check_mapping(pairs, placement)
             times = measure(pairs, args.blocks, args.block_s)
         finally:
             for p in pairs.values():
                 p.close()
         rows += summarise(times, pairs, model, placement, seen={r["key"] for r in rows})
-        progress("  " + ", ".join(f"{ALL[k].label} {statistics.median(t) * 1e3:.1f} ms"
+        progress("  " + ", ".join(f"{label(k, pairs[k].info)} "
+                                  f"{statistics.median(t) * 1e3:.1f} ms"
                                   for k, t in times.items()))
     return rows
 
@@ -126,11 +134,25 @@ def summarise(times: dict[str, list[float]], pairs: dict[str, Pair], model: str,
         if k in seen:
             continue
         rows.append({"placement": placement.name, "model": model, "key": k,
-                     "system": ALL[k].label, "median_s": m, "rounds": len(times[k]),
+                     "system": label(k, pairs[k].info), "median_s": m,
+                     "rounds": len(times[k]), "mapped": pairs[k].info.get("mapped", False),
                      "gbps": nbytes / m / 1e9, "lanes": pairs[k].info.get("lanes", []),
                      "vs_tensorpipe": m / med["tensorpipe"] if "tensorpipe" in med else None,
                      "vs_grpc": m / med["grpc"] if "grpc" in med else None})
     return rows
+
+
+def label(key: str, info: dict[str, Any]) -> str:
+    if "--share-memory" not in ALL[key].options:
+        return ALL[key].label
+    return ALL[key].label + (" (mapped)" if info.get("mapped") else " (not mapped: copies)")
+
+
+def check_mapping(pairs: dict[str, Pair], placement: Placement) -> None:
+    """Two namespaces stand for two hosts: a worker that mapped there is a bug."""
+    for k, p in pairs.items():
+        if p.info.get("mapped") and placement is not SAME_HOST:
+            raise RuntimeError(f"{ALL[k].label} mapped the PS's memory in {placement.name}")
 
 
 # -- placements ------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ A communication-heavy model (a wide MLP, 20M parameters, small batches; see
 ``benchmarks/baselines/training.py``) trained in sync mode by:
 
 * tensorx (``ParameterServer`` + ``RemoteOptimizer`` in a plain PyTorch loop), with gradient
-  overlap on (buckets written during backward) and off, over tcp and over UCX;
+  overlap on (buckets written during backward) and off, over tcp and over UCX, all on the
+  copy path; and as shipped (``share_memory=True``): the workers map the PS's arenas;
 * the ``torch.distributed.rpc`` parameter-server pattern (TensorPipe) from the PyTorch
   tutorial.
 
@@ -40,6 +41,8 @@ SYSTEMS = {
                                   ("--transport", "ucx", "--overlap", "on")),
     "tensorx-ucx": System("tensorx ucx, overlap off", "train-tensorx",
                           ("--transport", "ucx", "--overlap", "off")),
+    "tensorx-shm": System("tensorx shm", "train-tensorx",
+                          ("--transport", "tcp", "--share-memory", "on")),
     "rpc": System("torch.distributed.rpc PS (TensorPipe)", "train-rpc"),
 }
 EXPERIMENTS = {  # not tensorx as shipped: the worker fix the round profiles point to
@@ -77,10 +80,16 @@ def measure(pairs: dict[str, Pair], blocks: int, steps: int) -> dict[str, list[f
     return times
 
 
-def summarise(times: dict[str, list[float]]) -> list[dict[str, Any]]:
+def label(key: str, info: dict[str, Any]) -> str:
+    if "--share-memory" not in ALL[key].options:
+        return ALL[key].label
+    return ALL[key].label + (" (mapped)" if info.get("mapped") else " (not mapped: copies)")
+
+
+def summarise(times: dict[str, list[float]], pairs: dict[str, Pair]) -> list[dict[str, Any]]:
     rate = {k: 1.0 / statistics.median(t) for k, t in times.items()}
     ref = rate.get(REFERENCE)
-    return [{"key": k, "system": ALL[k].label, "steps_per_s": r,
+    return [{"key": k, "system": label(k, pairs[k].info), "steps_per_s": r,
              "median_step_s": 1.0 / r, "steps": len(times[k]),
              "vs_rpc": r / ref if ref else None} for k, r in rate.items()]
 
@@ -121,7 +130,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     finally:
         for p in pairs.values():
             p.close()
-    rows = summarise(times)
+    rows = summarise(times, pairs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train_throughput.json").write_text(json.dumps(rows, indent=1))
     print()

@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "one-bucket; raw: pipelined")
     p.add_argument("--rank", type=int, default=0, help="worker rank (training)")
     p.add_argument("--overlap", choices=("on", "off"), default="on", help="tensorx training")
+    p.add_argument("--share-memory", choices=("on", "off"), default="off",
+                   help="tensorx: map the PS arenas when on the same host (off: copy path)")
     return p.parse_args(argv)
 
 

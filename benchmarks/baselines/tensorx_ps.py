@@ -10,6 +10,11 @@ arena back into the worker's model, notify. Exactly what a PS user gets.
 ``--transport``: ``tcp``, ``ucx`` (the default UCX settings: peer error handling, which on
 one host means UCX's tcp lanes) or ``ucx-shm`` (UCX with ``error_handling=False``: cma/posix
 lanes on one host; the Node option, set on the PS's and worker's nodes).
+
+``--share-memory on``: the PS and worker options of that name (tensorx's default): on one
+host (same host id: not across network namespaces) the worker maps the PS's arenas and a
+round moves no bytes, only the two notifications. ``off`` (the benchmark's default) keeps
+the copy path that every other row measures. READY says whether the worker mapped.
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ async def _serve(args: argparse.Namespace) -> None:
     experiment(args.variant)
     listen = f"tcp://{args.host}:0"
     ps = ParameterServer(listen, num_workers=1, mode="sync", optimizer=_optimizer,
-                         transport=transport, timeout=TIMEOUT, flat=True)
+                         transport=transport, timeout=TIMEOUT, flat=True,
+                         share_memory=args.share_memory == "on")
     if ucx_options is not None:
         ps.node = Node(listen, transport=transport, timeout=TIMEOUT, ucx_options=ucx_options)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ps.stop)
@@ -94,7 +100,8 @@ async def _client(args: argparse.Namespace) -> None:
     transport, ucx_options = _transport(args.transport)
     model = common.ShapeModel(common.MODELS[args.model]())
     worker = Worker(model, args.address, rank=0, num_workers=1, transport=transport,
-                    timeout=TIMEOUT, **experiment(args.variant))
+                    timeout=TIMEOUT, share_memory=args.share_memory == "on",
+                    **experiment(args.variant))
     if ucx_options is not None:
         worker.node = Node(None, transport=transport, timeout=TIMEOUT, ucx_options=ucx_options)
     async with worker:
@@ -103,8 +110,10 @@ async def _client(args: argparse.Namespace) -> None:
             p.grad.fill_(common.GRAD_VALUE)
         info = worker.node.endpoints[0].info
         await _rounds(worker, common.WARMUP_ROUNDS)
-        common.announce({"system": f"tensorx {args.transport}",
-                         "lanes": info["lanes"], "transport": info["transport"]})
+        mapped = all(worker.mapped)
+        common.announce({"system": f"tensorx {args.transport}", "mapped": mapped,
+                         "lanes": (["shm-mapped"] if mapped else []) + info["lanes"],
+                         "transport": info["transport"]})
         loop = asyncio.get_running_loop()
         while True:
             line = await loop.run_in_executor(None, _readline)

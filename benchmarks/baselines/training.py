@@ -6,7 +6,8 @@ it computes. Two systems:
 
 * ``tensorx``: :class:`tensorx.ps.ParameterServer` (sync, SGD with ``flat=True``) and, per
   worker, the blocking :class:`tensorx.worker.RemoteOptimizer` in an ordinary PyTorch loop
-  (``--overlap`` on or off: gradient buckets written during backward, or all at ``step``).
+  (``--overlap`` on or off: gradient buckets written during backward, or all at ``step``;
+  ``--share-memory on``: the workers map the PS's arenas, nothing is copied at all).
 * ``rpc``: the PyTorch tutorial's batch-update parameter server on ``torch.distributed.rpc``
   (TensorPipe): each worker calls ``rpc_sync(update_and_fetch, grads)``; the PS sums, applies
   SGD to the average once every worker has pushed, and answers both with the parameters.
@@ -64,7 +65,7 @@ def tensorx_serve(args: argparse.Namespace) -> None:
     async def serve() -> None:
         ps = ParameterServer(f"tcp://{args.host}:0", num_workers=WORKERS, mode="sync",
                              optimizer=_sgd, transport=args.transport, timeout=TIMEOUT,
-                             flat=True)
+                             flat=True, share_memory=args.share_memory == "on")
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ps.stop)
         async with ps:
             common.announce({"host": args.host, "address": ps.address})
@@ -79,7 +80,8 @@ def tensorx_client(args: argparse.Namespace) -> None:
     model = build_model()
     with RemoteOptimizer(model, args.address, rank=args.rank, num_workers=WORKERS,
                          transport=args.transport, timeout=TIMEOUT,
-                         overlap=args.overlap == "on", **experiment(args.variant)) as opt:
+                         overlap=args.overlap == "on", share_memory=args.share_memory == "on",
+                         **experiment(args.variant)) as opt:
         run_backward = backward(model, args.rank)
 
         def step() -> None:
@@ -88,7 +90,8 @@ def tensorx_client(args: argparse.Namespace) -> None:
             opt.step()
 
         lanes = opt.worker.node.endpoints[0].info["lanes"]
-        common.client_loop(lambda n: common.timed_rounds(step, n), {"lanes": lanes})
+        common.client_loop(lambda n: common.timed_rounds(step, n),
+                           {"lanes": lanes, "mapped": all(opt.worker.mapped)})
 
 
 # -- torch.distributed.rpc ---------------------------------------------------------------------
