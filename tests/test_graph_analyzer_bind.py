@@ -333,3 +333,19 @@ def test_binding_on_cuda_keeps_training_identical_and_in_place() -> None:
     assert_in_arenas(binding, bound)
     for a, b in zip(plain.parameters(), bound.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-5)  # cuDNN backward may reorder sums
+
+
+def test_a_tensor_split_around_an_empty_shard_is_still_one_view() -> None:
+    """The planner may leave a shard empty between two chunks of one tensor; the shards'
+    regions are still adjacent in memory, so binding must accept it (found by hypothesis)."""
+    model = nn.Module()
+    for i, shape in enumerate([(36, 39), (33, 9), (4, 31), (33,)]):
+        model.register_parameter(f"t{i}", nn.Parameter(torch.randn(shape)))
+    plan = GraphAnalyzer(model, num_shards=4, alignment=64, chunk_bytes=64 * 46).plan()
+    shards = [c.shard for c in plan.tensors()["t0"]]
+    assert plan.arena_bytes(2) == 0 and shards == [1, 3]
+    before = model.t0.detach().clone()
+    binding = plan.bind(model)
+    assert torch.equal(model.t0, before)
+    assert model.t0.data_ptr() == binding.entry_view(plan.tensors()["t0"][0], "params").data_ptr()
+    binding.unbind()

@@ -161,7 +161,10 @@ class Binding:
         if b.shard == a.shard and b.offset == a.end:
             return
         edge = a.end == self.plan.arena_bytes(a.shard) and b.offset == 0
-        if b.shard == a.shard + 1 and edge and _adjacent(self._u8[(a.shard, arena)],
+        # shards the plan left empty in between take no room in memory
+        skipped_empty = b.shard > a.shard and all(
+            self.plan.arena_bytes(s) == 0 for s in range(a.shard + 1, b.shard))
+        if skipped_empty and edge and _adjacent(self._u8[(a.shard, arena)],
                                                          self._u8[(b.shard, arena)]):
             return
         raise UsageError(
