@@ -68,7 +68,7 @@ async def _serve(results: Any, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # three processes share this machine's cores
     ps = tx.ParameterServer("tcp://127.0.0.1:0", num_workers=args.workers, mode=args.mode,
                             staleness=args.staleness, optimizer=make_optimizer,
-                            transport=args.transport)
+                            transport=args.transport, share_memory=args.share_memory)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ps.stop)
     async with ps:
         results.put(("address", ps.address))
@@ -94,8 +94,10 @@ async def _train(rank: int, address: str, args: argparse.Namespace) -> dict[str,
     total = steps_per_epoch * args.epochs
     gen = torch.Generator().manual_seed(SEED)  # every worker draws the same permutations
     async with tx.Worker(model, address, rank=rank, num_workers=args.workers,
-                         transport=args.transport) as worker:
+                         transport=args.transport, share_memory=args.share_memory) as worker:
         transport = worker.node.endpoints[0].info["transport"]
+        path = transport + (", arenas mapped (same host: steps move no bytes)"
+                            if all(worker.mapped) else "")
         bar = tqdm(total=total, desc=f"digits ({transport}, {args.mode})", unit="step",
                    disable=rank != 0 or args.quiet, file=sys.stdout)
         t0 = time.perf_counter()
@@ -115,7 +117,7 @@ async def _train(rank: int, address: str, args: argparse.Namespace) -> dict[str,
         with torch.no_grad():
             accuracy = (model(x_te).argmax(1) == y_te).float().mean().item()
     return {"rank": rank, "accuracy": accuracy, "steps": total, "seconds": seconds,
-            "transport": transport}
+            "transport": path}
 
 
 def _child(results: Any, name: str, coro: Any) -> None:
@@ -217,6 +219,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("sync", "async", "bounded"), default="sync")
     p.add_argument("--staleness", type=int, default=1, help="bounded mode only")
     p.add_argument("--transport", choices=("auto", "tcp", "ucx"), default="auto")
+    p.add_argument("--no-share-memory", dest="share_memory", action="store_false",
+                   help="same host: copy through the transport instead of mapping the "
+                        "server's arenas")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--launcher", choices=("local", "torchrun"), default="local",
