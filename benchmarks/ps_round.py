@@ -46,11 +46,7 @@ SYSTEMS = {
     "grpc": System("gRPC", "grpc"),
     "raw": System("raw socket", "raw"),
 }
-EXPERIMENTS = {  # not tensorx as shipped: what a proposed worker change would give
-    "x-tcp-all": System("EXP tensorx tcp, worker fixes", "tensorx",
-                        ("--transport", "tcp", "--variant", "fast-bind,one-bucket")),
-    "x-noeh-all": System("EXP tensorx ucx no-eh, worker fixes", "tensorx",
-                         ("--transport", "ucx-shm", "--variant", "fast-bind,one-bucket")),
+EXPERIMENTS = {  # what a different design would give (kept as evidence, not run by default)
     "x-raw-pipelined": System("EXP raw socket, pipelined", "raw", ("--variant", "pipelined")),
 }
 ALL = {**SYSTEMS, **EXPERIMENTS}

@@ -45,11 +45,7 @@ SYSTEMS = {
                           ("--transport", "tcp", "--share-memory", "on")),
     "rpc": System("torch.distributed.rpc PS (TensorPipe)", "train-rpc"),
 }
-EXPERIMENTS = {  # not tensorx as shipped: the worker fix the round profiles point to
-    "x-tcp-overlap-fixes": System("EXP tensorx tcp, overlap on, binding fix",
-                                  "train-tensorx", ("--transport", "tcp", "--overlap", "on",
-                                                    "--variant", "fast-bind")),
-}
+EXPERIMENTS: dict[str, System] = {}
 ALL = {**SYSTEMS, **EXPERIMENTS}
 REFERENCE = "rpc"
 

@@ -47,39 +47,12 @@ def _optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=common.LR, foreach=True)
 
 
-def _fast_ensure_bound(original: Any) -> Any:
-    """EXPERIMENT (--variant fast-bind): after one full pass, check each tensor's binding
-    with two pointer/identity comparisons and take the full pass only when one fails."""
-    def ensure_bound(self: Any) -> list[str]:
-        cache = getattr(self, "_bench_bound", None)
-        if cache is not None and all(t.data_ptr() == ptr and t.grad is g for t, ptr, g in cache):
-            return []
-        copied: list[str] = original(self)
-        self._bench_bound = [(t, t.data_ptr(), t.grad) for t in self._tensors.values()]
-        return copied
-
-    return ensure_bound
-
-
-def experiment(variant: str) -> dict[str, Any]:
-    """Patch in an experimental variant (worker side); return extra Worker options."""
-    if "fast-bind" in variant:
-        from tensorx._analyzer import binding
-
-        binding.Binding.ensure_bound = _fast_ensure_bound(  # type: ignore[method-assign]
-            binding.Binding.ensure_bound)
-    if "one-bucket" in variant:
-        return {"bucket_bytes": 1 << 40}
-    return {}
-
-
 def serve(args: argparse.Namespace) -> None:
     asyncio.run(_serve(args))
 
 
 async def _serve(args: argparse.Namespace) -> None:
     transport, ucx_options = _transport(args.transport)
-    experiment(args.variant)
     listen = f"tcp://{args.host}:0"
     ps = ParameterServer(listen, num_workers=1, mode="sync", optimizer=_optimizer,
                          transport=transport, timeout=TIMEOUT, flat=True,
@@ -100,8 +73,7 @@ async def _client(args: argparse.Namespace) -> None:
     transport, ucx_options = _transport(args.transport)
     model = common.ShapeModel(common.MODELS[args.model]())
     worker = Worker(model, args.address, rank=0, num_workers=1, transport=transport,
-                    timeout=TIMEOUT, share_memory=args.share_memory == "on",
-                    **experiment(args.variant))
+                    timeout=TIMEOUT, share_memory=args.share_memory == "on")
     if ucx_options is not None:
         worker.node = Node(None, transport=transport, timeout=TIMEOUT, ucx_options=ucx_options)
     async with worker:

@@ -28,7 +28,6 @@ from torch import nn
 
 from benchmarks.baselines import common
 from benchmarks.baselines.rpc import network_only
-from benchmarks.baselines.tensorx_ps import experiment
 
 WORKERS = 2
 BATCH = 16
@@ -60,8 +59,6 @@ def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 def tensorx_serve(args: argparse.Namespace) -> None:
     from tensorx.ps import ParameterServer
 
-    experiment(args.variant)
-
     async def serve() -> None:
         ps = ParameterServer(f"tcp://{args.host}:0", num_workers=WORKERS, mode="sync",
                              optimizer=_sgd, transport=args.transport, timeout=TIMEOUT,
@@ -80,8 +77,8 @@ def tensorx_client(args: argparse.Namespace) -> None:
     model = build_model()
     with RemoteOptimizer(model, args.address, rank=args.rank, num_workers=WORKERS,
                          transport=args.transport, timeout=TIMEOUT,
-                         overlap=args.overlap == "on", share_memory=args.share_memory == "on",
-                         **experiment(args.variant)) as opt:
+                         overlap=args.overlap == "on",
+                         share_memory=args.share_memory == "on") as opt:
         run_backward = backward(model, args.rank)
 
         def step() -> None:
