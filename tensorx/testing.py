@@ -178,13 +178,21 @@ class _Owner:
         while True:
             ep, payload = await self.node.notifications.get()
             self.notes.append(payload)
-            if payload.startswith(b"check:"):
+            if payload.startswith((b"check:", b"fill:")):
                 self._check_ordering(payload)
                 await ep.notify(b"checked")
 
     def _check_ordering(self, payload: bytes) -> None:
         """'check:<rid>:<seed>' - the region must already hold pattern(seed). The sender
-        waits for our 'checked' before it writes again, so nothing newer can be there."""
+        waits for our 'checked' before it writes again, so nothing newer can be there.
+        'fill:<rid>:<byte>:<piece>' - the last byte of every ``piece`` bytes (the last to
+        land of each write) must be ``byte``: a check fast enough to catch big writes."""
+        if payload.startswith(b"fill:"):
+            _, rid, value, piece = payload.decode().split(":")
+            got = np.frombuffer(self.regions[int(rid)].buffer(), np.uint8)
+            if not (got[int(piece) - 1::int(piece)] == int(value)).all():
+                self.violations.append(f"notification {payload!r} arrived before its data")
+            return
         _, rid, seed = payload.decode().split(":")
         region = self.regions[int(rid)]
         want = pattern(region.nbytes, int(seed))

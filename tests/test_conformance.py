@@ -93,6 +93,23 @@ async def test_notification_never_precedes_its_data(transport: str) -> None:
         assert await owner.call("violations") == []
 
 
+async def test_notification_never_precedes_large_writes(transport: str) -> None:
+    """Writes big enough to be striped over a TCP connection's extra streams (or several
+    UCX puts), issued and not awaited, then a notification: still never ahead of them."""
+    async with session(transport) as (owner, node, ep):
+        nbytes, piece = 64 << 20, 8 << 20
+        desc = await owner.export(nbytes)
+        for value in range(1, 7):
+            region = tx.MemoryRegion.register(np.full(nbytes, value, np.uint8))
+            writes = [asyncio.ensure_future(ep.write(region, desc, i, i, piece))
+                      for i in range(0, nbytes, piece)]
+            await asyncio.sleep(0)
+            await ep.notify(f"fill:{desc.region_id}:{value}:{piece}".encode())
+            await asyncio.gather(*writes)
+            assert (await asyncio.wait_for(node.notifications.get(), 10))[1] == b"checked"
+        assert await owner.call("violations") == []
+
+
 async def test_notifications_flow_both_ways(transport: str) -> None:
     async with session(transport) as (owner, _, ep):
         await ep.notify(b"hello")
