@@ -180,6 +180,11 @@ class ParameterServer:
                        loop.create_task(self._run())]
         if self.log_every:
             self._tasks.append(loop.create_task(self._report(self.log_every)))
+        if self._initialised and self.mode == "sync":
+            # resumed from a checkpoint: every rank is expected back, and one that does not
+            # come back is a loss like any other (a fresh server waits for its first workers)
+            for rank in range(self.num_workers):
+                self.losses.gone(rank)
         logger.info("ps shard %d/%d listening on %s: mode=%s workers=%d", self.shard,
                     self.num_shards, self.node.address, self.mode, self.num_workers)
         return self

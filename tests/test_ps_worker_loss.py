@@ -291,3 +291,37 @@ async def test_wait_holds_the_barrier_until_a_restarted_worker_rejoins(
           f"warned after {lost.created - wall_kill:.2f} s; a pre-started process with rank 1 "
           f"re-handshook in {rejoin_s:.2f} s; survivor held {time.monotonic() - t_kill:.1f} s "
           "in all")
+
+
+async def test_a_resumed_server_goes_on_without_a_rank_that_never_returns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Restarted from its checkpoint, the shard expects every rank back; under "continue"
+    the one rank that comes back trains alone once the others' timeout has run out."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    models = [Params(), Params()]
+
+    async def step(w: Worker, m: Params, rank: int) -> None:
+        w.zero_grad()
+        (m.a * ((rank + 1) * SCALE)).sum().backward()
+        await w.step()
+
+    async with ParameterServer(num_workers=2, optimizer=sgd, transport="tcp",
+                               checkpoint_dir=tmp_path) as ps:
+        ws = [Worker(m, ps.address, rank=r, num_workers=2, transport="tcp")
+              for r, m in enumerate(models)]
+        await asyncio.gather(*(w.start() for w in ws))
+        await asyncio.gather(*(step(w, m, r)
+                               for r, (w, m) in enumerate(zip(ws, models, strict=True))))
+        await asyncio.gather(*(w.aclose() for w in ws))
+    started = time.monotonic()  # the timeouts run from the restart
+    async with ParameterServer(num_workers=2, optimizer=sgd, transport="tcp",
+                               checkpoint_dir=tmp_path, on_worker_loss="continue",
+                               worker_loss_timeout=LOSS_TIMEOUT / 2) as ps:
+        assert ps.version == 1
+        async with Worker(models[0], ps.address, rank=0, num_workers=2, transport="tcp") as w:
+            await step(w, models[0], 0)
+            assert LOSS_TIMEOUT / 2 <= time.monotonic() - started < LOSS_TIMEOUT / 2 + MARGIN
+            await step(w, models[0], 0)
+        assert values(models[0].a) == [-BOTH - 2 * ALONE] and ps.version == 3
+    (lost,) = loss_records(caplog, "sync barriers go on without it")
+    assert "rank 1" in lost.getMessage() and lost.levelno == logging.WARNING

@@ -13,10 +13,12 @@ connected and therefore held up; INFO when nobody is):
   counted (the update is the average over those that pushed) until the rank joins again.
 
 Joining again cancels the timer, and a rejoined rank is counted at once (see
-:meth:`tensorx._ps.schedule.Scheduler.join`). ``worker_loss_timeout=None``: no timer, the
-barrier waits silently, as before. The policy only concerns the sync barrier: in ``async``
-and ``bounded`` modes nothing waits for a departed worker (bounded: its clock stops holding
-the others back at once), so no timer runs there.
+:meth:`tensorx._ps.schedule.Scheduler.join`). A shard that resumed from a checkpoint starts
+a timer for every rank (each is expected back); a fresh one waits for its first workers.
+``worker_loss_timeout=None``: no timer, the barrier waits silently, as before. The policy
+only concerns the sync barrier: in ``async`` and ``bounded`` modes nothing waits for a
+departed worker (bounded: its clock stops holding the others back at once), so no timer
+runs there.
 """
 
 from __future__ import annotations
