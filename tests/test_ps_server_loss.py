@@ -218,8 +218,8 @@ def test_training_survives_a_killed_server(tmp_path: Path) -> None:
             addresses.put(address)
         while max((v for _, v in inbox.until("version", 1)), default=0) < KILL_AT:
             inbox.until("version", len(inbox.kept["version"]) + 1)
-        t_kill, first_log = sigkill(first)
         dead_files = {p.name for p in Path(_shm.SHM_DIR).glob(f"tensorx-{first.proc.pid}-*")}
+        t_kill, first_log = sigkill(first)
         reached = max(v for _, v in inbox.kept["version"])
 
         second = PsProcess("--listen", address, *args)  # same port: SO_REUSEADDR
@@ -246,7 +246,8 @@ def test_training_survives_a_killed_server(tmp_path: Path) -> None:
     want_acc = accuracy(want, x_te, y_te)
     for result in done.values():
         assert result["rejoins"] == 1 and result["mapped"] == [True], result
-        assert not result["files"] & dead_files  # remapped onto the new server's arena
+        (arena,) = result["files"]  # remapped onto the new server's arena
+        assert arena.startswith(f"tensorx-{second.proc.pid}-"), (arena, dead_files)
         for got, ref in zip(result["params"], want.parameters(), strict=True):
             torch.testing.assert_close(torch.from_numpy(got), ref.detach(), rtol=1e-4, atol=1e-5)
         assert abs(result["accuracy"] - want_acc) <= 0.01 and result["accuracy"] >= 0.9

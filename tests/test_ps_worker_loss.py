@@ -203,7 +203,7 @@ async def test_continue_goes_on_without_a_worker_killed_mid_push(
                 started = time.monotonic()
                 values_, t_done, rejoins = await survivor.step()
                 want -= ALONE
-                assert values_ == [want] and t_done - started < LOSS_TIMEOUT / 2
+                assert values_ == [want] and t_done - started < LOSS_TIMEOUT
             assert rejoins == 0 and ps.stats["worker_losses"] == 1
 
             successor.send("start", ps.address, old["slot"])
