@@ -15,6 +15,13 @@ of them, so neither write happens; a step is ``notify(push)``, apply, ``notify(p
 The shard handles one event at a time, so an update never runs while parameters are being
 written out of the arena: a worker never sees a half-applied update, and since a push
 notification is ordered after its gradient write, a partial gradient is never applied.
+
+A worker that goes away (killed mid-push, crashed, cut off) loses what it had pushed for
+the barrier in progress, and its gradient slot is replaced by fresh memory with a fresh
+descriptor (the old one is revoked, its /dev/shm file unlinked): nothing a dead connection
+wrote can ever be applied, and a restarted worker re-handshakes into a clean slot. How long
+a sync barrier waits for it, and what then, is ``on_worker_loss`` (see
+:mod:`tensorx._ps.losses`).
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tensorx._ps import protocol
+from tensorx._ps.losses import LossWatch
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
 from tensorx._ps.schedule import MODES, Decision, Scheduler
@@ -68,6 +76,15 @@ class _Peer:
     mapped: bool = False   # it said it mapped them: its arena is ours, nothing to write
 
 
+class _Event(NamedTuple):
+    """What the service loop handles, one at a time."""
+
+    kind: str                # "msg": a notification, "gone": an endpoint dropped, "lost": a
+    ep: Endpoint | None      # departed rank's worker_loss_timeout ran out
+    payload: bytes = b""
+    rank: int = -1
+
+
 def _default_optimizer(params: list[Any]) -> Any:
     import torch
 
@@ -89,6 +106,13 @@ class ParameterServer:
     ``share_memory``: in sync mode, offer workers on this host (same :func:`host_id`: same
     kernel, /dev/shm and network namespace) to map the parameter arena and their gradient
     slot, so that a step copies nothing; ``False`` always copies.
+    ``on_worker_loss`` (``"wait"``, the default, or ``"continue"``) and
+    ``worker_loss_timeout`` (seconds, default 30; None: no timer, wait silently): in sync
+    mode, once a worker has been disconnected that long, keep waiting for it to rejoin (one
+    WARNING) or complete barriers with the ranks still connected until it rejoins (one
+    WARNING). See :mod:`tensorx._ps.losses`; async and bounded modes never wait for a
+    departed worker. A departed worker's pushed gradient for the barrier in progress is
+    dropped, never applied.
     """
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,
@@ -99,7 +123,9 @@ class ParameterServer:
                  checkpoint_every: int | None = None, token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 30.0,
                  insecure: bool = False, log_every: float | None = 60.0,
-                 flat: bool = False, share_memory: bool = True) -> None:
+                 flat: bool = False, share_memory: bool = True,
+                 on_worker_loss: str = "wait", worker_loss_timeout: float | None = 30.0
+                 ) -> None:
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= shard < num_shards:
@@ -117,6 +143,7 @@ class ParameterServer:
         self._optimizer = optimizer or _default_optimizer
         self._lr_scheduler = lr_scheduler
         self.scheduler = Scheduler(mode, num_workers, staleness)
+        self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost)
         self.node = Node(listen, transport=transport, token=token, timeout=timeout,
                          insecure=insecure)
         self.state: ShardState | None = None
@@ -127,14 +154,14 @@ class ParameterServer:
         self._slot_descs: dict[int, RegionDescriptor] = {}
         self._header_descs: dict[int, bytes] = {}
         self._sparse: SparseReceiver | None = None
-        self._events: asyncio.Queue[tuple[str, Endpoint, bytes]] = asyncio.Queue()
+        self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._closed = False
         self._initialised = False  # parameters came from rank 0 or a checkpoint
         self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "max_gap": 0,
                                       "max_version_lag": 0, "apply_s": 0.0,
-                                      "sparse_rows": 0}
+                                      "sparse_rows": 0, "worker_losses": 0}
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> ParameterServer:
@@ -153,6 +180,11 @@ class ParameterServer:
                        loop.create_task(self._run())]
         if self.log_every:
             self._tasks.append(loop.create_task(self._report(self.log_every)))
+        if self._initialised and self.mode == "sync":
+            # resumed from a checkpoint: every rank is expected back, and one that does not
+            # come back is a loss like any other (a fresh server waits for its first workers)
+            for rank in range(self.num_workers):
+                self.losses.gone(rank)
         logger.info("ps shard %d/%d listening on %s: mode=%s workers=%d", self.shard,
                     self.num_shards, self.node.address, self.mode, self.num_workers)
         return self
@@ -192,6 +224,7 @@ class ParameterServer:
             return
         self._closed = True
         self._stopped.set()
+        self.losses.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -261,27 +294,42 @@ class ParameterServer:
     async def _pump_notifications(self) -> None:
         while True:
             ep, payload = await self.node.notifications.get()
-            self._events.put_nowait(("msg", ep, payload))
+            self._events.put_nowait(_Event("msg", ep, payload))
 
     async def _pump_disconnects(self) -> None:
         while True:
             ep = await self.node.disconnected.get()
-            self._events.put_nowait(("gone", ep, b""))
+            self._events.put_nowait(_Event("gone", ep))
+
+    def _post_lost(self, rank: int) -> None:
+        self._events.put_nowait(_Event("lost", None, rank=rank))
 
     async def _run(self) -> None:
         """The one consumer of events: updates and writes out of the arena never interleave."""
         while True:
-            kind, ep, payload = await self._events.get()
+            event = await self._events.get()
             try:
                 try:
-                    if kind == "gone":
-                        await self._leave(ep, "disconnected")
-                    else:
-                        await self._handle(ep, payload)
+                    await self._dispatch(event)
                 except TensorxError as exc:
-                    await self._refuse(ep, exc)
+                    if event.ep is None:
+                        raise
+                    await self._refuse(event.ep, exc)
             except Exception:  # one bad peer or bug must not stop the service
                 logger.exception("ps shard %d: failed handling a message", self.shard)
+
+    async def _dispatch(self, event: _Event) -> None:
+        if event.kind == "lost":
+            decision = self.losses.declare(event.rank, self.scheduler, self._connected())
+            self.stats["worker_losses"] = self.losses.declared
+            await self._act(decision)
+        elif event.ep is not None and event.kind == "gone":
+            await self._leave(event.ep, "disconnected")
+        elif event.ep is not None:
+            await self._handle(event.ep, event.payload)
+
+    def _connected(self) -> list[int]:
+        return sorted(p.rank for p in self._peers.values())
 
     async def _handle(self, ep: Endpoint, payload: bytes) -> None:
         msg = protocol.decode(payload)
@@ -320,7 +368,9 @@ class ParameterServer:
                 self._sparse.headers[rank], access="w").to_bytes()
         peer.offered = self._offer(rank, msg["share"])
         self.scheduler.join(rank)
-        logger.info("ps shard %d: worker rank %d joined from %s", self.shard, rank, ep.peer)
+        away = self.losses.back(rank)
+        logger.info("ps shard %d: worker rank %d joined from %s%s", self.shard, rank, ep.peer,
+                    "" if away is None else f" (back after {away:.1f} s; fresh gradient slot)")
         if self._initialised or rank == 0:
             if not self._initialised:
                 await ep.read(self.state.params_region, peer.params, timeout=self.timeout)
@@ -338,7 +388,9 @@ class ParameterServer:
                else "share_memory=False" if not self.share_memory
                else f"mode={self.mode} updates the arena while workers compute"
                if self.mode != "sync"
-               else "the arenas are not in shared memory" if not self.state.shared else "")
+               else "the arenas are not in shared memory"
+               if not self.state.shared or self.state.slot_region(rank).shared_name is None
+               else "")
         if why and asked:
             logger.info("ps shard %d: not offering rank %d to map the arenas: %s",
                         self.shard, rank, why)
@@ -389,11 +441,13 @@ class ParameterServer:
                 timeout=self.timeout)
         except TensorxError as exc:
             logger.warning("ps shard %d: lost rank %d at welcome: %s", self.shard, peer.rank, exc)
-            self._events.put_nowait(("gone", peer.ep, b""))
+            self._events.put_nowait(_Event("gone", peer.ep))
 
     # -- steps ----------------------------------------------------------------------------
     async def _push(self, ep: Endpoint, msg: dict[str, Any]) -> None:
         peer = self._peers.get(ep)
+        if peer is None and ep.closed:
+            return  # the last words of a connection that has left: never applied
         if peer is None or self.state is None or not self._initialised:
             raise ProtocolError("push before a completed handshake")
         self._check_mapped(peer, msg["mapped"])
@@ -441,7 +495,7 @@ class ParameterServer:
                 checksum=self.state.checksum()), timeout=self.timeout)
         except TensorxError as exc:
             logger.warning("ps shard %d: lost rank %d: %s", self.shard, peer.rank, exc)
-            self._events.put_nowait(("gone", peer.ep, b""))
+            self._events.put_nowait(_Event("gone", peer.ep))
 
     async def _leave(self, ep: Endpoint, why: str) -> None:
         peer = self._peers.pop(ep, None)
@@ -450,7 +504,34 @@ class ParameterServer:
                 await ep.aclose()  # a refused or half-joined peer: release its connection
             return
         self._waiting = [p for p in self._waiting if p.ep is not ep]
-        logger.info("ps shard %d: worker rank %d %s", self.shard, peer.rank, why)
+        rank = peer.rank
+        self._log_departure(rank, why)
         with contextlib.suppress(TensorxError):
             await ep.aclose()
-        await self._act(self.scheduler.leave(peer.rank))
+        self._retire_slot(rank)
+        if self.mode == "sync":
+            self.losses.gone(rank)
+        await self._act(self.scheduler.leave(rank))
+
+    def _log_departure(self, rank: int, why: str) -> None:
+        dropped = " (its gradient for this step is dropped)" \
+            if rank in self.scheduler.pending else ""
+        waits = ""
+        if self.mode == "sync" and self.losses.timeout is not None:
+            waits = (f"; the sync barrier waits for it up to {self.losses.timeout:g} s, then "
+                     f"on_worker_loss={self.losses.policy!r}")
+        level = logging.INFO if why == "left" else logging.WARNING
+        logger.log(level, "ps shard %d: worker rank %d %s%s%s", self.shard, rank, why,
+                   dropped, waits)
+
+    def _retire_slot(self, rank: int) -> None:
+        """Give ``rank`` fresh gradient memory. The old slot is closed: its descriptor is
+        revoked at every peer and its /dev/shm file unlinked, so nothing a departed connection
+        wrote (or might still write) there is ever applied; the next hello exports the new
+        slot under a new descriptor."""
+        if self.state is None or rank not in self._slot_descs:
+            return
+        del self._slot_descs[rank], self._header_descs[rank]
+        self.state.renew_slot(rank)
+        if self._sparse is not None:
+            self._sparse.renew(rank)

@@ -19,10 +19,11 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import random
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +56,8 @@ _ERRORS: dict[str, type[TensorxError]] = {
                                   RegionError, BrokenError)
 }
 _GONE: dict[str, Any] = {"t": "_gone"}
+BACKOFF_FIRST = 0.1  # seconds before the second rejoin attempt; doubles up to BACKOFF_CAP
+BACKOFF_CAP = 2.0
 
 
 class Worker:
@@ -65,9 +68,14 @@ class Worker:
     check every pull against the checksum the shard stamped on its update.
     ``plan_options``: passed to :class:`tensorx.GraphAnalyzer` (every worker must agree).
     ``overlap``: start writing a gradient bucket (about ``bucket_bytes``) to its shard as
-    soon as autograd has finished it, during backward. ``reconnect``: when a shard goes away
-    mid-step, keep trying this many seconds to rejoin (a restarted server resumes from its
-    checkpoint); the step's gradient is dropped and the model takes the server's parameters.
+    soon as autograd has finished it, during backward. ``timeout``: seconds for every wait,
+    including a sync step's wait for the slowest worker. When a shard goes away (killed,
+    restarted, cut off), :meth:`step` raises :class:`~tensorx.errors.BrokenError` naming the
+    shard and its address (:class:`~tensorx.errors.TimeoutError` if it fell silent without
+    closing the connection), unless ``reconnect`` is set: then the worker keeps trying this
+    many seconds to rejoin every shard, with exponential backoff (0.1 s doubling to 2 s, with
+    jitter); a restarted server resumes from its checkpoint, the step in flight is dropped
+    and the model takes the server's parameters.
     ``share_memory``: where a shard on this host offers it (sync mode), bind the model
     straight into the shard's parameter arena and this worker's gradient slot, mapped from
     /dev/shm, so that no step copies anything (CPU models; see :attr:`mapped`).
@@ -110,7 +118,7 @@ class Worker:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self.stats: dict[str, float] = {"push_s": 0.0, "wait_s": 0.0, "steps": 0,
-                                        "rejoins": 0}
+                                        "rejoins": 0, "rejoin_s": 0.0}
 
     @property
     def num_shards(self) -> int:
@@ -178,23 +186,42 @@ class Worker:
         return [ep for ep in got if isinstance(ep, Endpoint)]
 
     async def _rejoin(self, why: BaseException, budget: float) -> None:
-        """Drop every endpoint and handshake again until ``budget`` seconds are spent."""
-        logger.warning("worker rank %d lost the server (%s); rejoining for up to %.0f s",
-                       self.rank, why, budget)
-        deadline = time.monotonic() + budget
+        """Drop every endpoint and handshake again, with exponential backoff and jitter,
+        until ``budget`` seconds are spent."""
+        logger.warning("worker rank %d: %s; rejoining for up to %g s", self.rank, why, budget)
+        started = time.monotonic()
+        deadline = started + budget
         self._unmap()  # the next hello offers our own arena again; the shard may be new
+        delay, attempt = BACKOFF_FIRST, 1
         while True:
             await self._drop_endpoints()
             try:
-                await self._handshake()
+                await self._attempt_handshake(deadline)
                 break
             except (BrokenError, ClosedError, TimeoutError, OSError) as exc:
-                if time.monotonic() > deadline:
-                    raise BrokenError(f"could not rejoin within {budget} s: {exc}") from exc
-                await asyncio.sleep(0.5)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BrokenError(f"worker rank {self.rank} could not rejoin "
+                                      f"{self.addresses} within {budget:g} s "
+                                      f"({attempt} attempts): {exc}") from exc
+                pause = min(left, delay * random.uniform(0.5, 1.0))
+                logger.info("worker rank %d: rejoin attempt %d failed (%s); next in %.2f s",
+                            self.rank, attempt, exc, pause)
+                await asyncio.sleep(pause)
+                delay, attempt = min(2 * delay, BACKOFF_CAP), attempt + 1
         assert self._pusher is not None
         self._pusher.reset()
         self.stats["rejoins"] += 1
+        self.stats["rejoin_s"] = time.monotonic() - started
+        logger.warning("worker rank %d rejoined after %.2f s (%d attempts) at version %s",
+                       self.rank, self.stats["rejoin_s"], attempt, self.version)
+
+    async def _attempt_handshake(self, deadline: float) -> None:
+        """One handshake, cut short where the rejoin budget ends."""
+        try:
+            await asyncio.wait_for(self._handshake(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise TimeoutError("the rejoin budget ran out during a handshake") from None
 
     async def _drop_endpoints(self) -> None:
         for task in self._tasks:
@@ -269,20 +296,37 @@ class Worker:
     async def _write_bucket(self, bucket: Bucket) -> None:
         if self._shared is not None and self._shared.mapped[bucket.shard]:
             return  # autograd wrote the gradient into the shard's slot itself
-        await self._eps[bucket.shard].write(
-            self._region(bucket.shard, "grads"), self._slots[bucket.shard], bucket.offset,
-            bucket.offset, bucket.nbytes, timeout=self.timeout)
+        with self._naming(bucket.shard):
+            await self._eps[bucket.shard].write(
+                self._region(bucket.shard, "grads"), self._slots[bucket.shard], bucket.offset,
+                bucket.offset, bucket.nbytes, timeout=self.timeout)
 
     async def _push(self, shard: int) -> None:
         ep = self._eps[shard]
         staging: dict[str, bytes] = {}
-        if self._sparse is not None and self._headers[shard]:
-            staging = self._sparse.stage(shard)
-            await ep.write(self._region(shard, "headers"), self._headers[shard],
-                           timeout=self.timeout)
-        mapped = self._shared is not None and self._shared.mapped[shard]
-        await ep.notify(protocol.encode("push", step=self.steps, version=self.version[shard],
-                                        staging=staging, mapped=mapped), timeout=self.timeout)
+        with self._naming(shard):
+            if self._sparse is not None and self._headers[shard]:
+                staging = self._sparse.stage(shard)
+                await ep.write(self._region(shard, "headers"), self._headers[shard],
+                               timeout=self.timeout)
+            mapped = self._shared is not None and self._shared.mapped[shard]
+            await ep.notify(protocol.encode(
+                "push", step=self.steps, version=self.version[shard], staging=staging,
+                mapped=mapped), timeout=self.timeout)
+
+    def _lost(self, shard: int, detail: str = "") -> BrokenError:
+        return BrokenError(f"lost the connection to ps shard {shard} "
+                           f"({self.addresses[shard]}){': ' if detail else ''}{detail}")
+
+    @contextlib.contextmanager
+    def _naming(self, shard: int) -> Iterator[None]:
+        """A broken endpoint's error says which shard (and where) it was."""
+        try:
+            yield
+        except BrokenError as exc:
+            if str(exc).startswith("lost the connection to ps shard"):
+                raise
+            raise self._lost(shard, str(exc)) from exc
 
     async def pull(self) -> None:
         """Wait until every shard has written its answer to our push into our arenas."""
@@ -328,15 +372,14 @@ class Worker:
         try:
             msg = await asyncio.wait_for(self._inbox[shard].get(), self.timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"shard {shard} sent no {kind!r} within {self.timeout} s") \
-                from None
+            raise TimeoutError(f"ps shard {shard} ({self.addresses[shard]}) sent no {kind!r} "
+                               f"within {self.timeout} s") from None
         if msg["t"] == kind:
             return msg
         if msg["t"] == "error":
             raise _ERRORS.get(msg["code"], TensorxError)(f"ps shard {shard}: {msg['msg']}")
         if msg["t"] == "_gone":
-            raise BrokenError(f"lost the connection to ps shard {shard} "
-                              f"({self.addresses[shard]})")
+            raise self._lost(shard)
         raise ProtocolError(f"shard {shard} sent {msg['t']!r} while we waited for {kind!r}")
 
     async def _dispatch(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._commands.ps import parse_lr_scheduler, parse_optimizer, shard_listen
+from tensorx._commands.ps import _arguments, parse_lr_scheduler, parse_optimizer, shard_listen
 from tensorx.errors import UsageError
 from tensorx.worker import Worker
 
@@ -137,3 +138,19 @@ def test_lr_scheduler_spec() -> None:
     assert isinstance(make(opt), torch.optim.lr_scheduler.StepLR)
     with pytest.raises(UsageError, match="unknown lr scheduler"):
         parse_lr_scheduler("warp:speed=9")
+
+
+def test_worker_loss_flags() -> None:
+    parser = argparse.ArgumentParser()
+    _arguments(parser)
+    args = parser.parse_args(["--workers", "2"])
+    assert (args.on_worker_loss, args.worker_loss_timeout) == ("wait", 30.0)
+    args = parser.parse_args(["--workers", "2", "--on-worker-loss", "continue",
+                              "--worker-loss-timeout", "1.5"])
+    assert (args.on_worker_loss, args.worker_loss_timeout) == ("continue", 1.5)
+    args = parser.parse_args(["--workers", "2", "--worker-loss-timeout", "none"])
+    assert args.worker_loss_timeout is None
+    for bad in (["--on-worker-loss", "panic"], ["--worker-loss-timeout", "-1"],
+                ["--worker-loss-timeout", "soon"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--workers", "2", *bad])

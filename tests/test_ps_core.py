@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from tensorx._ps import protocol
+from tensorx._ps.losses import LossWatch
 from tensorx._ps.schedule import Scheduler
 from tensorx._ps.shard import ShardLayout, ShardState, Slot, load_checkpoint, views
 from tensorx.errors import ProtocolError, UsageError
@@ -237,3 +239,83 @@ def test_an_empty_shard_counts_versions() -> None:
                        lambda p: torch.optim.SGD(p, lr=0.1), flat=True)
     state.apply([0])
     assert state.version == 1
+
+
+# -- lost workers (sync barrier policy) --------------------------------------------------
+def test_continue_completes_the_barrier_without_an_excused_rank() -> None:
+    s = Scheduler("sync", 3)
+    for r in range(3):
+        s.join(r)
+    assert s.push(0).apply == []
+    s.leave(2)
+    assert s.push(1).apply == []  # still waits for rank 2: not excused yet
+    assert s.waiting_for() == [2]
+    d = s.excuse(2)
+    assert (d.apply, d.release) == ([0, 1], [0, 1])
+    s.push(0)
+    assert s.push(1).apply == [0, 1]  # later barriers go on without it
+    s.join(2)  # rejoined: counted at once
+    s.push(0)
+    assert s.push(1).apply == []
+    assert s.push(2).apply == [0, 1, 2]
+
+
+def test_a_rank_that_pushed_then_left_is_dropped_from_the_barrier() -> None:
+    s = Scheduler("sync", 2)
+    s.join(0)
+    s.join(1)
+    s.push(1)
+    s.leave(1)  # its pushed gradient must never be applied
+    assert s.excuse(1).apply == []  # nothing pending: no barrier to complete
+    assert s.push(0).apply == [0]
+
+
+def test_a_rank_that_rejoined_during_a_barrier_is_waited_for() -> None:
+    s = Scheduler("sync", 3)
+    for r in range(3):
+        s.join(r)
+    s.leave(2)
+    s.excuse(2)
+    s.push(0)
+    s.join(2)  # came back while the barrier waits for rank 1
+    assert s.waiting_for() == [1, 2]
+    assert s.push(1).apply == []
+    assert s.push(2).apply == [0, 1, 2]
+
+
+def test_everybody_lost_then_one_rejoins() -> None:
+    s = Scheduler("sync", 2)
+    for r in range(2):
+        s.join(r)
+        s.leave(r)
+        assert s.excuse(r).apply == []  # an empty barrier never completes
+    assert s.excuse(0).apply == []
+    s.join(1)
+    assert s.push(1).apply == [1]
+    s.join(0)
+    assert s.excuse(0).apply == []  # excusing a connected rank does nothing
+    s.push(1)
+    assert s.push(0).apply == [0, 1]
+
+
+async def test_loss_timer_fires_once_and_rejoining_cancels_it() -> None:
+    fired: list[int] = []
+    s = Scheduler("sync", 2)
+    watch = LossWatch(0, "continue", 0.05, fired.append)
+    for r in range(2):
+        s.join(r)
+    s.push(0)
+    s.leave(1)
+    watch.gone(1)
+    watch.gone(1)  # the same absence: one timer
+    await asyncio.sleep(0.2)
+    assert fired == [1]
+    assert watch.declare(1, s, [0]).apply == [0]
+    assert watch.declare(1, s, [0]).apply == []  # handled: a second event is stale
+    s.leave(0)
+    watch.gone(0)
+    assert watch.back(0) is not None  # back before its timeout: no event
+    await asyncio.sleep(0.2)
+    assert fired == [1]
+    with pytest.raises(UsageError):
+        LossWatch(0, "panic", 1.0, fired.append)

@@ -5,7 +5,11 @@
 
 Logs to stderr, prints each shard's address on stdout, and on SIGTERM or SIGINT writes a
 checkpoint (with ``--checkpoint-dir``) and exits 0; started again with the same directory it
-resumes. ``--shards N`` runs N shards in this process (ports PORT..PORT+N-1), ``--shard I``
+resumes; killed (SIGKILL, a crash), it resumes from the last ``--checkpoint-every``
+checkpoint and workers started with ``reconnect`` rejoin it. ``--on-worker-loss`` says what
+a sync barrier does once a worker has been gone ``--worker-loss-timeout`` seconds: keep
+waiting for it (``wait``, the default) or go on with the others (``continue``).
+``--shards N`` runs N shards in this process (ports PORT..PORT+N-1), ``--shard I``
 only shard I (one process per shard). ``--rendezvous`` publishes the addresses in the
 torchrun store (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for workers.
 The token comes from ``--token`` or, better (not visible in ``ps``), ``$TENSORX_TOKEN``.
@@ -23,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from tensorx._ps.losses import POLICIES
 from tensorx.errors import TensorxError, UsageError
 
 __all__ = ["add_parser", "main", "parse_lr_scheduler", "parse_optimizer", "run"]
@@ -57,6 +62,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                         "SGD, momentum, Adam(W), RMSprop, Adagrad); faster")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint here; resume from here")
     p.add_argument("--checkpoint-every", type=int, default=None, help="updates between saves")
+    p.add_argument("--on-worker-loss", choices=POLICIES, default="wait",
+                   help="sync mode, once a worker has been disconnected --worker-loss-timeout "
+                        "seconds: keep waiting for it to rejoin (wait) or complete barriers "
+                        "with the connected workers until it does (continue); one WARNING "
+                        "either way")
+    p.add_argument("--worker-loss-timeout", type=_seconds_or_none, default=30.0,
+                   help="seconds (default 30; 'none': wait silently forever)")
     p.add_argument("--token", default=None, help="shared secret (default $TENSORX_TOKEN)")
     p.add_argument("--insecure", action="store_true",
                    help="listen beyond loopback without a token (trusted networks only)")
@@ -66,6 +78,18 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-every", type=float, default=60.0,
                    help="seconds between throughput log lines (0: never)")
+
+
+def _seconds_or_none(text: str) -> float | None:
+    if text.strip().lower() in ("none", "off", "never"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'none', got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
 
 
 def parse_optimizer(spec: str) -> Callable[[list[Any]], Any]:
@@ -151,7 +175,9 @@ async def serve(args: argparse.Namespace) -> None:
         lr_scheduler=parse_lr_scheduler(args.lr_scheduler),
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         token=args.token, transport=args.transport, insecure=args.insecure,
-        log_every=args.log_every or None, flat=args.flat) for s in shards]
+        log_every=args.log_every or None, flat=args.flat,
+        on_worker_loss=args.on_worker_loss, worker_loss_timeout=args.worker_loss_timeout)
+        for s in shards]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _stop_all, servers, sig)

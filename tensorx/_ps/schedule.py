@@ -4,7 +4,9 @@ Three modes:
 
 * ``sync``: every rank ``0..num_workers-1`` pushes, the gradients are averaged, one update,
   then everybody gets the new parameters. Same result as one process on the union of the
-  batches.
+  batches. A rank the shard has excused (lost under ``on_worker_loss="continue"``, see
+  :mod:`tensorx._ps.losses`) is not waited for until it joins again; the update is then
+  the average over the ranks that pushed.
 * ``async``: each gradient is applied as it arrives and its sender is answered at once.
 * ``bounded``: applied as in ``async``, but a worker that has done more than ``staleness``
   steps beyond the slowest active worker is answered only once the slowest catches up
@@ -44,6 +46,7 @@ class Scheduler:
         self.active: set[int] = set()
         self.pending: set[int] = set()       # pushed, not answered yet
         self.clock: dict[int, int] = {}      # bounded: steps done per active worker
+        self.excused: set[int] = set()       # sync: lost ranks the barrier goes on without
         self.max_gap = 0                     # instrumentation: worst clock gap ever released
 
     def join(self, rank: int) -> Decision:
@@ -51,6 +54,9 @@ class Scheduler:
             raise UsageError(f"rank {rank} outside 0..{self.num_workers - 1}")
         self.active.add(rank)
         self.pending.discard(rank)
+        # Counted again at once: its welcome carries the parameters that the barrier in
+        # progress (if any) was computed on, so its first gradient belongs to that barrier.
+        self.excused.discard(rank)
         self.clock[rank] = min(self.clock.values(), default=0)
         return Decision()
 
@@ -59,6 +65,20 @@ class Scheduler:
         self.pending.discard(rank)
         self.clock.pop(rank, None)
         return self._release_bounded() if self.mode == "bounded" else Decision()
+
+    def excuse(self, rank: int) -> Decision:
+        """Sync: stop waiting for ``rank`` (gone for good, as far as the policy cares) until
+        it joins again; completes the barrier when every other counted rank has pushed."""
+        if rank in self.active:
+            return Decision()  # it came back meanwhile
+        self.excused.add(rank)
+        return self._sync_ready() if self.mode == "sync" else Decision()
+
+    def waiting_for(self) -> list[int]:
+        """Sync: the ranks a barrier in progress still waits for ([] when none is)."""
+        if self.mode != "sync" or not self.pending:
+            return []
+        return sorted(set(range(self.num_workers)) - self.excused - self.pending)
 
     def push(self, rank: int) -> Decision:
         if rank not in self.active:
@@ -77,7 +97,7 @@ class Scheduler:
         return decision
 
     def _sync_ready(self) -> Decision:
-        if not self.pending.issuperset(range(self.num_workers)):
+        if not self.pending or self.waiting_for():
             return Decision()
         ranks = sorted(self.pending)  # fixed order: the same float sums every step
         self.pending.clear()

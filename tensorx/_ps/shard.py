@@ -123,6 +123,7 @@ class ShardState:
             logger.warning("flat=True needs one dtype in the arena; optimizing per tensor")
         self.flat = dtype is not None
         split = _flat_splitter(layout, dtype) if dtype is not None else _entry_splitter(layout)
+        self._split = split
         self.params = [torch.nn.Parameter(v, requires_grad=True)
                        for v in split(self.params_region)]
         self._acc = split(self._acc_region)
@@ -140,6 +141,18 @@ class ShardState:
         if not 0 <= rank < self.num_workers:
             raise UsageError(f"rank {rank} outside 0..{self.num_workers - 1}")
         return self.slot_regions[rank]
+
+    def renew_slot(self, rank: int) -> MemoryRegion:
+        """Replace ``rank``'s gradient slot by fresh zeroed memory (in /dev/shm if the old
+        one was) and close the old one, which unexports it wherever it was exported."""
+        old = self.slot_region(rank)
+        (new,) = _allocate(self.layout.nbytes, 1, old.shared_name is not None)
+        self.slot_regions[rank] = new
+        self._slots[rank] = self._split(new)
+        for p, g in zip(self.params, self._acc, strict=True):
+            p.grad = g  # no parameter may keep the old slot's memory as its gradient
+        old.close()
+        return new
 
     def apply(self, ranks: Iterable[int]) -> None:
         """Average the gradients in ``ranks``' slots and take one optimizer step."""

@@ -80,6 +80,15 @@ class SparseReceiver:
         self._staging: dict[tuple[int, str], RegionDescriptor] = {}
         self._recv: dict[str, MemoryRegion] = {}
 
+    def renew(self, rank: int) -> None:
+        """``rank`` left: fresh header memory, and forget its staging regions (a new
+        connection announces its own)."""
+        old = self.headers[rank]
+        self.headers[rank] = MemoryRegion.allocate(old.nbytes)
+        old.close()
+        for key in [k for k in self._staging if k[0] == rank]:
+            del self._staging[key]
+
     def announce(self, rank: int, staging: Mapping[Any, Any]) -> None:
         names = {d.name for d in self.entries}
         for name, raw in staging.items():

@@ -1,0 +1,110 @@
+"""Workers that went away while a sync barrier needs them: how long to wait, then what.
+
+A sync barrier waits for every rank. When a worker's connection drops (killed, crashed, cut
+off, or it left), the shard drops whatever that rank had pushed for the barrier in progress
+and starts a timer of ``worker_loss_timeout`` seconds on its event loop (``loop.call_later``:
+nothing polls). If the rank has not joined again when the timer fires, it is *lost* and the
+``on_worker_loss`` policy decides, with one log line (a WARNING while other workers are
+connected and therefore held up; INFO when nobody is):
+
+* ``"wait"`` (default): keep waiting for it; a restarted worker with the same rank
+  re-handshakes and the barrier completes with its push.
+* ``"continue"``: complete this barrier and the following ones with the ranks still
+  counted (the update is the average over those that pushed) until the rank joins again.
+
+Joining again cancels the timer, and a rejoined rank is counted at once (see
+:meth:`tensorx._ps.schedule.Scheduler.join`). A shard that resumed from a checkpoint starts
+a timer for every rank (each is expected back); a fresh one waits for its first workers.
+``worker_loss_timeout=None``: no timer, the barrier waits silently, as before. The policy
+only concerns the sync barrier: in ``async`` and ``bounded`` modes nothing waits for a
+departed worker (bounded: its clock stops holding the others back at once), so no timer
+runs there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from tensorx._ps.schedule import Decision, Scheduler
+from tensorx.errors import UsageError
+
+__all__ = ["POLICIES", "LossWatch"]
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("wait", "continue")
+
+
+class LossWatch:
+    """One timer per departed rank; :meth:`declare` applies the policy when one ran out.
+
+    ``post(rank)`` is called from the event loop when a timer fires; the shard queues it as
+    an event so that the policy acts between two messages, never in the middle of one.
+    """
+
+    def __init__(self, shard: int, policy: str, timeout: float | None,
+                 post: Callable[[int], None]) -> None:
+        if policy not in POLICIES:
+            raise UsageError(f"on_worker_loss must be one of {POLICIES}, got {policy!r}")
+        if timeout is not None and not timeout >= 0:
+            raise UsageError(f"worker_loss_timeout must be >= 0 seconds or None, got {timeout!r}")
+        self.shard = shard
+        self.policy = policy
+        self.timeout = timeout
+        self._post = post
+        self._gone: dict[int, float] = {}   # rank -> time.monotonic() its connection dropped
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._expired: set[int] = set()     # timer fired, event not handled yet
+        self.declared = 0                   # losses declared so far (instrumentation)
+
+    def gone(self, rank: int) -> None:
+        """``rank``'s connection dropped: start its timer (once per absence)."""
+        if rank in self._gone:
+            return
+        self._gone[rank] = time.monotonic()
+        if self.timeout is not None:
+            loop = asyncio.get_running_loop()
+            self._timers[rank] = loop.call_later(self.timeout, self._fire, rank)
+
+    def _fire(self, rank: int) -> None:
+        self._timers.pop(rank, None)
+        self._expired.add(rank)
+        self._post(rank)
+
+    def back(self, rank: int) -> float | None:
+        """``rank`` joined again: cancel its timer; the seconds it was away (None: it was not)."""
+        handle = self._timers.pop(rank, None)
+        if handle is not None:
+            handle.cancel()
+        self._expired.discard(rank)  # an event already queued for it is stale now
+        since = self._gone.pop(rank, None)
+        return None if since is None else time.monotonic() - since
+
+    def declare(self, rank: int, scheduler: Scheduler, connected: list[int]) -> Decision:
+        """``rank``'s timer ran out (unless it came back meanwhile): log, apply the policy."""
+        if rank not in self._expired:
+            return Decision()
+        self._expired.discard(rank)
+        self.declared += 1
+        away = time.monotonic() - self._gone[rank]
+        level = logging.WARNING if connected else logging.INFO
+        if self.policy == "wait":
+            logger.log(level, "ps shard %d: worker rank %d has been disconnected for %.1f s; "
+                       "the sync barrier keeps waiting for it to rejoin "
+                       "(on_worker_loss='wait'; connected ranks: %s)", self.shard, rank, away,
+                       connected)
+            return Decision()
+        logger.log(level, "ps shard %d: worker rank %d has been disconnected for %.1f s; "
+                   "sync barriers go on without it, averaging over the ranks that push, until "
+                   "it rejoins (on_worker_loss='continue'; connected ranks: %s)", self.shard,
+                   rank, away, connected)
+        return scheduler.excuse(rank)
+
+    def close(self) -> None:
+        """Cancel every timer. Idempotent."""
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()

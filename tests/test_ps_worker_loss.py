@@ -1,0 +1,327 @@
+"""A sync PS loses a worker to SIGKILL in the middle of a push (issue 7, first scenario).
+
+Two worker processes push known gradients (exact in float32: rank r pushes (r + 1) * SCALE
+into every element, and SGD with lr=1 subtracts their mean), so every parameter value the
+test sees has one exact expected value. The victim writes a poisoned gradient into its slot
+on the shard (half of it over the wire, or all of it straight into the mapped slot) and is
+killed before its push notification: the poison must never be applied. A fresh process with
+the same rank then re-handshakes and must get a fresh slot (the dead one's descriptor is
+refused). The shard runs in this test's event loop, so its state can be checked directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tensorx import _shm
+from tensorx.errors import RegionError
+from tensorx.memregion import RegionDescriptor, host_id
+from tensorx.ps import ParameterServer
+from tensorx.worker import Worker
+
+SIZE = 1024
+SCALE = 2.0 ** -4
+BOTH = (1 + 2) * SCALE / 2   # one update with both ranks' gradients
+ALONE = 1 * SCALE            # one update with rank 0's gradient only
+POISON = 1000.0
+LOSS_TIMEOUT = 1.0
+MARGIN = 1.5  # scheduling slack on a loaded 2-core machine
+
+
+class Params(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(SIZE))
+
+
+def values(t: torch.Tensor) -> list[float]:
+    return sorted(set(t.detach().reshape(-1).tolist()))
+
+
+# -- the worker processes ------------------------------------------------------------------
+def _worker_main(rank: int, share: bool, conn: Connection) -> None:
+    torch.set_num_threads(1)
+    try:
+        asyncio.run(_worker(rank, share, conn))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+async def _worker(rank: int, share: bool, conn: Connection) -> None:
+    _, address, stale = await asyncio.to_thread(conn.recv)  # ("start", ...): imports are done
+    model = Params()
+    async with Worker(model, address, rank=rank, num_workers=2, transport="tcp", timeout=30,
+                      share_memory=share) as w:
+        report: dict[str, Any] = {"slot": w._slots[0].to_bytes(), "mapped": w.mapped,
+                                  "values": values(model.a),
+                                  "slot_file": w._region(0, "grads").shared_name}
+        if stale:
+            report["stale"] = await _write_to(w, RegionDescriptor.from_bytes(stale))
+        conn.send(("ready", report))
+        while (cmd := await asyncio.to_thread(conn.recv))[0] != "close":
+            if cmd[0] == "step":
+                w.zero_grad()
+                (model.a * ((rank + 1) * SCALE)).sum().backward()
+                await w.step()
+                conn.send(("stepped", (values(model.a), time.monotonic(), w.stats["rejoins"])))
+            elif cmd[0] == "poison":
+                await _poison(w, model)
+                conn.send(("blocked", None))
+                await asyncio.sleep(3600)  # killed here, before any push notification
+    conn.send(("closed", None))
+
+
+async def _poison(w: Worker, model: Params) -> None:
+    """Mid-push: a gradient (all POISON) lands in the shard's slot, no notification follows.
+    Mapped, the model's gradient *is* the slot; else half of it travels as a one-sided write."""
+    w.zero_grad()
+    (model.a * POISON).sum().backward()
+    if not w.mapped[0]:
+        grads = w._region(0, "grads")
+        await w._eps[0].write(grads, w._slots[0], nbytes=grads.nbytes // 2)
+
+
+async def _write_to(w: Worker, desc: RegionDescriptor) -> str:
+    try:
+        await w._eps[0].write(w._region(0, "grads"), desc, nbytes=64)
+    except RegionError as exc:
+        return f"refused: {exc}"
+    return "accepted"
+
+
+class Child:
+    """One worker process and its pipe; it connects on :meth:`start`."""
+
+    def __init__(self, ctx: Any, rank: int, share: bool) -> None:
+        self.rank = rank
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(rank, share, child), daemon=True)
+        self.proc.start()
+
+    def send(self, *cmd: Any) -> None:
+        self.conn.send(cmd)
+
+    async def expect(self, kind: str, timeout: float = 60.0) -> Any:
+        if not await asyncio.to_thread(self.conn.poll, timeout):
+            raise AssertionError(f"worker rank {self.rank} sent no {kind!r} in {timeout} s")
+        got, value = self.conn.recv()
+        if got == "error":
+            raise AssertionError(f"worker rank {self.rank} failed:\n{value}")
+        assert got == kind, (got, value)
+        return value
+
+    async def step(self) -> tuple[list[float], float, int]:
+        self.send("step")
+        result: tuple[list[float], float, int] = await self.expect("stepped")
+        return result
+
+    def kill(self) -> float:
+        """SIGKILL; returns the wall-clock time of the kill (for log timestamps)."""
+        assert self.proc.pid is not None
+        wall = time.time()
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+        return wall
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+
+def shard_values(ps: ParameterServer) -> list[float]:
+    assert ps.state is not None
+    return values(ps.state.views[0])
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1.0)
+
+
+async def start_pair(ps: ParameterServer, children: list[Child]) -> list[dict[str, Any]]:
+    for c in children:
+        c.send("start", ps.address, b"")
+    return [await c.expect("ready") for c in children]
+
+
+async def step_both(a: Child, b: Child) -> list[float]:
+    (va, _, _), (vb, _, _) = await asyncio.gather(a.step(), b.step())
+    assert va == vb
+    return va
+
+
+def loss_records(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if text in r.getMessage()]
+
+
+# -- the tests -----------------------------------------------------------------------------
+async def test_continue_goes_on_without_a_worker_killed_mid_push(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """on_worker_loss="continue", copy path: the victim's half-written poison is never
+    applied; after the timeout the survivor's steps go on alone; a restarted rank 1 gets a
+    fresh slot, the dead one's descriptor is refused, and both go on together."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    ctx = mp.get_context("spawn")
+    survivor, victim, successor = Child(ctx, 0, False), Child(ctx, 1, False), Child(ctx, 1, False)
+    try:
+        async with ParameterServer(num_workers=2, mode="sync", optimizer=sgd, transport="tcp",
+                                   share_memory=False, on_worker_loss="continue",
+                                   worker_loss_timeout=LOSS_TIMEOUT) as ps:
+            (_, old) = await start_pair(ps, [survivor, victim])
+            want = 0.0
+            for _ in range(2):
+                want -= BOTH
+                assert await step_both(survivor, victim) == [want]
+            survivor.send("step")  # pushes and waits at the barrier
+            victim.send("poison")
+            await victim.expect("blocked")
+            t_kill, wall_kill = time.monotonic(), victim.kill()
+
+            values_, t_done, rejoins = await survivor.expect("stepped")
+            want -= ALONE
+            assert values_ == [want] and shard_values(ps) == [want] and ps.version == 3
+            waited = t_done - t_kill
+            assert LOSS_TIMEOUT <= waited <= LOSS_TIMEOUT + MARGIN, waited
+            (gone,) = loss_records(caplog, "worker rank 1 disconnected")
+            (lost,) = loss_records(caplog, "sync barriers go on without it")
+            assert lost.levelno == logging.WARNING and "rank 1" in lost.getMessage()
+            for _ in range(2):  # alone now, without waiting for any timeout
+                started = time.monotonic()
+                values_, t_done, rejoins = await survivor.step()
+                want -= ALONE
+                assert values_ == [want] and t_done - started < LOSS_TIMEOUT
+            assert rejoins == 0 and ps.stats["worker_losses"] == 1
+
+            successor.send("start", ps.address, old["slot"])
+            new = await successor.expect("ready")
+            assert new["slot"] != old["slot"]
+            assert new["stale"].startswith("refused: ") and "not exported" in new["stale"]
+            assert new["values"] == [want]  # the shard's parameters, not its own zeros
+            for _ in range(2):
+                want -= BOTH
+                assert await step_both(survivor, successor) == [want]
+            assert shard_values(ps) == [want] and ps.version == 7
+            for c in (survivor, successor):
+                c.send("close")
+                await c.expect("closed")
+    finally:
+        for c in (survivor, victim, successor):
+            c.stop()
+    print(f"\ncontinue: PS saw the SIGKILL after {(gone.created - wall_kill) * 1e3:.1f} ms; "
+          f"the survivor's step completed {waited:.2f} s after the kill "
+          f"(worker_loss_timeout={LOSS_TIMEOUT} s)")
+
+
+@pytest.mark.skipif(not host_id(), reason="no usable /dev/shm")
+async def test_wait_holds_the_barrier_until_a_restarted_worker_rejoins(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """on_worker_loss="wait", mapped path (the poison is written straight into the shard's
+    slot): nothing is applied until a fresh process with the dead rank re-handshakes into a
+    fresh /dev/shm slot and pushes; then the held-up survivor and it go on together."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    ctx = mp.get_context("spawn")
+    survivor, victim, successor = Child(ctx, 0, True), Child(ctx, 1, True), Child(ctx, 1, True)
+    try:
+        async with ParameterServer(num_workers=2, mode="sync", optimizer=sgd, transport="tcp",
+                                   on_worker_loss="wait",
+                                   worker_loss_timeout=LOSS_TIMEOUT) as ps:
+            (_, old) = await start_pair(ps, [survivor, victim])
+            assert old["mapped"] == [True] and old["slot_file"] is not None
+            want = 0.0
+            for _ in range(2):
+                want -= BOTH
+                assert await step_both(survivor, victim) == [want]
+            survivor.send("step")
+            victim.send("poison")
+            await victim.expect("blocked")
+            assert ps.state is not None
+            assert values(ps.state.slot_region(1).view(torch.float32)) == [POISON]
+            t_kill, wall_kill = time.monotonic(), victim.kill()
+
+            await asyncio.sleep(LOSS_TIMEOUT + 0.5)
+            assert not survivor.conn.poll()  # still held at the barrier
+            assert shard_values(ps) == [want] and ps.version == 2
+            (gone,) = loss_records(caplog, "worker rank 1 disconnected")
+            (lost,) = loss_records(caplog, "keeps waiting for it to rejoin")
+            assert lost.levelno == logging.WARNING and "rank 1" in lost.getMessage()
+            assert lost.created - gone.created >= LOSS_TIMEOUT
+            fresh = ps.state.slot_region(1)
+            assert fresh.shared_name != old["slot_file"]
+            assert not (Path(_shm.SHM_DIR) / old["slot_file"]).exists()
+            assert values(fresh.view(torch.float32)) == [0.0]  # the poison went with the slot
+
+            t_restart = time.monotonic()
+            successor.send("start", ps.address, old["slot"])
+            new = await successor.expect("ready")
+            rejoin_s = time.monotonic() - t_restart
+            assert new["mapped"] == [True] and new["slot_file"] == fresh.shared_name
+            assert new["slot"] != old["slot"]
+            assert new["stale"].startswith("refused: ")
+            assert ps.version == 2  # joining alone applies nothing
+            successor.send("step")
+            (v1, _, rejoins), (v2, _, _) = await asyncio.gather(
+                survivor.expect("stepped"), successor.expect("stepped"))
+            want -= BOTH
+            assert v1 == v2 == [want] and rejoins == 0  # the survivor's link held throughout
+            want -= BOTH
+            assert await step_both(survivor, successor) == [want]
+            assert shard_values(ps) == [want] and ps.version == 4
+            for c in (survivor, successor):
+                c.send("close")
+                await c.expect("closed")
+    finally:
+        for c in (survivor, victim, successor):
+            c.stop()
+    assert len(loss_records(caplog, "keeps waiting")) == 1  # once per absence
+    print(f"\nwait: PS saw the SIGKILL after {(gone.created - wall_kill) * 1e3:.1f} ms; "
+          f"warned after {lost.created - wall_kill:.2f} s; a pre-started process with rank 1 "
+          f"re-handshook in {rejoin_s:.2f} s; survivor held {time.monotonic() - t_kill:.1f} s "
+          "in all")
+
+
+async def test_a_resumed_server_goes_on_without_a_rank_that_never_returns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Restarted from its checkpoint, the shard expects every rank back; under "continue"
+    the one rank that comes back trains alone once the others' timeout has run out."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    models = [Params(), Params()]
+
+    async def step(w: Worker, m: Params, rank: int) -> None:
+        w.zero_grad()
+        (m.a * ((rank + 1) * SCALE)).sum().backward()
+        await w.step()
+
+    async with ParameterServer(num_workers=2, optimizer=sgd, transport="tcp",
+                               checkpoint_dir=tmp_path) as ps:
+        ws = [Worker(m, ps.address, rank=r, num_workers=2, transport="tcp")
+              for r, m in enumerate(models)]
+        await asyncio.gather(*(w.start() for w in ws))
+        await asyncio.gather(*(step(w, m, r)
+                               for r, (w, m) in enumerate(zip(ws, models, strict=True))))
+        await asyncio.gather(*(w.aclose() for w in ws))
+    started = time.monotonic()  # the timeouts run from the restart
+    async with ParameterServer(num_workers=2, optimizer=sgd, transport="tcp",
+                               checkpoint_dir=tmp_path, on_worker_loss="continue",
+                               worker_loss_timeout=LOSS_TIMEOUT / 2) as ps:
+        assert ps.version == 1
+        async with Worker(models[0], ps.address, rank=0, num_workers=2, transport="tcp") as w:
+            await step(w, models[0], 0)
+            assert LOSS_TIMEOUT / 2 <= time.monotonic() - started < LOSS_TIMEOUT / 2 + MARGIN
+            await step(w, models[0], 0)
+        assert values(models[0].a) == [-BOTH - 2 * ALONE] and ps.version == 3
+    (lost,) = loss_records(caplog, "sync barriers go on without it")
+    assert "rank 1" in lost.getMessage() and lost.levelno == logging.WARNING
