@@ -113,6 +113,8 @@ class ParameterServer:
     WARNING). See :mod:`tensorx._ps.losses`; async and bounded modes never wait for a
     departed worker. A departed worker's pushed gradient for the barrier in progress is
     dropped, never applied.
+    ``node_options``: further :class:`tensorx.Node` options, e.g.
+    ``{"ucx_options": {"error_handling": False}}`` or ``{"tcp_streams": 4}``.
     """
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,
@@ -124,8 +126,8 @@ class ParameterServer:
                  transport: str = "auto", timeout: float | None = 30.0,
                  insecure: bool = False, log_every: float | None = 60.0,
                  flat: bool = False, share_memory: bool = True,
-                 on_worker_loss: str = "wait", worker_loss_timeout: float | None = 30.0
-                 ) -> None:
+                 on_worker_loss: str = "wait", worker_loss_timeout: float | None = 30.0,
+                 node_options: dict[str, Any] | None = None) -> None:
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= shard < num_shards:
@@ -145,7 +147,7 @@ class ParameterServer:
         self.scheduler = Scheduler(mode, num_workers, staleness)
         self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost)
         self.node = Node(listen, transport=transport, token=token, timeout=timeout,
-                         insecure=insecure)
+                         insecure=insecure, **(node_options or {}))
         self.state: ShardState | None = None
         self._plan: TransferPlan | None = None
         self._plan_bytes = b""

@@ -79,6 +79,8 @@ class Worker:
     ``share_memory``: where a shard on this host offers it (sync mode), bind the model
     straight into the shard's parameter arena and this worker's gradient slot, mapped from
     /dev/shm, so that no step copies anything (CPU models; see :attr:`mapped`).
+    ``node_options``: further :class:`tensorx.Node` options (``ucx_options``,
+    ``tcp_streams``, ``require``).
     """
 
     def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
@@ -86,7 +88,7 @@ class Worker:
                  transport: str = "auto", timeout: float | None = 60.0, verify: bool = False,
                  plan_options: dict[str, Any] | None = None, overlap: bool = True,
                  bucket_bytes: int = 1 << 20, reconnect: float | None = None,
-                 share_memory: bool = True) -> None:
+                 share_memory: bool = True, node_options: dict[str, Any] | None = None) -> None:
         self.model = model
         self.addresses = [ps] if isinstance(ps, str) else list(ps)
         if not self.addresses:
@@ -97,7 +99,8 @@ class Worker:
         self.num_workers = num_workers
         self.timeout = timeout
         self.verify = verify
-        self.node = Node(None, transport=transport, token=token, timeout=timeout)
+        self.node = Node(None, transport=transport, token=token, timeout=timeout,
+                         **(node_options or {}))
         self._plan_options = dict(plan_options or {})
         self.plan: Any = None
         self.binding: Any = None

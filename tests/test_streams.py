@@ -156,3 +156,18 @@ async def test_garbage_on_a_stream_closes_that_connection_only() -> None:
         target = np.zeros_like(data)
         await fresh.write(tx.MemoryRegion.register(data), owner.export(target))
         assert np.array_equal(target, data)
+
+
+def test_server_and_worker_pass_node_options_on() -> None:
+    from torch import nn
+
+    from tensorx.ps import ParameterServer
+    from tensorx.worker import Worker
+
+    ps = ParameterServer(num_workers=1, node_options={"tcp_streams": 3})
+    worker = Worker(nn.Linear(2, 2), "tcp://127.0.0.1:1",
+                    node_options={"tcp_streams": 0, "require": "ucx"})
+    assert ps.node.tcp_streams == 3
+    assert (worker.node.tcp_streams, worker.node.require) == (0, "ucx")
+    with pytest.raises(TypeError):
+        ParameterServer(num_workers=1, node_options={"no_such_option": 1})

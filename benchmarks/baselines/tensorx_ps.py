@@ -9,7 +9,7 @@ arena back into the worker's model, notify. Exactly what a PS user gets.
 
 ``--transport``: ``tcp``, ``ucx`` (the default UCX settings: peer error handling, which on
 one host means UCX's tcp lanes) or ``ucx-shm`` (UCX with ``error_handling=False``: cma/posix
-lanes on one host; the Node option, set on the PS's and worker's nodes).
+lanes on one host; the ``node_options`` of ``ParameterServer`` and ``Worker``).
 
 ``--share-memory on``: the PS and worker options of that name (tensorx's default): on one
 host (same host id: not across network namespaces) the worker maps the PS's arenas and a
@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from benchmarks.baselines import common
-from tensorx.node import Node
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
@@ -56,9 +55,8 @@ async def _serve(args: argparse.Namespace) -> None:
     listen = f"tcp://{args.host}:0"
     ps = ParameterServer(listen, num_workers=1, mode="sync", optimizer=_optimizer,
                          transport=transport, timeout=TIMEOUT, flat=True,
-                         share_memory=args.share_memory == "on")
-    if ucx_options is not None:
-        ps.node = Node(listen, transport=transport, timeout=TIMEOUT, ucx_options=ucx_options)
+                         share_memory=args.share_memory == "on",
+                         node_options={"ucx_options": ucx_options or {}})
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ps.stop)
     async with ps:
         common.announce({"host": args.host, "address": ps.address})
@@ -73,9 +71,8 @@ async def _client(args: argparse.Namespace) -> None:
     transport, ucx_options = _transport(args.transport)
     model = common.ShapeModel(common.MODELS[args.model]())
     worker = Worker(model, args.address, rank=0, num_workers=1, transport=transport,
-                    timeout=TIMEOUT, share_memory=args.share_memory == "on")
-    if ucx_options is not None:
-        worker.node = Node(None, transport=transport, timeout=TIMEOUT, ucx_options=ucx_options)
+                    timeout=TIMEOUT, share_memory=args.share_memory == "on",
+                    node_options={"ucx_options": ucx_options or {}})
     async with worker:
         for p in model.parameters():
             assert p.grad is not None, "the plan binds every gradient into the arena"
