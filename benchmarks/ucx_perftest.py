@@ -138,40 +138,43 @@ def limits(size: int, *, iters: int = 20, same_settings: bool = True) -> dict[st
     return out
 
 
-# -- tensorx's UcxLane on the same lanes, for a same-run comparison -----------------------
-def _lane_owner(conn: Connection, tls: str, error_handling: bool, size: int) -> None:
+# -- tensorx (Node + Endpoint, as a user calls it) on the same lanes -------------------------
+def _options(tls: str, error_handling: bool, spin: float | None) -> dict[str, Any]:
+    return {"tls": tls, "error_handling": error_handling, "progress_spin_us": spin}
+
+
+def _owner(conn: Connection, tls: str, error_handling: bool, size: int,
+           spin: float | None) -> None:
     import asyncio
 
-    from tensorx.memregion import MemoryRegion
-    from tensorx.transport.ucx import UcxFactory
+    import tensorx as tx
 
     async def serve() -> None:
-        factory = UcxFactory(error_handling=error_handling, tls=tls)
-        region = MemoryRegion.allocate(size)
-        conn.send((factory.local_info(), factory.register(region)))
-        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # only UCX works
-        await factory.aclose()
+        async with tx.Node("tcp://127.0.0.1:0", transport="ucx",
+                           ucx_options=_options(tls, error_handling, spin)) as node:
+            desc = node.export(tx.MemoryRegion.allocate(size), access="rw")
+            conn.send((node.address, desc.to_bytes()))
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # only UCX works
 
     asyncio.run(serve())
 
 
 def tensorx_gbps(tls: str, size: int, *, error_handling: bool, iters: int = 20,
-                 timeout: float = 300.0, **factory_options: Any) -> dict[str, Any]:
-    """GB/s of ``write``/``read`` of ``size`` bytes through tensorx's UcxLane between two
-    fresh processes (UCX is configured once per process), plus the median 8-byte write
-    (put + flush) round trip in microseconds and the lanes used. ``factory_options`` go to
-    the measuring side's ``UcxFactory`` (e.g. ``chunk_bytes``)."""
+                 timeout: float = 300.0, spin: float | None = 50.0) -> dict[str, Any]:
+    """GB/s of ``Endpoint.write``/``read`` of ``size`` bytes between two fresh processes
+    (UCX is configured once per process) over ``UCX_TLS=tls``, plus the median 8-byte write
+    (put + flush) round trip in microseconds and the lanes used. ``spin``: the UCX
+    progress driver's spin window (``UcxFactory(progress_spin_us=...)``; None: ucxx's)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     owner_conn, owner_child = ctx.Pipe()
-    owner = ctx.Process(target=_lane_owner, args=(owner_child, tls, error_handling, size),
+    owner = ctx.Process(target=_owner, args=(owner_child, tls, error_handling, size, spin),
                         daemon=True)
     owner.start()
-    client = ctx.Process(target=_lane_client,
-                         args=(child, owner_conn, tls, size, error_handling, iters,
-                               factory_options), daemon=True)
+    client = ctx.Process(target=_client, args=(child, owner_conn, tls, size, error_handling,
+                                               iters, spin), daemon=True)
     client.start()
     try:
         deadline = time.monotonic() + timeout
@@ -188,54 +191,48 @@ def tensorx_gbps(tls: str, size: int, *, error_handling: bool, iters: int = 20,
                 proc.kill()
 
 
-def _lane_client(conn: Connection, owner: Connection, tls: str, size: int,
-                 error_handling: bool, iters: int, options: dict[str, Any]) -> None:
+def _client(conn: Connection, owner: Connection, tls: str, size: int, error_handling: bool,
+            iters: int, spin: float | None) -> None:
     import asyncio
 
     if not owner.poll(60):
         raise RuntimeError("tensorx owner process did not start")
-    info, keys = owner.recv()
-    conn.send(asyncio.run(_measure_lane(info, keys, tls, size, error_handling, iters, options)))
+    address, desc = owner.recv()
+    conn.send(asyncio.run(_measure(address, desc, tls, size, error_handling, iters, spin)))
 
 
-async def _measure_lane(info: dict[str, Any], keys: dict[str, Any], tls: str, size: int,
-                        error_handling: bool, iters: int,
-                        options: dict[str, Any]) -> dict[str, Any]:
-    from tensorx.memregion import MemoryRegion, RegionDescriptor
-    from tensorx.transport.base import Op
-    from tensorx.transport.ucx import UcxFactory
+async def _measure(address: str, desc: bytes, tls: str, size: int, error_handling: bool,
+                   iters: int, spin: float | None) -> dict[str, Any]:
+    import tensorx as tx
 
-    factory = UcxFactory(error_handling=error_handling, tls=tls, **options)
-    try:
-        lane = await factory.open_lane(info, peer="owner", timeout=30)
-        remote = RegionDescriptor("owner", 1, 1, size, "cpu", "rw", {"ucx": keys})
-        local = MemoryRegion.allocate(size)
+    async with tx.Node(None, transport="ucx",
+                       ucx_options=_options(tls, error_handling, spin)) as node:
+        ep = await node.connect(address)
+        local = tx.MemoryRegion.allocate(size)
         out: dict[str, Any] = {}
-        for name, fn in (("put", lane.write), ("get", lane.read)):
-            op = Op(local, remote, 0, 0, size)
-            await fn(op, timeout=60)  # warm-up
+        for name, fn in (("put", ep.write), ("get", ep.read)):
+            await fn(local, desc, timeout=60)  # warm-up
             t0 = time.perf_counter()
             for _ in range(iters):
-                await fn(op, timeout=60)
+                await fn(local, desc, timeout=60)
             out[name] = size * iters / (time.perf_counter() - t0) / 1e9
-        small, times = Op(local, remote, 0, 0, 8), []
+        times = []
         for _ in range(1000):
             t0 = time.perf_counter()
-            await lane.write(small, timeout=10)
+            await ep.write(local, desc, nbytes=8, timeout=10)
             times.append(time.perf_counter() - t0)
         out["put8_us"] = sorted(times)[len(times) // 2] * 1e6
-        out["lanes"] = lane.info["lanes"]
-        await lane.aclose()
+        out["lanes"] = ep.info["lanes"]
         return out
-    finally:
-        await factory.aclose()
 
 
-def compare(size: int, *, rounds: int = 3, iters: int = 20) -> list[dict[str, Any]]:
-    """Interleaved rounds of ucx_perftest (UCX defaults, and tensorx's settings) and tensorx
-    on each config; medians per config."""
+def compare(size: int, *, rounds: int = 3, iters: int = 20, spins: tuple[float | None, ...]
+            = (50.0,), configs: tuple[tuple[str, bool], ...] = CONFIGS,
+            defaults: bool = True) -> list[dict[str, Any]]:
+    """Interleaved rounds of ucx_perftest (tensorx's UCX settings, and UCX's defaults) and
+    tensorx (one sample per progress ``spins`` setting) on each config; medians."""
     rows, same = [], tensorx_settings()
-    for tls, eh in CONFIGS:
+    for tls, eh in configs:
         samples: dict[str, list[float]] = {}
         lanes: Any = None
         for _ in range(rounds):
@@ -243,15 +240,25 @@ def compare(size: int, *, rounds: int = 3, iters: int = 20) -> list[dict[str, An
                 samples.setdefault(f"perftest {key}", []).append(
                     perftest_gbps(tls, test, size, error_handling=eh, iters=iters,
                                   settings=same))
-                samples.setdefault(f"perftest-default {key}", []).append(
-                    perftest_gbps(tls, test, size, error_handling=eh, iters=iters))
-            res = tensorx_gbps(tls, size, error_handling=eh, iters=iters)
-            lanes = res.pop("lanes")
-            for key, value in res.items():
-                samples.setdefault(f"tensorx {key}", []).append(value)
+                if defaults:
+                    samples.setdefault(f"perftest-default {key}", []).append(
+                        perftest_gbps(tls, test, size, error_handling=eh, iters=iters))
+            for spin in spins:
+                res = tensorx_gbps(tls, size, error_handling=eh, iters=iters, spin=spin)
+                lanes = res.pop("lanes")
+                for key, value in res.items():
+                    samples.setdefault(f"tensorx {key}{_spin_label(spin)}", []).append(value)
         med = {k: statistics.median(v) for k, v in samples.items()}
         rows.append({"tls": tls, "error_handling": eh, "lanes": lanes, **med})
     return rows
+
+
+def _spin_label(spin: float | None) -> str:
+    return "" if spin == 50.0 else " (ucxx progress)" if spin is None else f" (spin {spin:g})"
+
+
+def _spin(text: str) -> float | None:
+    return None if text == "ucxx" else float(text)
 
 
 def main() -> None:
@@ -260,7 +267,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compare", action="store_true",
-                        help="also measure tensorx's UcxLane, interleaved, and print a table")
+                        help="also measure tensorx (Node + Endpoint), interleaved; a table")
+    parser.add_argument("--spins", default="50",
+                        help="tensorx progress settings to compare: microseconds, or 'ucxx' "
+                             "(ucxx's progress thread), comma-separated")
     args = parser.parse_args()
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     s = args.size.upper()
@@ -269,16 +279,28 @@ def main() -> None:
         for key, value in limits(size, iters=args.iters).items():
             print(f"{key:28s} {value:6.2f} GB/s")
         return
-    print("| UCX_TLS | error handling | lanes | put: tensorx / perftest | get: tensorx / "
-          "perftest | perftest, UCX defaults: put / get | 8 B put+flush |")
-    print("|---|---|---|---|---|---|---|")
-    for r in compare(size, rounds=args.rounds, iters=args.iters):
-        put, get = r["tensorx put"] / r["perftest put"], r["tensorx get"] / r["perftest get"]
-        print(f"| {r['tls']} | {r['error_handling']} | {', '.join(r['lanes'])} | "
-              f"{r['tensorx put']:.2f} / {r['perftest put']:.2f} GB/s ({put:.0%}) | "
-              f"{r['tensorx get']:.2f} / {r['perftest get']:.2f} GB/s ({get:.0%}) | "
-              f"{r['perftest-default put']:.2f} / {r['perftest-default get']:.2f} GB/s | "
-              f"{r['tensorx put8_us']:.1f} us |")
+    spins = tuple(_spin(x) for x in args.spins.split(","))
+    print(report(compare(size, rounds=args.rounds, iters=args.iters, spins=spins), spins))
+
+
+def report(rows: list[dict[str, Any]], spins: tuple[float | None, ...] = (50.0,)) -> str:
+    """The markdown table of :func:`compare`'s rows: tensorx against perftest, same lanes."""
+    lines = ["| UCX_TLS | error handling | lanes | tensorx | put: tensorx / perftest | "
+             "get: tensorx / perftest | perftest, UCX defaults: put / get | 8 B put+flush |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for spin in spins:
+            tag = _spin_label(spin)
+            put, get = r[f"tensorx put{tag}"], r[f"tensorx get{tag}"]
+            defaults = (f"{r['perftest-default put']:.2f} / {r['perftest-default get']:.2f} "
+                        "GB/s" if "perftest-default put" in r else "-")
+            lines.append(
+                f"| {r['tls']} | {r['error_handling']} | {', '.join(r['lanes'])} | "
+                f"{tag.strip(' ()') or 'default'} | "
+                f"{put:.2f} / {r['perftest put']:.2f} GB/s ({put / r['perftest put']:.0%}) | "
+                f"{get:.2f} / {r['perftest get']:.2f} GB/s ({get / r['perftest get']:.0%}) | "
+                f"{defaults} | {r[f'tensorx put8_us{tag}']:.1f} us |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -381,6 +381,68 @@ def test_without_error_handling_a_dead_peer_is_broken_not_an_abort() -> None:
     assert proc.exitcode == 0
 
 
+# -- progress -------------------------------------------------------------------------------
+async def _big_roundtrip(lane: UcxLane, owner: Owner, seed: int) -> None:
+    local = MemoryRegion.allocate(16 * MiB)
+    local.view(np.uint8)[:] = _pattern(16 * MiB, seed)
+    await lane.write(Op(local, owner.desc, 0, 0, 16 * MiB), timeout=20)
+    back = MemoryRegion.allocate(16 * MiB)
+    await lane.read(Op(back, owner.desc, 0, 0, 16 * MiB), timeout=20)
+    assert _digest(back.buffer()) == _digest(local.buffer())
+
+
+async def test_progress_driver_takes_over_and_hands_back(owner: Owner) -> None:
+    """tensorx initialised ucxx here, so its progress driver replaces ucxx's thread while a
+    factory wants it; afterwards ucxx's thread progresses again (large ops rely on it)."""
+    first = UcxFactory(error_handling=True, progress_spin_us=20)
+    try:
+        assert first.driver
+        lane = await first.open_lane(owner.info, peer="owner", timeout=10)
+        await _big_roundtrip(lane, owner, 11)
+        await lane.aclose()
+    finally:
+        await first.aclose()
+    assert not first.driver
+    plain = UcxFactory(error_handling=True, progress_spin_us=None)
+    try:
+        assert not plain.driver
+        lane = await plain.open_lane(owner.info, peer="owner", timeout=10)
+        await _big_roundtrip(lane, owner, 12)  # progressed by ucxx's thread again
+        await lane.aclose()
+    finally:
+        await plain.aclose()
+
+
+def _driver_under_foreign_ucxx(conn: Connection) -> None:
+    import ucxx
+
+    ucxx.init(progress_mode="thread")  # someone else's ucxx, first in this process
+
+    async def main() -> bool:
+        factory = UcxFactory(error_handling=True, progress_spin_us=50)
+        try:
+            return bool(factory.driver)
+        finally:
+            await factory.aclose()
+
+    conn.send(asyncio.run(main()))
+
+
+def test_a_process_whose_ucxx_someone_else_started_keeps_its_progress() -> None:
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_driver_under_foreign_ucxx, args=(child,))
+    proc.start()
+    try:
+        assert conn.poll(60), f"child died (exit code {proc.exitcode})"
+        assert conn.recv() is False
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+
+
 @pytest.mark.gpu
 async def test_cuda_tensor_registers_as_cuda_memory(factory: UcxFactory) -> None:
     if not glob.glob("/dev/nvidia[0-9]*"):

@@ -10,6 +10,7 @@ and caches it under ``$TENSORX_CACHE_DIR`` or ``~/.cache/tensorx``. Every failur
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -29,8 +30,8 @@ from typing import Any
 
 from tensorx.errors import TransportUnavailableError
 
-__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "lane_roles", "load", "status_string",
-           "ucx_paths", "ucxx_context"]
+__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "acquire_driver", "lane_roles", "load",
+           "release_driver", "status_string", "ucx_paths", "ucxx_context"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
 
@@ -41,6 +42,9 @@ UCS_ERR_NO_MEMORY = -4
 _MODULE = "_tensorx_ucp"
 _lock = threading.Lock()
 _loaded: UcpLib | None = None
+_owned = False  # tensorx initialised ucxx in this process (so it may replace its progress)
+_driver: Any = None
+_driver_users = 0
 
 
 class UcpLib:
@@ -132,8 +136,8 @@ def _build(target: Path, include: Path, lib: Path) -> Path:
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     ffi.set_source(_MODULE, SOURCE, include_dirs=[str(include)], library_dirs=[str(lib)],
-                   libraries=["ucp", "ucs"], extra_link_args=[f"-Wl,-rpath,{lib}"],
-                   extra_compile_args=["-O2"])
+                   libraries=["ucp", "ucs"], extra_link_args=[f"-Wl,-rpath,{lib}", "-pthread"],
+                   extra_compile_args=["-O2", "-pthread"])
     logger.info("building the UCX RMA binding into %s (once per UCX version)", target)
     with tempfile.TemporaryDirectory(prefix="tensorx-ucp-") as tmp:
         try:
@@ -203,6 +207,8 @@ def ucxx_context(defaults: Mapping[str, str], tls: str | None,
 
 
 def _init(ucxx: Any, wanted: dict[str, str], explicit: Mapping[str, str]) -> None:
+    global _owned
+    _owned = True
     try:
         ucxx.init(options=wanted, progress_mode="thread")
     except Exception as exc:  # e.g. a default names a transport this UCX was built without
@@ -211,3 +217,47 @@ def _init(ucxx: Any, wanted: dict[str, str], explicit: Mapping[str, str]) -> Non
         logger.warning("UCX rejected tensorx's default settings (%s); using UCX's own", exc)
         ucxx.reset()
         ucxx.init(options=dict(explicit), progress_mode="thread")
+
+
+def acquire_driver(lib: UcpLib, ctx: Any, spin_ns: int) -> bool:
+    """Progress the process's UCX worker with tensorx's driver thread (see
+    ``tx_driver_main``) instead of ucxx's: on first use, stop ucxx's progress thread and
+    start the driver. Only where tensorx initialised ucxx itself (another user of ucxx in
+    the process keeps its own progress); returns whether the driver runs for this user."""
+    global _driver, _driver_users
+    with _lock:
+        if not _owned:
+            return False
+        if _driver is None:
+            err = lib.ffi.new("int *")
+            ctx.worker.stop_progress_thread()
+            driver = lib.lib.tx_driver_start(int(ctx.worker.handle), spin_ns, err)
+            if driver == lib.ffi.NULL:
+                ctx.worker.start_progress_thread(False, 1)
+                logger.warning("UCX progress driver failed to start (%s); using ucxx's",
+                               lib.status_string(err[0]))
+                return False
+            _driver = driver
+            atexit.register(_stop_driver, lib)  # before ucxx's teardown (atexit is LIFO)
+        _driver_users += 1
+        return True
+
+
+def _stop_driver(lib: UcpLib) -> None:
+    """Stop the driver thread (at exit, or when its last user is gone)."""
+    global _driver
+    if _driver is not None:
+        lib.lib.tx_driver_stop(_driver)
+        _driver = None
+        atexit.unregister(_stop_driver)
+
+
+def release_driver(lib: UcpLib, ctx: Any) -> None:
+    """The last user gone: stop the driver and give progress back to ucxx's thread."""
+    global _driver, _driver_users
+    with _lock:
+        _driver_users -= 1
+        if _driver_users or _driver is None:
+            return
+        _stop_driver(lib)
+        ctx.worker.start_progress_thread(False, 1)

@@ -49,6 +49,10 @@ int tx_wait_release(tx_wait_t *w);
 
 unsigned tx_progress(uintptr_t worker, unsigned rounds, tx_wait_t *w);
 int tx_signal(uintptr_t worker);
+
+void *tx_driver_start(uintptr_t worker, long spin_ns, int *err);
+void tx_driver_stop(void *driver);
+unsigned long tx_driver_sleeps(void *driver);
 const char *tx_status_string(int status);
 const char *tx_version(void);
 """
@@ -59,6 +63,10 @@ SOURCE = r"""
 #include <string.h>
 #include <unistd.h>
 #include <stdint.h>
+#include <errno.h>
+#include <pthread.h>
+#include <time.h>
+#include <sys/epoll.h>
 #include <ucp/api/ucp.h>
 
 typedef struct {
@@ -310,6 +318,101 @@ unsigned tx_progress(uintptr_t worker, unsigned rounds, tx_wait_t *w)
 int tx_signal(uintptr_t worker)
 {
     return (int)ucp_worker_signal((ucp_worker_h)worker);
+}
+
+/* The progress driver: one thread that progresses the worker while there is work, keeps
+ * polling for ``spin_ns`` after the last sign of work (a bulk transfer over tcp produces
+ * work every few microseconds, and waking up for each piece costs more than polling), then
+ * arms the worker and sleeps in epoll until the worker's fd (or ucp_worker_signal) wakes it.
+ */
+typedef struct {
+    pthread_t thread;
+    ucp_worker_h worker;
+    long spin_ns;
+    int epfd;
+    volatile int stop;
+    volatile unsigned long sleeps;
+} tx_driver_t;
+
+static long tx_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void *tx_driver_main(void *arg)
+{
+    tx_driver_t *d = (tx_driver_t *)arg;
+    struct epoll_event ev;
+    long busy = tx_now_ns();
+    while (!d->stop) {
+        if (ucp_worker_progress(d->worker)) {
+            busy = tx_now_ns();
+            continue;
+        }
+        if (tx_now_ns() - busy < d->spin_ns) {
+            continue;
+        }
+        ucs_status_t st = ucp_worker_arm(d->worker);
+        if (st == UCS_ERR_BUSY) {
+            continue;
+        }
+        if (st == UCS_OK) {
+            d->sleeps++;
+            while (epoll_wait(d->epfd, &ev, 1, 100) < 0 && errno == EINTR && !d->stop) {
+            }
+        }
+        busy = tx_now_ns();
+    }
+    return NULL;
+}
+
+void *tx_driver_start(uintptr_t worker, long spin_ns, int *err)
+{
+    struct epoll_event ev;
+    int wfd = -1;
+    tx_driver_t *d = calloc(1, sizeof(*d));
+    if (d == NULL) {
+        *err = (int)UCS_ERR_NO_MEMORY;
+        return NULL;
+    }
+    d->worker = (ucp_worker_h)worker;
+    d->spin_ns = spin_ns;
+    *err = (int)ucp_worker_get_efd(d->worker, &wfd);
+    if (*err != UCS_OK) {
+        free(d);
+        return NULL;
+    }
+    d->epfd = epoll_create1(EPOLL_CLOEXEC);
+    memset(&ev, 0, sizeof(ev));
+    ev.events = EPOLLIN;
+    ev.data.fd = wfd;
+    if (d->epfd < 0 || epoll_ctl(d->epfd, EPOLL_CTL_ADD, wfd, &ev) != 0 ||
+        pthread_create(&d->thread, NULL, tx_driver_main, d) != 0) {
+        *err = (int)UCS_ERR_IO_ERROR;
+        if (d->epfd >= 0) {
+            close(d->epfd);
+        }
+        free(d);
+        return NULL;
+    }
+    return d;
+}
+
+void tx_driver_stop(void *driver)
+{
+    tx_driver_t *d = (tx_driver_t *)driver;
+    d->stop = 1;
+    ucp_worker_signal(d->worker);
+    pthread_join(d->thread, NULL);
+    close(d->epfd);
+    free(d);
+}
+
+unsigned long tx_driver_sleeps(void *driver)
+{
+    return ((tx_driver_t *)driver)->sleeps;
 }
 
 const char *tx_status_string(int status)

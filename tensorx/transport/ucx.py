@@ -45,6 +45,7 @@ __all__ = ["UcxFactory", "UcxLane"]
 logger = logging.getLogger("tensorx.transport.ucx")
 
 DEFAULT_CHUNK = 256 << 20
+DEFAULT_SPIN_US = 50.0
 CONNECT_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 2.0
 # Settings applied when this process initialises ucxx (never at import time).
@@ -81,6 +82,11 @@ class UcxFactory(LaneFactory):
             since two threads progressing one worker contend for its lock and halve the
             speed of a shared-memory copy.
         inline_progress: worker progress passes made inline for small calls.
+        progress_spin_us: progress the worker with tensorx's driver thread, which keeps
+            polling this many microseconds after the last sign of work before it sleeps
+            (a bulk transfer over tcp, e.g. a peer's get served by this process, produces
+            work every few microseconds); ``None`` keeps ucxx's progress thread, which
+            sleeps as soon as the worker is idle. ``$TENSORX_UCX_SPIN_US`` overrides.
 
     UCX settings only take effect if this is the first user of ucxx in the process (ucxx
     has one context per process); otherwise the running context is used and a differing
@@ -91,7 +97,8 @@ class UcxFactory(LaneFactory):
 
     def __init__(self, *, error_handling: bool | None = None, tls: str | None = None,
                  options: Mapping[str, str] | None = None, chunk_bytes: int = DEFAULT_CHUNK,
-                 inline_bytes: int = 256 << 10, inline_progress: int = 64) -> None:
+                 inline_bytes: int = 256 << 10, inline_progress: int = 64,
+                 progress_spin_us: float | None = DEFAULT_SPIN_US) -> None:
         if chunk_bytes <= 0 or inline_progress < 0 or inline_bytes < 0:
             raise UsageError("chunk_bytes must be > 0; inline_bytes, inline_progress >= 0")
         if error_handling is None:
@@ -106,6 +113,11 @@ class UcxFactory(LaneFactory):
         self.context_handle = int(self._ctx.context.handle)
         self.worker_handle = int(self._ctx.worker.handle)
         self._address = bytes(self._ctx.worker_address.tobytes())
+        spin = os.environ.get("TENSORX_UCX_SPIN_US")
+        if spin is not None:
+            progress_spin_us = None if spin.lower() in ("", "none", "off") else float(spin)
+        self.driver = progress_spin_us is not None and _ucp.acquire_driver(
+            self._ucp, self._ctx, int(progress_spin_us * 1000))
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waits: dict[int, tuple[Any, asyncio.Future[None]]] = {}
@@ -158,6 +170,9 @@ class UcxFactory(LaneFactory):
                 self._unregister(region_id)
             self._detach_loop()
             self._retire_efd()
+            if self.driver:
+                self.driver = False
+                _ucp.release_driver(self._ucp, self._ctx)
 
     def _retire_efd(self) -> None:
         # Callbacks UCX may still run must not write into a recycled descriptor number.
@@ -253,7 +268,7 @@ class UcxFactory(LaneFactory):
         fut: asyncio.Future[None] = self._loop.create_future()
         key = id(w)
         self._waits[key] = (w, fut)
-        self._lib.tx_signal(self.worker_handle)  # ucxx's thread may sleep in epoll_wait
+        self._lib.tx_signal(self.worker_handle)  # the progress thread may sleep in epoll_wait
         if w.pending == 0:  # completed before the future was visible
             self._waits.pop(key, None)
             return
