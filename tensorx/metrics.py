@@ -1,26 +1,33 @@
-"""Cheap per-endpoint counters and latency histograms, and an opt-in Prometheus exporter.
+"""Cheap counters and latency histograms, and an opt-in Prometheus exporter.
 
 Counting is a few integer additions per operation; nothing is formatted on the hot path.
-``serve_prometheus(port, *nodes)`` exposes every node's endpoints over HTTP (needs the
-``prometheus-client`` package: ``pip install tensorx[metrics]``).
+:class:`OpStats` counts one endpoint's ops; :class:`Timing` is one latency histogram (the
+parameter server's and worker's step timings, see :mod:`tensorx._ps.stats`).
+``serve_prometheus(port, *nodes, servers=..., workers=...)`` exposes them over HTTP (needs
+the ``prometheus-client`` package: ``pip install tensorx[metrics]``); the collectors live in
+:mod:`tensorx._prometheus`.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensorx.errors import UsageError
 
 if TYPE_CHECKING:
     from tensorx.node import Node
+    from tensorx.ps import ParameterServer
+    from tensorx.worker import Worker
 
-__all__ = ["BUCKETS", "OpStats", "serve_prometheus"]
+__all__ = ["BUCKETS", "OpStats", "Timing", "quantile", "serve_prometheus", "stop_prometheus"]
 
 # Upper bounds in seconds: 10 us .. 10 s, then +inf.
 BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+BOUNDS = [*map(str, BUCKETS), "+Inf"]  # Prometheus "le" labels
 OPS = ("write", "read", "notify")
 
 
@@ -47,53 +54,84 @@ class OpStats:
     def snapshot(self) -> dict[str, Any]:
         return {op: {"ops": self.count[op], "bytes": self.nbytes[op],
                      "errors": self.errors[op], "seconds": round(self.seconds[op], 6),
-                     "latency_buckets": dict(zip([*map(str, BUCKETS), "+Inf"],
-                                                 self.hist[op], strict=True))}
+                     "latency_buckets": dict(zip(BOUNDS, self.hist[op], strict=True))}
                 for op in OPS}
 
 
-def _collect(nodes: tuple[Node, ...]) -> Iterator[Any]:
-    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+class Timing:
+    """One latency histogram: ``count``, ``total`` seconds and per-bucket counts (upper bounds
+    :data:`BUCKETS`, then +inf) for Prometheus, plus the latest samples (at most ``keep``)
+    for quantiles in log lines. :meth:`observe` is a few additions and an append."""
 
-    labels = ["node", "peer", "transport", "op"]
-    ops = CounterMetricFamily("tensorx_endpoint_ops", "Operations completed", labels=labels)
-    nbytes = CounterMetricFamily("tensorx_endpoint_bytes", "Bytes moved", labels=labels)
-    errors = CounterMetricFamily("tensorx_endpoint_errors", "Operations failed", labels=labels)
-    latency = HistogramMetricFamily("tensorx_endpoint_latency_seconds", "Operation latency",
-                                    labels=labels)
-    for node in nodes:
-        for ep in node.endpoints:
-            stats = ep.stats
-            for op in OPS:
-                lv = [node.id, ep.peer, ep.transport, op]
-                ops.add_metric(lv, stats.count[op])
-                nbytes.add_metric(lv, stats.nbytes[op])
-                errors.add_metric(lv, stats.errors[op])
-                cumulative, total = [], 0
-                for bound, n in zip([*map(str, BUCKETS), "+Inf"], stats.hist[op], strict=True):
-                    total += n
-                    cumulative.append((bound, total))
-                latency.add_metric(lv, cumulative, stats.seconds[op])
-    yield from (ops, nbytes, errors, latency)
+    __slots__ = ("buckets", "count", "recent", "total")
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.buckets = [0] * (len(BUCKETS) + 1)
+        self.recent: collections.deque[float] = collections.deque(maxlen=keep)
+
+    def observe(self, seconds: float) -> float:
+        """Count one sample; returns it (so ``total_s += t.observe(dt)`` reads well)."""
+        self.count += 1
+        self.total += seconds
+        self.buckets[bisect.bisect_left(BUCKETS, seconds)] += 1
+        self.recent.append(seconds)
+        return seconds
+
+    def since(self, started: float) -> float:
+        """Observe ``time.perf_counter() - started``."""
+        return self.observe(time.perf_counter() - started)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``[(upper bound, samples at or below it), ..., ("+Inf", count)]``."""
+        out, total = [], 0
+        for bound, n in zip(BOUNDS, list(self.buckets), strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+    def take_recent(self) -> list[float]:
+        """The samples since the last call (the latest ``keep``), sorted; forgets them."""
+        samples = sorted(self.recent)
+        self.recent.clear()
+        return samples
 
 
-def serve_prometheus(port: int, *nodes: Node, addr: str = "127.0.0.1") -> Any:
-    """Serve the endpoints' metrics of ``nodes`` at ``http://addr:port/metrics``.
 
-    Returns the HTTP server (call ``.shutdown()`` to stop it). Opt-in: nothing listens
-    unless you call this.
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of sorted samples; 0.0 when there are none."""
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def serve_prometheus(port: int, *nodes: Node, addr: str = "127.0.0.1",
+                     servers: Iterable[ParameterServer] = (),
+                     workers: Iterable[Worker] = ()) -> Any:
+    """Serve metrics at ``http://addr:port/metrics``: the endpoints of ``nodes``, the step
+    timings of parameter-server shards ``servers`` and of ``workers``.
+
+    Returns the HTTP server: ``.server_port`` is the port bound (``port=0``: any free one);
+    stop it with :func:`stop_prometheus`. Opt-in: nothing listens unless you call this.
     """
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as exc:
         raise UsageError("Prometheus metrics need prometheus-client "
                          "(pip install tensorx[metrics])") from exc
-
-    class _Collector:
-        def collect(self) -> Iterator[Any]:
-            return _collect(nodes)
+    from tensorx._prometheus import Collector
 
     registry = CollectorRegistry()
-    registry.register(_Collector())  # type: ignore[arg-type]
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    registry.register(Collector(nodes, tuple(servers), tuple(workers)))  # type: ignore[arg-type]
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise UsageError(f"cannot serve metrics on {addr}:{port}: {exc}") from exc
     return server
+
+
+def stop_prometheus(server: Any) -> None:
+    """Stop a server from :func:`serve_prometheus` (blocking, up to about half a second)."""
+    server.shutdown()
+    server.server_close()

@@ -48,6 +48,7 @@ from tensorx._ps.shard import (
     load_checkpoint,
 )
 from tensorx._ps.sparse import SparseReceiver, dynamic_path_ok
+from tensorx._ps.stats import ShardTimings
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     PlanMismatchError,
@@ -115,6 +116,10 @@ class ParameterServer:
     dropped, never applied.
     ``node_options``: further :class:`tensorx.Node` options, e.g.
     ``{"ucx_options": {"error_handling": False}}`` or ``{"tcp_streams": 4}``.
+    ``metrics_port``: serve this shard's step timings and endpoint counters for Prometheus
+    at ``http://metrics_addr:PORT/metrics`` (0: any free port; :attr:`metrics_port` then
+    says which). None (the default): nothing listens. Timings are always kept, in
+    :attr:`stats` (totals) and :attr:`timings` (histograms, see ``tensorx._ps.stats``).
     """
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,
@@ -127,7 +132,8 @@ class ParameterServer:
                  insecure: bool = False, log_every: float | None = 60.0,
                  flat: bool = False, share_memory: bool = True,
                  on_worker_loss: str = "wait", worker_loss_timeout: float | None = 30.0,
-                 node_options: dict[str, Any] | None = None) -> None:
+                 node_options: dict[str, Any] | None = None,
+                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1") -> None:
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= shard < num_shards:
@@ -163,7 +169,12 @@ class ParameterServer:
         self._initialised = False  # parameters came from rank 0 or a checkpoint
         self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "max_gap": 0,
                                       "max_version_lag": 0, "apply_s": 0.0,
-                                      "sparse_rows": 0, "worker_losses": 0}
+                                      "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,
+                                      "worker_losses": 0}
+        self.timings = ShardTimings(sync=mode == "sync")
+        self.metrics_port = metrics_port
+        self.metrics_addr = metrics_addr
+        self._metrics: Any = None  # the HTTP server, once started
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> ParameterServer:
@@ -173,6 +184,7 @@ class ParameterServer:
         await self.node.start()
         try:
             self._restore()
+            self._start_metrics()
         except BaseException:
             await self.node.aclose()
             raise
@@ -190,6 +202,29 @@ class ParameterServer:
         logger.info("ps shard %d/%d listening on %s: mode=%s workers=%d", self.shard,
                     self.num_shards, self.node.address, self.mode, self.num_workers)
         return self
+
+    def _start_metrics(self) -> None:
+        if self.metrics_port is None:
+            return
+        from tensorx.metrics import serve_prometheus
+
+        self._metrics = serve_prometheus(self.metrics_port, self.node, servers=[self],
+                                         addr=self.metrics_addr)
+        self.metrics_port = self._metrics.server_port
+        logger.info("ps shard %d: metrics on http://%s:%d/metrics", self.shard,
+                    self.metrics_addr, self.metrics_port)
+
+    async def _stop_metrics(self) -> None:
+        if self._metrics is None:
+            return
+        from tensorx.metrics import stop_prometheus
+
+        server, self._metrics = self._metrics, None
+        try:
+            await asyncio.wait_for(asyncio.to_thread(stop_prometheus, server), 10)
+        except asyncio.TimeoutError:
+            logger.warning("ps shard %d: the metrics server did not stop within 10 s",
+                           self.shard)
 
     @property
     def address(self) -> str:
@@ -230,6 +265,7 @@ class ParameterServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._stop_metrics()
         try:
             self.checkpoint()
         finally:
@@ -289,8 +325,9 @@ class ParameterServer:
             await asyncio.sleep(every)
             now, updates = time.monotonic(), self.stats["updates"]
             if updates != last:
-                logger.info("ps shard %d: version %d, %.1f updates/s, %d worker(s)", self.shard,
-                            self.version, (updates - last) / (now - t0), len(self._peers))
+                logger.info("ps shard %d: version %d, %.1f updates/s, %d worker(s); %s",
+                            self.shard, self.version, (updates - last) / (now - t0),
+                            len(self._peers), self.timings.summary())
             last, t0 = updates, now
 
     async def _pump_notifications(self) -> None:
@@ -457,6 +494,7 @@ class ParameterServer:
         self.stats["pushes"] += 1
         lag = self.state.version - msg["version"]
         self.stats["max_version_lag"] = max(self.stats["max_version_lag"], lag)
+        self.timings.pushed(peer.rank, peer.step, lag)
         if self._sparse is not None:
             self._sparse.announce(peer.rank, msg["staging"])
             self.stats["sparse_rows"] += await self._sparse.receive(
@@ -475,16 +513,19 @@ class ParameterServer:
     async def _act(self, decision: Decision) -> None:
         assert self.state is not None
         if decision.apply:
+            self.stats["barrier_s"] += self.timings.barrier_done()
             t0 = time.perf_counter()
             self.state.apply(decision.apply)
-            self.stats["apply_s"] += time.perf_counter() - t0
+            self.stats["apply_s"] += self.timings.apply.since(t0)
             self.stats["updates"] += 1
             if self.checkpoint_every and self.state.version % self.checkpoint_every == 0:
                 self.checkpoint()
         self.stats["max_gap"] = self.scheduler.max_gap
         by_rank = {p.rank: p for p in self._peers.values()}
         targets = [by_rank[r] for r in decision.release if r in by_rank]
+        t0 = time.perf_counter()
         await asyncio.gather(*(self._send_params(p) for p in targets))
+        self.stats["send_s"] += self.timings.sent(t0, len(targets))
 
     async def _send_params(self, peer: _Peer) -> None:
         assert self.state is not None

@@ -32,6 +32,7 @@ from tensorx._ps import protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
 from tensorx._ps.shared import SharedArenas
 from tensorx._ps.sparse import SparseSender, dynamic_path_ok
+from tensorx._ps.stats import WorkerTimings
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     AuthError,
@@ -122,6 +123,7 @@ class Worker:
         self._closed = False
         self.stats: dict[str, float] = {"push_s": 0.0, "wait_s": 0.0, "steps": 0,
                                         "rejoins": 0, "rejoin_s": 0.0}
+        self.timings = WorkerTimings()  # per-step histograms (tensorx.metrics.Timing)
 
     @property
     def num_shards(self) -> int:
@@ -283,6 +285,7 @@ class Worker:
         self.stats["push_s"] += t1 - t0
         self.stats["wait_s"] += time.perf_counter() - t1
         self.stats["steps"] += 1
+        self.timings.step_done(t0, t1)
 
     async def push(self) -> None:
         """Write every gradient bucket not yet written into our slots, then notify."""
