@@ -16,6 +16,7 @@ from tensorx._ps.stats import ShardTimings
 from tensorx.metrics import BUCKETS, Timing, quantile, serve_prometheus, stop_prometheus
 from tensorx.worker import Worker
 
+from .test_ps_cli import PsProcess
 from .test_ps_train import backward, batches, make_model, servers, workers
 
 pytest.importorskip("prometheus_client")
@@ -139,4 +140,23 @@ async def test_periodic_log_line_has_the_step_timings(caplog: pytest.LogCaptureF
             await asyncio.sleep(0.05)
     assert n == 4, lines  # each update in exactly one line's quantiles
     assert all("barrier wait p50" in line and "send p50" in line for line in lines)
+
+
+async def test_cli_metrics_port_serves_the_shard() -> None:
+    ps = PsProcess("--listen", "tcp://127.0.0.1:0", "--workers", "1", "--transport", "tcp",
+                   "--metrics-port", "0")
+    try:
+        (address,) = ps.addresses(1)
+        line = next(ln for ln in ps.lines if "metrics on" in ln)
+        port = int(line.rsplit(":", 1)[1].split("/")[0])
+        model = make_model()
+        async with Worker(model, address, transport="tcp") as w:
+            await train([w], [model], 3)
+            got = await asyncio.to_thread(scrape, port)
+    finally:
+        log = ps.stop()
+    assert ps.proc.returncode == 0, log
+    assert value(got, "tensorx_ps_updates_total", shard="0") == 3
+    check_histogram(got, "tensorx_ps_apply_seconds", 3, shard="0")
+    assert value(got, "tensorx_ps_worker_step", shard="0", rank="0") == 2
 

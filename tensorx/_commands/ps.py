@@ -13,6 +13,9 @@ waiting for it (``wait``, the default) or go on with the others (``continue``).
 only shard I (one process per shard). ``--rendezvous`` publishes the addresses in the
 torchrun store (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for workers.
 The token comes from ``--token`` or, better (not visible in ``ps``), ``$TENSORX_TOKEN``.
+``--metrics-port N`` serves every shard's step timings and endpoint counters for Prometheus
+(one exporter per process; port 0: any free port, printed on stdout as
+``tensorx ps metrics on http://ADDR:PORT/metrics``).
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-every", type=float, default=60.0,
                    help="seconds between throughput log lines (0: never)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0: any free port; "
+                        "default: off)")
+    p.add_argument("--metrics-addr", default="127.0.0.1",
+                   help="address the metrics port listens on (0.0.0.0: every interface)")
 
 
 def _seconds_or_none(text: str) -> float | None:
@@ -181,14 +189,37 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _stop_all, servers, sig)
+    exporter = _serve_metrics(servers, args.metrics_port, args.metrics_addr)
+    try:
+        await _start_and_serve(servers, args.rendezvous)
+    finally:
+        if exporter is not None:
+            from tensorx.metrics import stop_prometheus
+
+            await asyncio.wait_for(asyncio.to_thread(stop_prometheus, exporter), 10)
+    logger.info("stopped cleanly")
+
+
+async def _start_and_serve(servers: Sequence[Any], rendezvous: bool) -> None:
     for server in servers:
         await server.start()
         print(f"tensorx ps shard {server.shard}/{server.num_shards} listening on "
               f"{server.address}", flush=True)
-    store = await loop.run_in_executor(None, _publish, servers) if args.rendezvous else None
+    loop = asyncio.get_running_loop()
+    store = await loop.run_in_executor(None, _publish, servers) if rendezvous else None
     await asyncio.gather(*(server.serve() for server in servers))
     del store  # the store may be hosted here (rank 0 without an agent): keep it up till now
-    logger.info("stopped cleanly")
+
+
+def _serve_metrics(servers: Sequence[Any], port: int | None, addr: str) -> Any:
+    """One Prometheus exporter for every shard of this process (None: off)."""
+    if port is None:
+        return None
+    from tensorx.metrics import serve_prometheus
+
+    exporter = serve_prometheus(port, *(s.node for s in servers), servers=servers, addr=addr)
+    print(f"tensorx ps metrics on http://{addr}:{exporter.server_port}/metrics", flush=True)
+    return exporter
 
 
 def _stop_all(servers: Sequence[Any], sig: signal.Signals) -> None:
