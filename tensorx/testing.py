@@ -1,9 +1,11 @@
-"""Test helpers: a real owner process and the transport conformance checks.
+"""Test helpers: a real owner process, a link that misbehaves, two "hosts" on one machine.
 
 ``OwnerProcess`` spawns a process running a :class:`tensorx.Node` that exports regions on
 command (each surrounded by guard bands, so a test can prove no byte outside an exported
-range changed). The ``check_*`` coroutines are the transport conformance suite: run them
-against every available backend (``tests/test_conformance.py`` does).
+range changed); it can also connect to another node and time transfers (the client side of
+a fault test), optionally inside a network namespace. ``FaultyProxy`` stalls or cuts a TCP
+link on loopback; :mod:`tensorx._netns` makes two network namespaces joined by a veth pair
+whose link can be slowed, cut or made lossy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection as Pipe
@@ -23,6 +26,9 @@ from typing import Any
 import numpy as np
 
 from tensorx import _wire
+from tensorx._netns import enter_netns
+from tensorx.endpoint import Endpoint
+from tensorx.errors import TensorxError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
@@ -68,16 +74,23 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class OwnerProcess:
-    """A spawned process with a Node that exports guarded regions on command."""
+    """A spawned process with a Node that exports guarded regions on command.
+
+    ``listen``: the node's address (a namespace's own IP needs a ``token``); ``netns``: run
+    inside that network namespace (see :mod:`tensorx._netns`). The same process can play
+    the client: ``connect``, then ``transfer`` (timed, errors returned, not raised).
+    """
 
     def __init__(self, transport: str = "tcp", token: str | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, *, listen: str = "tcp://127.0.0.1:0",
+                 netns: str | None = None) -> None:
         self.transport = transport
         self.token = token
         self.timeout = timeout
         ctx = mp.get_context("spawn")
         self._pipe, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_owner_main, args=(child, transport, token), daemon=True)
+        self._proc = ctx.Process(target=_owner_main, args=(child, transport, token, listen, netns),
+                                 daemon=True)
         self.address = ""
 
     async def __aenter__(self) -> OwnerProcess:
@@ -113,6 +126,27 @@ class OwnerProcess:
     async def export(self, nbytes: int, access: str = "rw", seed: int = 0) -> RegionDescriptor:
         return RegionDescriptor.from_bytes(await self.call("export", nbytes, access, seed))
 
+    async def connect(self, address: str, timeout: float = 30.0) -> int:
+        """Connect this process's node to ``address``; returns the endpoint's number."""
+        index: int = await self.call("connect", address, timeout)
+        return index
+
+    async def transfer(self, ep: int, op: str, desc: RegionDescriptor, seed: int = 0,
+                       timeout: float | None = 30.0) -> dict[str, Any]:
+        """``op`` ("write" or "read") the whole region ``desc`` over endpoint ``ep``; a write
+        sends ``pattern(desc.nbytes, seed)``. Returns ``{"ok", "error" (the tensorx error's
+        class name), "elapsed" (seconds, measured in this process), "digest" (of what a read
+        got)}``."""
+        result: dict[str, Any] = await self.call("transfer", ep, op, desc.to_bytes(), seed,
+                                                 timeout)
+        return result
+
+    async def resources(self) -> dict[str, int]:
+        """``{"fds", "tasks", "endpoints"}``: open file descriptors, asyncio tasks and
+        endpoints of the process's node, for leak checks."""
+        found: dict[str, int] = await self.call("resources")
+        return found
+
     def kill(self) -> None:
         if self._proc.is_alive():
             os.kill(self.pid, signal.SIGKILL)
@@ -136,14 +170,19 @@ class OwnerProcess:
         return self._proc.is_alive()
 
 
-def _owner_main(pipe: Pipe, transport: str, token: str | None) -> None:
-    asyncio.run(_Owner(pipe, transport, token).run())
+def _owner_main(pipe: Pipe, transport: str, token: str | None, listen: str,
+                netns: str | None) -> None:
+    if netns is not None:
+        enter_netns(netns)  # first: every socket and thread after this lives in there
+    asyncio.run(_Owner(pipe, transport, token, listen).run())
 
 
 class _Owner:
-    def __init__(self, pipe: Pipe, transport: str, token: str | None) -> None:
+    def __init__(self, pipe: Pipe, transport: str, token: str | None, listen: str) -> None:
         self.pipe = pipe
-        self.node = Node("tcp://127.0.0.1:0", transport=transport, token=token)
+        self.node = Node(listen, transport=transport, token=token)
+        self.eps: list[Endpoint] = []
+        self.unfinished: list[MemoryRegion] = []
         self.backing: dict[int, np.ndarray] = {}
         self.regions: dict[int, MemoryRegion] = {}
         self.notes: list[bytes] = []
@@ -234,6 +273,37 @@ class _Owner:
 
     async def do_endpoints(self) -> int:
         return len(self.node.endpoints)
+
+    async def do_resources(self) -> dict[str, int]:
+        return {"fds": len(os.listdir("/proc/self/fd")), "tasks": len(asyncio.all_tasks()),
+                "endpoints": len(self.node.endpoints)}
+
+    async def do_connect(self, address: str, timeout: float) -> int:
+        self.eps.append(await self.node.connect(address, timeout=timeout))
+        return len(self.eps) - 1
+
+    async def do_close_endpoints(self) -> None:
+        for ep in self.eps:
+            await ep.aclose()
+        self.eps.clear()
+
+    async def do_transfer(self, ep: int, op: str, raw: bytes, seed: int,
+                          timeout: float | None) -> dict[str, Any]:
+        desc = RegionDescriptor.from_bytes(raw)
+        data = pattern(desc.nbytes, seed) if op == "write" else np.zeros(desc.nbytes, np.uint8)
+        region = MemoryRegion.register(data, writable=op == "read")
+        started, error = time.perf_counter(), ""
+        try:
+            await getattr(self.eps[ep], op)(region, desc, timeout=timeout)
+        except TensorxError as exc:
+            error = type(exc).__name__
+        elapsed = time.perf_counter() - started
+        if error:  # a timed-out op may still be moving bytes: keep its memory registered
+            self.unfinished.append(region)
+        else:
+            region.close()
+        return {"ok": not error, "error": error, "elapsed": elapsed,
+                "digest": digest(data) if op == "read" and not error else ""}
 
 
 
