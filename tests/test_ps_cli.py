@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,15 @@ from .test_ps_train import backward, batches, make_model, reference
 
 
 class PsProcess:
-    """``python -m tensorx._commands.ps ...`` with its stdout lines collected."""
+    """``python -m tensorx._commands.ps ...`` with its stdout lines collected; ``prefix``
+    goes in front of the command (``ip netns exec NS``), ``env`` adds variables."""
 
-    def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def __init__(self, *args: str, prefix: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log = tempfile.TemporaryFile(mode="w+")  # a file: a chatty log never blocks
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tensorx._commands.ps", *args], env=env,
+            [*prefix, sys.executable, "-m", "tensorx._commands.ps", *args], env=environ,
             stdout=subprocess.PIPE, stderr=self._log, text=True)
         self.lines: list[str] = []
         self.log = ""
