@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -131,7 +132,13 @@ def serve_prometheus(port: int, *nodes: Node, addr: str = "127.0.0.1",
     return server
 
 
-def stop_prometheus(server: Any) -> None:
-    """Stop a server from :func:`serve_prometheus` (blocking, up to about half a second)."""
-    server.shutdown()
+def stop_prometheus(server: Any, timeout: float = 5.0) -> None:
+    """Stop a server from :func:`serve_prometheus` and close its socket. Blocking: about
+    half a second (the server's poll interval), never more than ``timeout`` (the stopping
+    runs on a daemon thread, so even a stuck server cannot hold up the interpreter's exit).
+    """
+    stopper = threading.Thread(target=server.shutdown, daemon=True,
+                               name="tensorx-metrics-stop")
+    stopper.start()
+    stopper.join(timeout)
     server.server_close()

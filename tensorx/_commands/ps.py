@@ -196,7 +196,7 @@ async def serve(args: argparse.Namespace) -> None:
         if exporter is not None:
             from tensorx.metrics import stop_prometheus
 
-            await asyncio.wait_for(asyncio.to_thread(stop_prometheus, exporter), 10)
+            await asyncio.to_thread(stop_prometheus, exporter)  # bounded: 5 s at most
     logger.info("stopped cleanly")
 
 
