@@ -115,6 +115,8 @@ class MemoryRegion:
         self.shared_name: str | None = None  # the /dev/shm name, for shared regions
         self._shm: _shm.ShmFile | None = None  # set when this process created the file
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._pins = 0  # ops in flight that address this memory by raw pointer
+        self._unmap_deferred = False
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -228,7 +230,26 @@ class MemoryRegion:
 
                 logging.getLogger(__name__).exception("region close callback failed")
         self._buffer = None
-        self._unmap()
+        if self._pins:
+            self._unmap_deferred = True  # a transport still uses the memory: unmap after
+        else:
+            self._unmap()
+
+    def _pin(self) -> None:
+        """A transport starts an op on this memory by raw address (e.g. a UCX put): keep the
+        memory mapped until :meth:`_unpin`, even if the region is closed meanwhile."""
+        self._pins += 1
+
+    def _unpin(self) -> None:
+        self._pins -= 1
+        if self._pins == 0 and self._unmap_deferred:
+            self._unmap_deferred = False
+            self._unmap()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether a transport still has an op in flight on this memory."""
+        return self._pins > 0
 
     def _unmap(self) -> None:
         if self._finalizer is not None:

@@ -354,8 +354,11 @@ class Node:
         raise UsageError(f"unknown query {what!r}; ask for 'exports' or 'endpoints'")
 
     def _on_broken(self, ep: Endpoint, exc: BaseException | None) -> None:
+        """The connection ended (peer left or broke, or we closed it): release the data
+        lane too (a UCX endpoint would otherwise keep its socket and state forever)."""
         if exc is not None:
             logger.warning("endpoint to %s broke: %s", ep.peer, exc)
+        ep._lane.peer_gone(str(exc or "the peer closed the endpoint"))
         if ep in self._endpoints:
             self._endpoints.discard(ep)
             self.disconnected.put_nowait(ep)

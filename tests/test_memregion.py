@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -128,3 +129,16 @@ async def test_tcp_endpoint_refuses_gpu_memory_clearly() -> None:
         ep = await b.connect(a.address)
         with pytest.raises(tx.TransportUnavailableError, match="GPU"):
             await ep.write(tx.MemoryRegion.register(FakeCuda()), desc)
+
+
+def test_a_pinned_region_keeps_its_memory_until_unpinned() -> None:
+    region = tx.MemoryRegion.allocate(4096, shared=True)
+    name = region.shared_name
+    assert name is not None
+    region._pin()
+    region.close()  # closed for everyone, but a transport still addresses the memory
+    assert region.closed and region.pinned
+    assert os.path.exists(f"/dev/shm/{name}")
+    region._unpin()
+    assert not region.pinned
+    assert not os.path.exists(f"/dev/shm/{name}")

@@ -381,6 +381,51 @@ def test_without_error_handling_a_dead_peer_is_broken_not_an_abort() -> None:
     assert proc.exitcode == 0
 
 
+def _close_memory_of_a_timed_out_write(conn: Connection) -> None:
+    import gc
+
+    import tensorx as tx
+    from tensorx.testing import OwnerProcess
+
+    async def main() -> str:
+        async with OwnerProcess("ucx") as owner, tx.Node(listen=None, transport="ucx") as node:
+            desc = await owner.export(256 * MiB)
+            ep = await node.connect(owner.address)
+            data = np.ones(256 * MiB, np.uint8)
+            region = tx.MemoryRegion.register(data)
+            outcome = "completed"
+            try:
+                await ep.write(region, desc, timeout=0.002)
+            except tx.TimeoutError:
+                outcome = "timed out"
+            region.close()  # UCX may still be reading it: its memory must stay
+            del data, region
+            gc.collect()
+            small = tx.MemoryRegion.register(np.zeros(16, np.uint8))
+            await ep.write(small, desc, nbytes=16, timeout=30)
+            await asyncio.sleep(1.0)  # the timed-out write finishes meanwhile
+            return outcome
+
+    conn.send(asyncio.run(main()))
+
+
+def test_closing_memory_under_a_timed_out_write_is_safe() -> None:
+    """A UCX op that timed out still reads its memory; closing and freeing the region must
+    not pull the memory from under it (this used to crash the process)."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_close_memory_of_a_timed_out_write, args=(child,))
+    proc.start()
+    try:
+        assert conn.poll(90), f"child died (exit code {proc.exitcode})"
+        assert conn.recv() in ("timed out", "completed")
+    finally:
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+
+
 # -- progress -------------------------------------------------------------------------------
 async def _big_roundtrip(lane: UcxLane, owner: Owner, seed: int) -> None:
     local = MemoryRegion.allocate(16 * MiB)

@@ -58,8 +58,9 @@ class DataLane(abc.ABC):
         Returns once the data is in the remote memory (the write is *complete*, not just
         issued). Raises ``RegionError`` if the owner refuses it (closed, forged, out of range,
         read-only), ``BrokenError`` if the peer or link dies, ``ClosedError`` if the lane was
-        closed. If cancelled, any prefix of the range (including none or all of it) may have
-        been written; the lane stays usable.
+        closed. If cancelled or timed out, any part of the range (none, all, or pieces: a
+        large op may travel in parallel stripes) may have been written; the lane stays
+        usable.
         """
 
     @abc.abstractmethod
@@ -92,6 +93,11 @@ class DataLane(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """Close at once; pending operations fail with ``ClosedError``. Idempotent."""
+
+    def peer_gone(self, why: str) -> None:
+        """The connection to the peer ended (it left, died or the link broke): release the
+        lane at once; pending operations fail with ``BrokenError``. Idempotent."""
+        self.abort()
 
 
 class LaneFactory(abc.ABC):

@@ -124,6 +124,10 @@ class UcxFactory(LaneFactory):
         self._regs: dict[int, _Registration] = {}
         self._lanes: set[UcxLane] = set()
         self._peer_states: list[Any] = []  # every lane's error-callback state
+        # ops that timed out or were cancelled while UCX still owns them: the memory they
+        # address stays pinned (mapped and registered) until UCX completes them
+        self._held: list[tuple[Any, list[MemoryRegion]]] = []
+        self._unmap_later: set[int] = set()
         self._closed = False
 
     # -- LaneFactory -----------------------------------------------------------------
@@ -189,8 +193,15 @@ class UcxFactory(LaneFactory):
         if reg is None:
             reg = self._map(region)
             self._regs[region.region_id] = reg
-            region.add_close_callback(lambda r: self._unregister(r.region_id))
+            region.add_close_callback(self._on_region_closed)
         return reg
+
+    def _on_region_closed(self, region: MemoryRegion) -> None:
+        """Deregister now, or once the last op still using the memory has completed."""
+        if region.pinned:
+            self._unmap_later.add(region.region_id)
+        else:
+            self._unregister(region.region_id)
 
     def _map(self, region: MemoryRegion) -> _Registration:
         if region.nbytes == 0:
@@ -249,6 +260,30 @@ class UcxFactory(LaneFactory):
                     fut.set_result(None)
         for lane in list(self._lanes):
             lane._check_peer()
+        if self._held:
+            self._reap()
+        if _ORPHANS:  # completed orphans: UCX holds no reference to them any more
+            _ORPHANS[:] = [w for w in _ORPHANS if w.pending]
+
+    def _hold_until_done(self, w: Any, regions: list[MemoryRegion]) -> None:
+        """``w``'s ops address ``regions`` (pinned): unpin them when UCX completes ``w``."""
+        if w.pending == 0:
+            self._unpin(regions)
+        else:
+            self._held.append((w, regions))
+
+    def _reap(self) -> None:
+        done = [(w, regions) for w, regions in self._held if w.pending == 0]
+        self._held = [(w, regions) for w, regions in self._held if w.pending != 0]
+        for _, regions in done:
+            self._unpin(regions)
+
+    def _unpin(self, regions: list[MemoryRegion]) -> None:
+        for region in regions:
+            region._unpin()
+            if not region.pinned and region.region_id in self._unmap_later:
+                self._unmap_later.discard(region.region_id)
+                self._unregister(region.region_id)
 
     def _new_wait(self) -> Any:
         w = self._ffi.new("tx_wait_t *")
@@ -326,6 +361,7 @@ class UcxLane(DataLane):
         self._ep = 0
         self._rkeys: dict[tuple[str, int, int], int] = {}
         self._closed = False
+        self._gone = False  # closed because the connection to the peer ended
         self._broken: str | None = None
         self.lanes: list[str] = []
         self._peer_info = dict(peer_info)
@@ -442,6 +478,12 @@ class UcxLane(DataLane):
             except TimeoutError:
                 logger.warning("closing the UCX endpoint to %s timed out", self.peer)
 
+    def peer_gone(self, why: str) -> None:
+        if not self._closed:
+            self._gone = True
+            self._broken = self._broken or why
+        self.abort()
+
     def abort(self) -> None:
         if self._closed:
             return
@@ -453,14 +495,20 @@ class UcxLane(DataLane):
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_usable()
         plan = [self._plan(op) for op in ops if op.nbytes]
+        regions = [op.local for op in ops if op.nbytes]
         w = self._f._new_wait()
+        for region in regions:
+            region._pin()  # closed meanwhile, its memory stays until UCX is done with it
         try:
-            st = self._issue_all(plan, put, w)  # returns at once: UCX copies in progress
-        except BaseException:
-            _forget(self._lib, w)
-            raise
-        small = sum(p[1] for p in plan) < self._f.inline_bytes
-        await self._finish(w, st, _remaining(deadline), inline=small)
+            try:
+                st = self._issue_all(plan, put, w)  # returns at once: UCX copies in progress
+            except BaseException:
+                _forget(self._lib, w)
+                raise
+            small = sum(p[1] for p in plan) < self._f.inline_bytes
+            await self._finish(w, st, _remaining(deadline), inline=small)
+        finally:
+            self._f._hold_until_done(w, regions)
         self.stats["ops"] += len(ops)
         self.stats["bytes"] += sum(op.nbytes for op in ops)
 
@@ -540,7 +588,7 @@ class UcxLane(DataLane):
             logger.warning("ucx lane to %s broke: %s", self.peer, self._broken)
 
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._closed and not self._gone:
             raise ClosedError(f"the UCX lane to {self.peer} is closed")
         self._check_peer()
         if self._broken is not None:
@@ -548,6 +596,8 @@ class UcxLane(DataLane):
 
     def _error(self, status: int) -> Exception:
         self._check_peer()
+        if self._gone:
+            return BrokenError(f"the UCX lane to {self.peer} broke: {self._broken}")
         if self._closed:
             return ClosedError(f"the UCX lane to {self.peer} was closed")
         text = self._f._ucp.status_string(status)
