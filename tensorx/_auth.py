@@ -12,8 +12,7 @@ import hmac
 import os
 import secrets
 
-__all__ = ["make_proof", "new_nonce", "resolve_token", "session_key", "stream_proof",
-           "verify_proof"]
+__all__ = ["make_proof", "new_nonce", "resolve_token", "verify_proof"]
 
 NONCE_BYTES = 32
 
@@ -38,16 +37,3 @@ def make_proof(token: bytes, role: bytes, client_nonce: bytes, server_nonce: byt
 
 def verify_proof(expected: bytes, got: bytes) -> bool:
     return hmac.compare_digest(expected, got)
-
-
-def session_key(token: bytes, client_nonce: bytes, server_nonce: bytes, client_id: str,
-                server_id: str) -> bytes:
-    """A per-connection secret both sides derive from the handshake; it never travels.
-
-    Extra data streams of the connection prove it (:func:`stream_proof`) to attach."""
-    return make_proof(token, b"session", client_nonce, server_nonce, client_id, server_id)
-
-
-def stream_proof(key: bytes, conn_id: bytes, index: int) -> bytes:
-    msg = b"|".join([b"tensorx-stream-v1", conn_id, str(index).encode()])
-    return hmac.new(key, msg, hashlib.sha256).digest()

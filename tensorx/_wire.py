@@ -16,16 +16,9 @@ from typing import Any
 
 import msgpack
 
-from tensorx.errors import (
-    AuthError,
-    ProtocolError,
-    RegionError,
-    TensorxError,
-    UsageError,
-)
+from tensorx.errors import ProtocolError
 
 __all__ = [
-    "ERROR_CODES",
     "MAX_HEADER",
     "MAX_NOTIFY",
     "MAX_PAYLOAD",
@@ -35,7 +28,6 @@ __all__ = [
     "decode_header",
     "decode_prefix",
     "encode",
-    "error_code",
 ]
 
 MAGIC = b"TX"
@@ -63,8 +55,6 @@ class Kind(enum.IntEnum):
     QUERY = 19      # what do you export / who is connected? (authenticated peers only)
     ANSWER = 20
     REVOKE = 21     # owner -> peers: this region is closed or unexported; drop it
-    STREAM = 22     # client -> server, first frame of an extra data stream: attach me
-    STREAMS = 23    # client -> server (control) / server -> client (stream): how many attached
 
 
 _INT, _BYTES, _STR, _BOOL, _DICT = int, bytes, str, bool, dict
@@ -85,22 +75,7 @@ SCHEMAS: dict[Kind, dict[str, type]] = {
     Kind.QUERY: {"req": _INT, "what": _STR},
     Kind.ANSWER: {"req": _INT, "data": _DICT},
     Kind.REVOKE: {"rid": _INT},
-    Kind.STREAM: {"conn": _BYTES, "i": _INT, "proof": _BYTES},
-    Kind.STREAMS: {"n": _INT},
 }
-# ERROR frames name the class of error by code; anything else is "broken".
-ERROR_CODES: dict[str, type[TensorxError]] = {
-    "region": RegionError, "protocol": ProtocolError, "auth": AuthError, "usage": UsageError,
-}
-
-
-def error_code(exc: BaseException) -> str:
-    for code, cls in ERROR_CODES.items():
-        if isinstance(exc, cls):
-            return code
-    return "broken"
-
-
 # Kinds whose payload is region data; every other kind but NOTIFY carries none.
 DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
 

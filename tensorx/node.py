@@ -18,7 +18,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tensorx import _auth
-from tensorx._wire import Kind
 from tensorx.endpoint import DEFAULT, Endpoint
 from tensorx.errors import (
     ClosedError,
@@ -28,7 +27,7 @@ from tensorx.errors import (
     UsageError,
 )
 from tensorx.memregion import ExportTable, MemoryRegion, RegionDescriptor
-from tensorx.transport import handshake, streams
+from tensorx.transport import handshake
 from tensorx.transport.base import DataLane, LaneFactory
 from tensorx.transport.tcp import Connection, TcpLane, TcpListener, open_socket
 
@@ -47,16 +46,6 @@ def _budget(timeout: float | None) -> Callable[[], float | None]:
         return lambda: None
     deadline = time.monotonic() + timeout
     return lambda: max(0.0, deadline - time.monotonic())
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise UsageError(f"{name} must be an int, got {value!r}") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -84,16 +73,12 @@ class Node:
     ``require``: ``"ucx"`` or ``"rdma"`` (default ``$TENSORX_REQUIRE``): fail instead of
     falling back to a slower transport.
     ``insecure``: allow listening on a non-loopback address without a token.
-    ``tcp_streams``: extra TCP data streams per connection for large transfers (striped
-    over them, moved in parallel); default ``$TENSORX_TCP_STREAMS`` or one per core up to 4
-    (0 on one core). The two peers use the smaller count; 0 turns them off. Transfers of at
-    least ``$TENSORX_TCP_STRIPE_MIN`` bytes (default 1 MiB) use them.
     """
 
     def __init__(self, listen: str | None = "tcp://127.0.0.1:0", *, transport: str = "auto",
                  token: str | bytes | None = None, timeout: float | None = 30.0,
                  require: str | None = None, ucx_options: dict[str, Any] | None = None,
-                 insecure: bool = False, tcp_streams: int | None = None) -> None:
+                 insecure: bool = False) -> None:
         if transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         require = require if require is not None else os.environ.get("TENSORX_REQUIRE") or None
@@ -107,9 +92,6 @@ class Node:
         self._token = _auth.resolve_token(token)
         self._ucx_options = dict(ucx_options or {})
         self._insecure = insecure
-        self.tcp_streams = streams.default_streams(tcp_streams)
-        self._stripe_min = _env_int("TENSORX_TCP_STRIPE_MIN", 1 << 20)
-        self._stream_slots = streams.StreamRegistry()
         self._exports = ExportTable(self.id)
         self._factory: LaneFactory | None = None
         self._factory_why = ""
@@ -232,7 +214,7 @@ class Node:
 
     # -- endpoints ----------------------------------------------------------------------
     def _caps(self) -> dict[str, Any]:
-        caps: dict[str, Any] = {"transport": self.transport, "tcp_streams": self.tcp_streams}
+        caps: dict[str, Any] = {"transport": self.transport}
         if self._factory is not None:
             caps[self._factory.name] = self._factory.local_info()
         return caps
@@ -250,7 +232,7 @@ class Node:
         conn = Connection(sock, self._exports, f"{self.id}->{address}")
         try:
             await handshake.initiate(conn, self.id, self._token, self._caps(), left())
-            return await self._finish(conn, address, left, dial=(host, port))
+            return await self._finish(conn, address, left())
         except BaseException:
             conn.abort()
             raise
@@ -258,20 +240,9 @@ class Node:
     async def _on_accept(self, sock: socket.socket) -> None:
         peer = "{}:{}".format(*sock.getpeername()[:2])
         conn = Connection(sock, self._exports, f"{self.id}<-{peer}")
-        left = _budget(self.timeout)
         try:
-            kind, first = await handshake.first_frame(conn, left())
-            if kind is Kind.STREAM:  # an extra data stream of a connection being set up
-                await streams.serve_attach(conn, self._stream_slots, first)
-                return
-            caps, offered = self._caps(), []
-
-            def offer(c: Connection) -> None:
-                offered.append(streams.offer(self._stream_slots, c, self.tcp_streams, caps))
-
-            await handshake.accept(conn, self.id, self._token, caps, left(), hello=first,
-                                   before_welcome=offer)
-            await self._finish(conn, f"tcp://{peer}", left, offered=offered[0])
+            await handshake.accept(conn, self.id, self._token, self._caps(), self.timeout)
+            await self._finish(conn, f"tcp://{peer}", self.timeout)
         except TensorxError as exc:
             logger.warning("refused connection from %s: %s", peer, exc)
             conn.abort()
@@ -279,19 +250,8 @@ class Node:
             conn.abort()
             raise
 
-    async def _finish(self, conn: Connection, address: str,
-                      left: Callable[[], float | None], *, dial: tuple[str, int] | None = None,
-                      offered: bytes | None = None) -> Endpoint:
-        """Open the data lane (and extra TCP streams), then make the endpoint live."""
-        lane = await self._choose_lane(conn, left())
-        try:
-            if dial is not None:
-                await streams.join_client(conn, dial, lane.name == "tcp", left())
-            else:
-                await streams.join_server(conn, self._stream_slots, offered, left())
-        except BaseException:
-            lane.abort()
-            raise
+    async def _finish(self, conn: Connection, address: str, timeout: float | None) -> Endpoint:
+        lane = await self._choose_lane(conn, timeout)
         ep = Endpoint(self, conn, lane, address)
         conn.on_notify = lambda c, payload: self.notifications.put_nowait((ep, payload))
         conn.on_closed = lambda c, exc: self._on_broken(ep, exc)
@@ -306,7 +266,7 @@ class Node:
     async def _choose_lane(self, conn: Connection, timeout: float | None) -> DataLane:
         lane = await self._try_ucx(conn, timeout)
         if lane is None:
-            lane = TcpLane(conn, self._tcp_why(conn), self._stripe_min)
+            lane = TcpLane(conn, self._tcp_why(conn))
         self._enforce_require(lane)
         return lane
 

@@ -115,7 +115,7 @@ class ParameterServer:
     departed worker. A departed worker's pushed gradient for the barrier in progress is
     dropped, never applied.
     ``node_options``: further :class:`tensorx.Node` options, e.g.
-    ``{"ucx_options": {"error_handling": False}}`` or ``{"tcp_streams": 4}``.
+    ``{"ucx_options": {"error_handling": False}}`` or ``{"require": "rdma"}``.
     ``metrics_port``: serve this shard's step timings and endpoint counters for Prometheus
     at ``http://metrics_addr:PORT/metrics`` (0: any free port; :attr:`metrics_port` then
     says which). None (the default): nothing listens. Timings are always kept, in

@@ -81,7 +81,7 @@ class Worker:
     straight into the shard's parameter arena and this worker's gradient slot, mapped from
     /dev/shm, so that no step copies anything (CPU models; see :attr:`mapped`).
     ``node_options``: further :class:`tensorx.Node` options (``ucx_options``,
-    ``tcp_streams``, ``require``).
+    ``require``).
     """
 
     def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,

@@ -94,8 +94,9 @@ async def test_notification_never_precedes_its_data(transport: str) -> None:
 
 
 async def test_notification_never_precedes_large_writes(transport: str) -> None:
-    """Writes big enough to be striped over a TCP connection's extra streams (or several
-    UCX puts), issued and not awaited, then a notification: still never ahead of them."""
+    """Large writes (several MiB each, in flight together), issued and not awaited, then a
+    notification: checked by the last byte of each write, fast enough to catch one that
+    has not landed yet."""
     async with session(transport) as (owner, node, ep):
         nbytes, piece = 64 << 20, 8 << 20
         desc = await owner.export(nbytes)

@@ -157,7 +157,7 @@ async def test_slow_link_is_correct_and_a_short_timeout_fires(slow: TwoHosts,
     late = await client.transfer(ep, "write", big, seed=3, timeout=0.25)  # needs ~0.84 s
     timed_out(late, 0.25)
     # a write that timed out may have landed in part (what is cut off depends on the lane:
-    # stripes, UCX fragments): the caller writes it again, and then it is all there
+    # a prefix on TCP, fragments on UCX): the caller writes it again, and then it is all there
     again = await ok(await client.transfer(ep, "write", big, seed=3, timeout=10))
     assert await owner.call("digest", big.region_id) == digest(pattern(4 * MIB, 3))
     after = await ok(await client.transfer(ep, "write", desc, seed=4, timeout=10))

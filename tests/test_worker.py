@@ -142,3 +142,16 @@ async def test_step_before_start_is_a_clear_error() -> None:
     w = Worker(mlp(), "tcp://127.0.0.1:1", transport="tcp")
     with pytest.raises(UsageError, match="async with"):
         await w.push()
+
+
+def test_server_and_worker_pass_node_options_on() -> None:
+    from tensorx.ps import ParameterServer
+    from tensorx.worker import Worker
+
+    ps = ParameterServer(num_workers=1, node_options={"ucx_options": {"tls": "tcp"}})
+    worker = Worker(nn.Linear(2, 2), "tcp://127.0.0.1:1",
+                    node_options={"require": "ucx"})
+    assert ps.node._ucx_options == {"tls": "tcp"}
+    assert worker.node.require == "ucx"
+    with pytest.raises(TypeError):
+        ParameterServer(num_workers=1, node_options={"no_such_option": 1})

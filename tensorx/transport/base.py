@@ -59,7 +59,7 @@ class DataLane(abc.ABC):
         issued). Raises ``RegionError`` if the owner refuses it (closed, forged, out of range,
         read-only), ``BrokenError`` if the peer or link dies, ``ClosedError`` if the lane was
         closed. If cancelled or timed out, any part of the range (none, all, or pieces: a
-        large op may travel in parallel stripes) may have been written; the lane stays
+        large op may travel in pieces) may have been written; the lane stays
         usable.
         """
 

@@ -2,16 +2,13 @@
 
 client -> HELLO{id, nonce}; server -> CHALLENGE{id, nonce, proof}; client checks the proof
 and sends AUTH{proof, caps}; server checks it and answers WELCOME{caps}. Capabilities
-(e.g. a UCX worker address) therefore only reach a peer that proved the token. Both sides
-then hold ``conn.session_key``, derived from the token and both nonces (it never travels):
-extra data streams of the connection prove it to attach (see ``streams.py``).
+(e.g. a UCX worker address) therefore only reach a peer that proved the token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from tensorx import _auth
@@ -19,7 +16,7 @@ from tensorx._wire import Kind
 from tensorx.errors import AuthError, ProtocolError, TensorxError, TimeoutError
 from tensorx.transport.tcp import Connection
 
-__all__ = ["accept", "first_frame", "initiate"]
+__all__ = ["accept", "initiate"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,33 +28,9 @@ async def initiate(conn: Connection, node_id: str, token: bytes, caps: dict[str,
 
 
 async def accept(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any],
-                 timeout: float | None, *, hello: dict[str, Any] | None = None,
-                 before_welcome: Callable[[Connection], None] | None = None) -> None:
-    """Server side. Sets ``conn.peer`` and ``conn.peer_caps``; AuthError on a bad proof.
-
-    ``hello``: the HELLO header when the caller already read it. ``before_welcome(conn)``
-    runs once the peer is authenticated (``conn.session_key`` set), before WELCOME leaves."""
-    await _within(_accept(conn, node_id, token, caps, hello, before_welcome), timeout,
-                  conn.label)
-
-
-async def first_frame(conn: Connection, timeout: float | None) -> tuple[Kind, dict[str, Any]]:
-    """The first frame on an accepted socket: HELLO (a new connection) or STREAM (an extra
-    data stream of one). A bad first frame is explained to the peer, then raised."""
-    async def read() -> tuple[Kind, dict[str, Any]]:
-        try:
-            kind, header, payload_len = await conn._reader.frame()
-            if kind not in (Kind.HELLO, Kind.STREAM) or payload_len:
-                raise ProtocolError(f"expected HELLO to open a connection, got {kind.name}")
-        except ProtocolError as exc:  # e.g. another protocol version: tell the peer why
-            await _refuse(conn, str(exc), "protocol")
-            raise
-        return kind, header
-
-    try:
-        return await asyncio.wait_for(read(), timeout)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"{conn.label}: handshake timed out after {timeout} s") from None
+                 timeout: float | None) -> None:
+    """Server side. Sets ``conn.peer`` and ``conn.peer_caps``; AuthError on a bad proof."""
+    await _within(_accept(conn, node_id, token, caps), timeout, conn.label)
 
 
 async def _within(coro: Any, timeout: float | None, label: str) -> None:
@@ -79,18 +52,14 @@ async def _initiate(conn: Connection, node_id: str, token: bytes, caps: dict[str
     await conn.send_now(Kind.AUTH, {"proof": proof, "caps": caps})
     welcome = await conn.recv_frame(Kind.WELCOME)
     conn.peer, conn.peer_caps = ch["id"], welcome["caps"]
-    conn.session_key = _auth.session_key(token, nonce, ch["nonce"], node_id, ch["id"])
 
 
-async def _accept(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any],
-                  hello: dict[str, Any] | None,
-                  before_welcome: Callable[[Connection], None] | None) -> None:
-    if hello is None:
-        try:
-            hello = await conn.recv_frame(Kind.HELLO)
-        except ProtocolError as exc:  # e.g. another protocol version: tell the peer why
-            await _refuse(conn, str(exc), "protocol")
-            raise
+async def _accept(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any]) -> None:
+    try:
+        hello = await conn.recv_frame(Kind.HELLO)
+    except ProtocolError as exc:  # e.g. another protocol version: tell the peer why
+        await _refuse(conn, str(exc), "protocol")
+        raise
     nonce = _auth.new_nonce()
     proof = _auth.make_proof(token, b"server", hello["nonce"], nonce, hello["id"], node_id)
     await conn.send_now(Kind.CHALLENGE, {"id": node_id, "nonce": nonce, "proof": proof})
@@ -99,11 +68,8 @@ async def _accept(conn: Connection, node_id: str, token: bytes, caps: dict[str, 
     if not _auth.verify_proof(expected, auth["proof"]):
         await _refuse(conn, "authentication failed: wrong token", "auth")
         raise AuthError(f"{conn.label}: peer {hello['id']} failed authentication")
-    conn.peer, conn.peer_caps = hello["id"], auth["caps"]
-    conn.session_key = _auth.session_key(token, hello["nonce"], nonce, hello["id"], node_id)
-    if before_welcome is not None:
-        before_welcome(conn)
     await conn.send_now(Kind.WELCOME, {"caps": caps})
+    conn.peer, conn.peer_caps = hello["id"], auth["caps"]
 
 
 async def _refuse(conn: Connection, msg: str, code: str) -> None:

@@ -3,8 +3,6 @@
 Payloads never pass through an intermediate bytes object: the owner receives a WRITE
 straight into the region (``sock_recv_into`` on a slice of it) and sends READ data straight
 out of it (``sock_sendall`` on a memoryview); the requester does the same on its side.
-Large ops travel on the connection's extra data streams when it has them (``streams.py``):
-striped, in parallel, by threads, with the same checks and the same zero-copy rule.
 """
 
 from __future__ import annotations
@@ -21,9 +19,11 @@ from typing import Any
 from tensorx import _wire
 from tensorx._wire import Kind
 from tensorx.errors import (
+    AuthError,
     BrokenError,
     ClosedError,
     ProtocolError,
+    RegionError,
     TensorxError,
     TimeoutError,
     UsageError,
@@ -31,13 +31,21 @@ from tensorx.errors import (
 from tensorx.memregion import ExportTable
 from tensorx.transport._sock import IOV_MAX, FrameReader, TcpListener, advance, open_socket
 from tensorx.transport.base import DataLane, Op
-from tensorx.transport.streams import Piece, StreamSet
 
 __all__ = ["Connection", "TcpLane", "TcpListener", "open_socket"]
 
 logger = logging.getLogger(__name__)
 
-ERROR_CODES, error_code = _wire.ERROR_CODES, _wire.error_code
+ERROR_CODES: dict[str, type[TensorxError]] = {
+    "region": RegionError, "protocol": ProtocolError, "auth": AuthError, "usage": UsageError,
+}
+
+
+def error_code(exc: BaseException) -> str:
+    for code, cls in ERROR_CODES.items():
+        if isinstance(exc, cls):
+            return code
+    return "broken"
 
 
 @dataclass
@@ -80,8 +88,6 @@ class Connection:
         self.on_query: QueryHandler = lambda what: {}
         self.on_revoke: Callable[[int], None] = lambda region_id: None
         self.stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0}
-        self.session_key = b""  # set by the handshake
-        self.streams: StreamSet | None = None  # extra data streams, when attached
 
     # -- handshake phase ----------------------------------------------------------------
     async def send_now(self, kind: Kind, header: dict[str, Any]) -> None:
@@ -126,8 +132,6 @@ class Connection:
         self._sendq.clear()
         self._wakeup.set()
         self.sock.close()
-        if self.streams is not None:
-            self.streams.fail(exc)
         self.on_closed(self, None if graceful or isinstance(exc, ClosedError) else exc)
 
     async def aclose(self) -> None:
@@ -137,14 +141,6 @@ class Connection:
                 await asyncio.wait_for(self._send_frame(Kind.BYE, {}), 1.0)
         self._fail(ClosedError(f"{self.label}: endpoint closed"))
         await self._join_tasks()
-        if self.streams is not None:
-            await self.streams.aclose()
-
-    def attach_streams(self, socks: Sequence[socket.socket]) -> None:
-        """Serve large ops on these extra sockets too (both sides attach the same count)."""
-        if socks:
-            self.streams = StreamSet(socks, self._exports, self.label,
-                                     lambda exc: self._fail(BrokenError(str(exc))))
 
     def abort(self) -> None:
         self._fail(ClosedError(f"{self.label}: endpoint aborted"))
@@ -462,78 +458,36 @@ class _suppress:
 
 
 class TcpLane(DataLane):
-    """The fallback data lane: WRITE/READ frames on the connection's own socket, and on its
-    extra data streams (striped, in parallel) for ops of at least ``stripe_min`` bytes."""
+    """The fallback data lane: WRITE/READ frames on the connection's own socket."""
 
     name = "tcp"
 
-    def __init__(self, conn: Connection, why: str, stripe_min: int = 1 << 20) -> None:
+    def __init__(self, conn: Connection, why: str) -> None:
         self._conn = conn
         self._why = why
-        self._stripe_min = stripe_min
-        self._inflight: set[asyncio.Future[None]] = set()
 
     @property
     def info(self) -> dict[str, Any]:
-        streams = self._conn.streams
-        lanes = ["tcp/socket"] + ([f"tcp/streams:{streams.n}"] if streams is not None else [])
-        return {"transport": "tcp", "lanes": lanes, "why": self._why}
-
-    def _striped(self, nbytes: int) -> StreamSet | None:
-        streams = self._conn.streams
-        return streams if streams is not None and nbytes >= self._stripe_min else None
+        return {"transport": "tcp", "lanes": ["tcp/socket"], "why": self._why}
 
     async def write(self, op: Op, *, timeout: float | None) -> None:
         await self.write_many([op], timeout=timeout)
 
     async def read(self, op: Op, *, timeout: float | None) -> None:
         dest = op.local.buffer()[op.local_offset:op.local_offset + op.nbytes]
-        streams = self._striped(op.nbytes)
-        if streams is not None:
-            self._conn._check()
-            piece: Piece = (dest, op.remote.region_id, op.remote.cookie, op.remote_offset)
-            await self._all(streams.read([piece]), timeout, "read")
-            return
         await self._conn.request_read(dest, op.remote.region_id, op.remote.cookie,
                                       op.remote_offset, timeout)
 
     async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
         frames = [(op.local.buffer()[op.local_offset:op.local_offset + op.nbytes],
                    op.remote.region_id, op.remote.cookie, op.remote_offset) for op in ops]
-        streams = self._striped(sum(op.nbytes for op in ops))
-        if streams is not None:
-            self._conn._check()
-            await self._all(streams.write([f for f in frames if len(f[0])]), timeout, "write")
-            return
         await self._conn.request_write(frames, timeout)
 
-    async def _all(self, futures: list[asyncio.Future[None]], timeout: float | None,
-                   what: str) -> None:
-        """Wait for every stripe; they count as in flight for :meth:`flush` meanwhile."""
-        for fut in futures:
-            self._inflight.add(fut)
-            fut.add_done_callback(self._inflight.discard)
-        try:
-            await asyncio.wait_for(asyncio.gather(*futures), timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"{self._conn.label}: {what} timed out after {timeout} s") \
-                from None
-        finally:
-            for fut in futures:
-                if not fut.done():
-                    fut.cancel()
-
     async def flush(self, *, timeout: float | None) -> None:
-        """Wait for striped ops still in flight (frames on the control socket need nothing:
-        the owner lands each WRITE before it parses the next frame)."""
-        if not self._inflight:
-            return
-        _, late = await asyncio.wait(list(self._inflight), timeout=timeout)
-        if late:  # (not cancelled: their writers still wait for them)
-            raise TimeoutError(f"{self._conn.label}: flush timed out after {timeout} s")
+        """Nothing to do: the owner lands each WRITE before it parses the next frame."""
 
     async def aclose(self) -> None:
-        """The connection owns the sockets; the endpoint closes it."""
+        """The connection owns the socket; the endpoint closes it."""
 
     def abort(self) -> None:
         """See :meth:`aclose`."""
