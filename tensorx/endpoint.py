@@ -103,9 +103,18 @@ class Endpoint:
     # -- data ---------------------------------------------------------------------------
     async def write(self, region: MemoryRegion, remote: RegionDescriptor | bytes,
                     offset: int = 0, remote_offset: int = 0, nbytes: int | None = None, *,
-                    timeout: float | None = DEFAULT) -> None:
+                    notify: bytes | None = None, timeout: float | None = DEFAULT) -> None:
         """Write ``nbytes`` (default: the rest of ``region`` from ``offset``) into the peer's
-        region at ``remote_offset``. Returns when the data is in the peer's memory."""
+        region at ``remote_offset``. Returns when the data is in the peer's memory.
+
+        ``notify``: also deliver these bytes to the peer's ``node.notifications`` once the
+        data has landed (a write with immediate data): never before the data, and not at all
+        if the write fails. Over TCP the notification travels with the data (no round trip
+        between them, unlike ``write`` then ``notify``)."""
+        if notify is not None:
+            await self.write_many([(region, remote, offset, remote_offset, nbytes)],
+                                  notify=notify, timeout=timeout)
+            return
         async with self._issuing_write():
             op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
         with self._counted("write", op.nbytes):
@@ -120,22 +129,35 @@ class Endpoint:
         with self._counted("read", op.nbytes):
             await self._lane.read(op, timeout=self._timeout(timeout))
 
-    async def write_many(self, ops: Iterable[Sequence[Any]], *,
+    async def write_many(self, ops: Iterable[Sequence[Any]], *, notify: bytes | None = None,
                          timeout: float | None = DEFAULT) -> None:
         """Issue several writes ``(region, desc, offset, remote_offset, nbytes)``; one
-        completion covers them all. Raises the first error."""
+        completion covers them all. Raises the first error. ``notify``: as for
+        :meth:`write`, delivered once all of them have landed."""
+        if notify is not None:
+            _check_payload(notify)
         async with self._issuing_write():
             checked = [await self._op(*_spec(spec), "w") for spec in ops]
+        t = self._timeout(timeout)
+        carried = False
         if checked:
+            started = time.perf_counter()
             with self._counted("write", sum(op.nbytes for op in checked)):
-                await self._lane.write_many(checked, timeout=self._timeout(timeout))
+                if notify is not None:
+                    carried = await self._lane.write_notify(checked, bytes(notify), timeout=t)
+                if not carried:
+                    await self._lane.write_many(checked, timeout=t)
+            if carried:
+                assert notify is not None
+                self.stats.record("notify", len(notify), started, False)
+        if notify is not None and not carried:  # the lane could not carry it: flush, notify
+            await self.notify(notify, timeout=t)
 
     async def notify(self, payload: bytes = b"", *, timeout: float | None = DEFAULT) -> None:
         """Send ``payload`` to the peer's ``node.notifications``. The peer never sees it
         before the data of any write issued earlier on this endpoint."""
         self._check_usable()
-        if not isinstance(payload, bytes | bytearray | memoryview):
-            raise UsageError(f"notify payload must be bytes, not {type(payload).__name__}")
+        _check_payload(payload)
         t = self._timeout(timeout)
         if self._issuing:  # writes started earlier but still being checked
             await asyncio.gather(*self._issuing)
@@ -232,6 +254,11 @@ class Endpoint:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _check_payload(payload: Any) -> None:
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise UsageError(f"notify payload must be bytes, not {type(payload).__name__}")
 
 
 def _descriptor(remote: RegionDescriptor | bytes) -> RegionDescriptor:

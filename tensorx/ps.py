@@ -467,8 +467,7 @@ class ParameterServer:
         assert self.state is not None
         try:
             # Written even when mapping is offered: the worker may yet fail to map and copy.
-            await peer.ep.write(self.state.params_region, peer.params, timeout=self.timeout)
-            await peer.ep.notify(protocol.encode(
+            await peer.ep.write(self.state.params_region, peer.params, notify=protocol.encode(
                 "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
                 headers=self._header_descs[peer.rank], version=self.state.version,
                 mode=self.mode, checksum=self.state.checksum(),
@@ -526,12 +525,12 @@ class ParameterServer:
     async def _send_params(self, peer: _Peer) -> None:
         assert self.state is not None
         try:
-            if not peer.mapped:  # a mapped worker's model is our arena already
-                await peer.ep.write(self.state.params_region, peer.params,
-                                    timeout=self.timeout)
-            await peer.ep.notify(protocol.encode(
-                "params", version=self.state.version, step=peer.step,
-                checksum=self.state.checksum()), timeout=self.timeout)
+            msg = protocol.encode("params", version=self.state.version, step=peer.step,
+                                  checksum=self.state.checksum())
+            # the notification travels with the parameters (a mapped worker's model is
+            # our arena already: nothing to write)
+            ops = [] if peer.mapped else [(self.state.params_region, peer.params)]
+            await peer.ep.write_many(ops, notify=msg, timeout=self.timeout)
         except TensorxError as exc:
             logger.warning("ps shard %d: lost rank %d: %s", self.shard, peer.rank, exc)
             self._events.put_nowait(_Event("gone", peer.ep))

@@ -296,29 +296,36 @@ class Worker:
             self._pusher.invalidate()
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("re-bound %s to the arenas (copied once)", ", ".join(copied))
-        await self._pusher.flush()
-        await asyncio.gather(*(self._push(s) for s in range(self.num_shards)))
+        rest = await self._pusher.settle()
+        await asyncio.gather(*(self._push(s, [b for b in rest if b.shard == s])
+                               for s in range(self.num_shards)))
+
+    def _mapped(self, shard: int) -> bool:
+        return self._shared is not None and self._shared.mapped[shard]
+
+    def _bucket_op(self, bucket: Bucket) -> tuple[Any, ...]:
+        return (self._region(bucket.shard, "grads"), self._slots[bucket.shard], bucket.offset,
+                bucket.offset, bucket.nbytes)
 
     async def _write_bucket(self, bucket: Bucket) -> None:
-        if self._shared is not None and self._shared.mapped[bucket.shard]:
+        if self._mapped(bucket.shard):
             return  # autograd wrote the gradient into the shard's slot itself
         with self._naming(bucket.shard):
-            await self._eps[bucket.shard].write(
-                self._region(bucket.shard, "grads"), self._slots[bucket.shard], bucket.offset,
-                bucket.offset, bucket.nbytes, timeout=self.timeout)
+            await self._eps[bucket.shard].write_many([self._bucket_op(bucket)],
+                                                     timeout=self.timeout)
 
-    async def _push(self, shard: int) -> None:
-        ep = self._eps[shard]
+    async def _push(self, shard: int, rest: list[Bucket]) -> None:
+        """Write what is left of this step's gradient for ``shard`` and tell it, in one go:
+        the push notification travels with the data (never ahead of it)."""
+        ops = [] if self._mapped(shard) else [self._bucket_op(b) for b in rest]
         staging: dict[str, bytes] = {}
+        if self._sparse is not None and self._headers[shard]:
+            staging = self._sparse.stage(shard)
+            ops.append((self._region(shard, "headers"), self._headers[shard]))
+        msg = protocol.encode("push", step=self.steps, version=self.version[shard],
+                              staging=staging, mapped=self._mapped(shard))
         with self._naming(shard):
-            if self._sparse is not None and self._headers[shard]:
-                staging = self._sparse.stage(shard)
-                await ep.write(self._region(shard, "headers"), self._headers[shard],
-                               timeout=self.timeout)
-            mapped = self._shared is not None and self._shared.mapped[shard]
-            await ep.notify(protocol.encode(
-                "push", step=self.steps, version=self.version[shard], staging=staging,
-                mapped=mapped), timeout=self.timeout)
+            await self._eps[shard].write_many(ops, notify=msg, timeout=self.timeout)
 
     def _lost(self, shard: int, detail: str = "") -> BrokenError:
         return BrokenError(f"lost the connection to ps shard {shard} "

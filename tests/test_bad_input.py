@@ -201,6 +201,22 @@ def test_forged_write_frame_past_the_end_changes_nothing(owner: OwnerProcess) ->
     assert owner.call_blocking("guards_intact")
 
 
+@pytest.mark.parametrize(("imm", "last"), [(7, True), (b"early", False)])
+def test_malformed_carried_notification_is_a_protocol_error(owner: OwnerProcess, imm: object,
+                                                            last: bool) -> None:
+    """A WRITE's carried notification must be bytes, on the last frame of its write."""
+    d = tx.RegionDescriptor.from_bytes(owner.call_blocking("export", 128, "rw", 6))
+    sock = _authenticated_socket(owner)
+    header = {"req": 1, "rid": d.region_id, "ck": d.cookie, "off": 0, "n": 8, "last": last,
+              "imm": imm}
+    sock.sendall(_wire.encode(Kind.WRITE, header, 8) + b"\xff" * 8)
+    kind, reply = recv_frame(sock)
+    assert kind is Kind.ERROR and reply["code"] == "protocol"
+    assert _closed_by_owner(sock)
+    assert owner.call_blocking("digest", d.region_id) == digest(pattern(128, 6))
+    assert imm not in owner.call_blocking("notes")
+
+
 async def test_owner_keeps_serving_after_all_of_the_above(owner: OwnerProcess) -> None:
     await _still_serving(owner)
 

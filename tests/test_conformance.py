@@ -111,6 +111,47 @@ async def test_notification_never_precedes_large_writes(transport: str) -> None:
         assert await owner.call("violations") == []
 
 
+async def test_write_with_notify_delivers_after_the_data(transport: str) -> None:
+    """``write(..., notify=)`` (write with immediate data): the notification arrives once
+    the data is there, for one write and for write_many."""
+    async with session(transport) as (owner, node, ep):
+        nbytes, piece = 64 << 20, 8 << 20
+        desc = await owner.export(nbytes)
+        for value in (1, 2, 3):
+            region = tx.MemoryRegion.register(np.full(nbytes, value, np.uint8))
+            payload = f"fill:{desc.region_id}:{value}:{piece}".encode()
+            if value == 2:
+                await ep.write_many([(region, desc, i, i, piece)
+                                     for i in range(0, nbytes, piece)], notify=payload)
+            else:
+                await ep.write(region, desc, notify=payload)
+            assert (await asyncio.wait_for(node.notifications.get(), 10))[1] == b"checked"
+        assert await owner.call("violations") == []
+        assert ep.info["stats"]["notify"]["ops"] == 3
+
+
+async def test_write_with_notify_is_silent_when_the_owner_refuses(transport: str) -> None:
+    """A write the owner refuses (a forged right, in the first of two ops) raises, and its
+    notification is never delivered; the endpoint keeps working."""
+    import dataclasses
+
+    async with session(transport) as (owner, _, ep):
+        readonly = await owner.export(4096, access="r", seed=31)
+        ok = await owner.export(4096, seed=32)
+        forged = dataclasses.replace(readonly, access="rw")
+        src = tx.MemoryRegion.register(pattern(4096, seed=33))
+        with pytest.raises(tx.RegionError):
+            await ep.write_many([(src, forged), (src, ok)], notify=b"must not arrive")
+        await ep.write(src, ok, notify=b"arrives")
+        for _ in range(100):
+            notes = await owner.call("notes")
+            if b"arrives" in notes:
+                break
+            await asyncio.sleep(0.05)
+        assert b"arrives" in notes and b"must not arrive" not in notes
+        assert await owner.call("digest", readonly.region_id) == digest(pattern(4096, 31))
+
+
 async def test_notifications_flow_both_ways(transport: str) -> None:
     async with session(transport) as (owner, _, ep):
         await ep.notify(b"hello")

@@ -131,8 +131,9 @@ class BucketPusher:
         """Something replaced gradients behind autograd's back: rewrite every bucket."""
         self._dirty.update(self._written)
 
-    async def flush(self) -> None:
-        """Wait for early writes, then write what is missing or stale; reset for next step."""
+    async def settle(self) -> list[Bucket]:
+        """Wait for the early writes; return what is still to be written (missing or stale,
+        adjacent buckets merged) for the caller to write; reset for the next step."""
         inflight, self._inflight = self._inflight, []
         try:
             await asyncio.gather(*(asyncio.wrap_future(f)
@@ -140,8 +141,7 @@ class BucketPusher:
                                    for f in inflight))
             rest = [i for i in range(len(self.buckets))
                     if i not in self._written or i in self._dirty]
-            await asyncio.gather(*(self._write(b)
-                                   for b in merge_adjacent(self.buckets, rest)))
+            return merge_adjacent(self.buckets, rest)
         finally:
             self._fired.clear()
             self._written.clear()

@@ -90,6 +90,16 @@ class DataLane(abc.ABC):
     async def aclose(self) -> None:
         """Close gracefully. Idempotent; releases resources even when it fails."""
 
+    async def write_notify(self, ops: Sequence[Op], payload: bytes, *,
+                           timeout: float | None) -> bool:
+        """Write ``ops`` and have the peer notified with ``payload`` once all of them have
+        landed (write with immediate data), where the lane can carry the notification with
+        the data itself: then no round trip separates the two, and a write the owner refuses
+        is never followed by its notification. Returns False, having done nothing, where it
+        cannot (the endpoint then writes, flushes and notifies). Errors as for
+        :meth:`write_many`."""
+        return False
+
     @abc.abstractmethod
     def abort(self) -> None:
         """Close at once; pending operations fail with ``ClosedError``. Idempotent."""

@@ -36,6 +36,7 @@ __all__ = ["Connection", "TcpLane", "TcpListener", "open_socket"]
 
 logger = logging.getLogger(__name__)
 
+MAX_IMM = _wire.MAX_HEADER // 2  # a notification small enough to ride in a WRITE header
 ERROR_CODES: dict[str, type[TensorxError]] = {
     "region": RegionError, "protocol": ProtocolError, "auth": AuthError, "usage": UsageError,
 }
@@ -79,6 +80,7 @@ class Connection:
             collections.deque())
         self._wakeup = asyncio.Event()
         self._pending: dict[int, _Pending] = {}
+        self._refused: set[int] = set()  # peer's write requests with a refused frame
         self._req_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         self._error: TensorxError | None = None
@@ -259,13 +261,17 @@ class Connection:
             self._pending.pop(req, None)
 
     async def request_write(self, ops: Sequence[tuple[memoryview, int, int, int]],
-                            timeout: float | None) -> None:
-        """Send WRITE frames for (src, region_id, cookie, offset); one ACK covers them all."""
+                            timeout: float | None, imm: bytes | None = None) -> None:
+        """Send WRITE frames for (src, region_id, cookie, offset); one ACK covers them all.
+        ``imm``: a notification carried by the last frame, which the owner delivers once
+        every frame of the write has landed (and not at all if one was refused)."""
         req, pending = self._new_request()
         try:
             for i, (src, rid, ck, off) in enumerate(ops):
-                header = {"req": req, "rid": rid, "ck": ck, "off": off, "n": len(src),
-                          "last": i == len(ops) - 1}
+                header: dict[str, Any] = {"req": req, "rid": rid, "ck": ck, "off": off,
+                                          "n": len(src), "last": i == len(ops) - 1}
+                if imm is not None and header["last"]:
+                    header["imm"] = imm
                 self._enqueue([_wire.encode(Kind.WRITE, header, len(src)), src])
         except BaseException:
             self._pending.pop(req, None)
@@ -338,16 +344,35 @@ class Connection:
         await handler(self, header, payload_len)
 
     async def _on_write(self, h: dict[str, Any], payload_len: int) -> None:
+        imm = h.get("imm")
+        if imm is not None and (not isinstance(imm, bytes) or not h["last"]):
+            raise ProtocolError("WRITE carries a malformed notification")
         try:
             region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "w")
             dest = region.buffer()[h["off"]:h["off"] + h["n"]]
         except TensorxError as exc:
             await self._reader.discard(payload_len)
             self._reply_error(h["req"], exc)
+            self._note_refused(h["req"], h["last"])
             return
         await self._reader.read_into(dest)
         if h["last"]:
+            if h["req"] in self._refused:  # an earlier frame of this write was refused
+                self._refused.discard(h["req"])
+                return
             self._send_frame(Kind.WRITE_ACK, {"req": h["req"]})
+            if imm is not None:
+                self.on_notify(self, imm)
+
+    def _note_refused(self, req: int, last: bool) -> None:
+        """Remember a write with a refused frame until its last frame (so that a
+        notification it carries is dropped)."""
+        if last:
+            self._refused.discard(req)
+            return
+        if len(self._refused) > 4096:  # a peer that never finishes its writes
+            raise ProtocolError("too many unfinished refused writes")
+        self._refused.add(req)
 
     async def _on_read(self, h: dict[str, Any], payload_len: int) -> None:
         try:
@@ -482,6 +507,16 @@ class TcpLane(DataLane):
         frames = [(op.local.buffer()[op.local_offset:op.local_offset + op.nbytes],
                    op.remote.region_id, op.remote.cookie, op.remote_offset) for op in ops]
         await self._conn.request_write(frames, timeout)
+
+    async def write_notify(self, ops: Sequence[Op], payload: bytes, *,
+                           timeout: float | None) -> bool:
+        """The notification rides in the last WRITE frame: no wait between the two."""
+        if not ops or len(payload) > MAX_IMM:
+            return False
+        frames = [(op.local.buffer()[op.local_offset:op.local_offset + op.nbytes],
+                   op.remote.region_id, op.remote.cookie, op.remote_offset) for op in ops]
+        await self._conn.request_write(frames, timeout, imm=bytes(payload))
+        return True
 
     async def flush(self, *, timeout: float | None) -> None:
         """Nothing to do: the owner lands each WRITE before it parses the next frame."""
