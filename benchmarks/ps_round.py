@@ -48,6 +48,11 @@ SYSTEMS = {
 }
 EXPERIMENTS = {  # what a different design would give (kept as evidence, not run by default)
     "x-raw-pipelined": System("EXP raw socket, pipelined", "raw", ("--variant", "pipelined")),
+    # the PS applying and answering in one piece (before updates were sent part by part)
+    "x-tcp-one-part": System("EXP tensorx tcp, update in one part", "tensorx",
+                             ("--transport", "tcp", "--variant", "one-part")),
+    "x-ucx-one-part": System("EXP tensorx ucx, update in one part", "tensorx",
+                             ("--transport", "ucx", "--variant", "one-part")),
 }
 ALL = {**SYSTEMS, **EXPERIMENTS}
 REFERENCES = ("tensorpipe", "grpc")

@@ -102,8 +102,10 @@ class ParameterServer:
     from worker rank 0. ``checkpoint_every``: also checkpoint every N updates.
     ``token`` (default ``$TENSORX_TOKEN``) is required to listen beyond loopback, unless
     ``insecure=True``. ``log_every``: seconds between throughput log lines (None: never).
-    ``flat``: the optimizer sees one flat parameter per shard instead of one per tensor
-    (much faster on a CPU server; right for elementwise optimizers only, see ShardState).
+    ``flat``: the optimizer sees a few flat parameters per shard (parts of at most 16 MiB)
+    instead of one per tensor: much faster on a CPU server, and the update is applied part
+    by part while finished parts are already being written back to the workers (right for
+    elementwise optimizers only, see ShardState).
     ``share_memory``: in sync mode, offer workers on this host (same :func:`host_id`: same
     kernel, /dev/shm and network namespace) to map the parameter arena and their gradient
     slot, so that a step copies nothing; ``False`` always copies.
@@ -507,30 +509,66 @@ class ParameterServer:
 
     async def _act(self, decision: Decision) -> None:
         assert self.state is not None
+        by_rank = {p.rank: p for p in self._peers.values()}
+        targets = [by_rank[r] for r in decision.release if r in by_rank]
+        sending: dict[int, list[asyncio.Future[None]]] = {}
         if decision.apply:
             self.stats["barrier_s"] += self.timings.barrier_done()
             t0 = time.perf_counter()
-            self.state.apply(decision.apply)
+            copies = [p for p in targets if not p.mapped]
+            if copies and self.state.num_parts > 1:
+                sending = await self._apply_in_parts(decision.apply, copies)
+            else:
+                self.state.apply(decision.apply)
             self.stats["apply_s"] += self.timings.apply.since(t0)
             self.stats["updates"] += 1
             if self.checkpoint_every and self.state.version % self.checkpoint_every == 0:
                 self.checkpoint()
         self.stats["max_gap"] = self.scheduler.max_gap
-        by_rank = {p.rank: p for p in self._peers.values()}
-        targets = [by_rank[r] for r in decision.release if r in by_rank]
         t0 = time.perf_counter()
-        await asyncio.gather(*(self._send_params(p) for p in targets))
+        await asyncio.gather(*(self._send_params(p, sending.get(p.rank)) for p in targets))
         self.stats["send_s"] += self.timings.sent(t0, len(targets))
 
-    async def _send_params(self, peer: _Peer) -> None:
+    async def _apply_in_parts(self, ranks: list[int], copies: list[_Peer]
+                              ) -> dict[int, list[asyncio.Future[None]]]:
+        """Apply the update part by part (in a thread: torch releases the GIL) and start
+        writing each finished part to ``copies`` while the next one is computed; all but the
+        last part, which :meth:`_send_params` sends with the notification."""
+        assert self.state is not None
+        sending: dict[int, list[asyncio.Future[None]]] = {p.rank: [] for p in copies}
+        last = self.state.num_parts - 1
+        for k in range(last + 1):
+            await asyncio.to_thread(self.state.apply_part, ranks, k)
+            if k == last:
+                break
+            off, nbytes = self.state.part_bytes(k)
+            for peer in copies:
+                sending[peer.rank].append(asyncio.ensure_future(peer.ep.write(
+                    self.state.params_region, peer.params, off, off, nbytes,
+                    timeout=self.timeout)))
+        self.state.finish_update()
+        return sending
+
+    async def _send_params(self, peer: _Peer,
+                           sent: list[asyncio.Future[None]] | None = None) -> None:
+        """The new parameters (or, after :meth:`_apply_in_parts`, their last part) and the
+        notification that travels with them, ordered after every part sent before."""
         assert self.state is not None
         try:
             msg = protocol.encode("params", version=self.state.version, step=peer.step,
                                   checksum=self.state.checksum())
-            # the notification travels with the parameters (a mapped worker's model is
-            # our arena already: nothing to write)
-            ops = [] if peer.mapped else [(self.state.params_region, peer.params)]
-            await peer.ep.write_many(ops, notify=msg, timeout=self.timeout)
+            ops: list[tuple[Any, ...]] = []
+            if sent is not None:
+                off, nbytes = self.state.part_bytes(self.state.num_parts - 1)
+                ops = [(self.state.params_region, peer.params, off, off, nbytes)]
+            elif not peer.mapped:  # a mapped worker's model is our arena already
+                ops = [(self.state.params_region, peer.params)]
+            results = await asyncio.gather(
+                peer.ep.write_many(ops, notify=msg, timeout=self.timeout), *(sent or []),
+                return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
         except TensorxError as exc:
             logger.warning("ps shard %d: lost rank %d: %s", self.shard, peer.rank, exc)
             self._events.put_nowait(_Event("gone", peer.ep))

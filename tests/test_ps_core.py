@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorx._ps import protocol
+from tensorx._ps import parts, protocol
 from tensorx._ps.losses import LossWatch
 from tensorx._ps.schedule import Scheduler
 from tensorx._ps.shard import ShardLayout, ShardState, Slot, load_checkpoint, views
@@ -222,6 +222,70 @@ def test_flat_optimizer_equals_per_tensor(make: object) -> None:
             s.apply([0, 1] if step % 2 else [step % 4 // 2])
     for a, b in zip(states[0].views, states[1].views, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def _fill_slots(state: ShardState, grads: list[torch.Tensor]) -> None:
+    for r, g in enumerate(grads):
+        for slot, view in zip(state.layout.slots, views(state.layout, state.slot_regions[r]),
+                              strict=True):
+            view.copy_(g[:slot.numel] if slot.key == "w" else g[8:8 + slot.numel])
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    lambda p: torch.optim.Adam(p, lr=0.01),
+], ids=["sgd-momentum-wd", "adam"])
+def test_a_flat_update_applied_part_by_part_is_the_same_update(
+        make: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = ShardState(_layout(), 2, make, flat=True)  # type: ignore[arg-type]
+    monkeypatch.setattr(parts, "PART_BYTES", 32)
+    split = ShardState(_layout(), 2, make, flat=True)  # type: ignore[arg-type]
+    assert (whole.num_parts, split.num_parts) == (1, 4)
+    assert [split.part_bytes(k) for k in range(4)] == [(0, 32), (32, 32), (64, 32), (96, 32)]
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):
+        grads = [torch.randn(16, generator=gen) for _ in range(2)]
+        ranks = [0, 1] if step % 2 else [1]
+        for s in (whole, split):
+            _fill_slots(s, grads)
+        whole.apply(ranks)
+        for k in reversed(range(4)):  # any order: the parts are independent
+            split.apply_part(ranks, k)
+        split.finish_update()
+    assert whole.version == split.version == 5
+    for a, b in zip(whole.views, split.views, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_flat_checkpoint_does_not_depend_on_the_part_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def adam(p: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=0.01)
+
+    gen = torch.Generator().manual_seed(4)
+    steps = [[torch.randn(16, generator=gen)] for _ in range(6)]
+
+    def train(state: ShardState, batch: list[list[torch.Tensor]]) -> None:
+        for grads in batch:
+            _fill_slots(state, grads)
+            state.apply([0])
+
+    reference = ShardState(_layout(), 1, adam, flat=True)
+    train(reference, steps)
+    for saved_parts, loaded_parts in ((32, None), (None, 32)):
+        monkeypatch.setattr(parts, "PART_BYTES", saved_parts or parts.PART_BYTES)
+        first = ShardState(_layout(), 1, adam, flat=True)
+        train(first, steps[:3])
+        first.save(tmp_path / "ck.pt", b"x")
+        monkeypatch.undo()
+        monkeypatch.setattr(parts, "PART_BYTES", loaded_parts or parts.PART_BYTES)
+        second = ShardState(_layout(), 1, adam, flat=True)
+        assert first.num_parts != second.num_parts
+        second.load_state_dict(load_checkpoint(tmp_path / "ck.pt"))
+        train(second, steps[3:])
+        monkeypatch.undo()
+        for a, b in zip(reference.views, second.views, strict=True):
+            torch.testing.assert_close(a, b)
 
 
 def test_flat_checkpoint_needs_a_flat_server(tmp_path: Path) -> None:

@@ -142,6 +142,29 @@ async def test_flat_server_equals_single_process() -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_updates_sent_part_by_part_equal_single_process(
+        transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flat shard in several parts (tiny parts here) applies and writes back the update
+    part by part to workers that copy: still exactly single-process training."""
+    from tensorx._ps import parts
+
+    monkeypatch.setattr(parts, "PART_BYTES", 256)
+    data = batches(12, 2)
+    models = [make_model(), make_model(seed=99)]
+    async with servers(1, 2, transport, mode="sync", optimizer=SGD_MOMENTUM, flat=True,
+                       share_memory=False) as (ps,), \
+            workers(models, [ps.address], transport, verify=True) as ws:
+        assert ps.state is not None and ps.state.num_parts > 2
+        for step in data:
+            for w, m, (x, y) in zip(ws, models, step, strict=True):
+                w.zero_grad()
+                backward(m, x, y)
+            await asyncio.gather(*(w.step() for w in ws))
+    for g, want in zip(models[1].parameters(), train_single(SGD_MOMENTUM, 12), strict=True):
+        torch.testing.assert_close(g.detach(), want, rtol=1e-5, atol=1e-6)
+
+
 def digits() -> tuple[torch.Tensor, ...]:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split

@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--address", default="", help="the server's tensorx address (client)")
     p.add_argument("--transport", default="tcp", help="tensorx: tcp | ucx | ucx-shm")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--variant", default="", help="experiments: raw: pipelined")
+    p.add_argument("--variant", default="", help="experiments: raw: pipelined; tensorx: one-part")
     p.add_argument("--rank", type=int, default=0, help="worker rank (training)")
     p.add_argument("--overlap", choices=("on", "off"), default="on", help="tensorx training")
     p.add_argument("--share-memory", choices=("on", "off"), default="off",

@@ -51,6 +51,10 @@ def serve(args: argparse.Namespace) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    if args.variant == "one-part":  # experiment: apply and answer the update in one piece
+        from tensorx._ps import parts
+
+        parts.PART_BYTES = 1 << 40
     transport, ucx_options = _transport(args.transport)
     listen = f"tcp://{args.host}:0"
     ps = ParameterServer(listen, num_workers=1, mode="sync", optimizer=_optimizer,

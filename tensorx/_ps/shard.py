@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tensorx._ps import parts
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
 
@@ -90,8 +91,9 @@ def _entry_splitter(layout: ShardLayout) -> Callable[[MemoryRegion], list[torch.
 
 def _flat_splitter(layout: ShardLayout,
                    dtype: torch.dtype) -> Callable[[MemoryRegion], list[torch.Tensor]]:
-    count = layout.nbytes // torch.empty((), dtype=dtype).element_size()
-    return lambda region: [region.view(dtype, (count,), 0)]
+    size = torch.empty((), dtype=dtype).element_size()
+    cuts = parts.bounds(layout.nbytes // size, size)
+    return lambda region: [region.view(dtype, (n,), start * size) for start, n in cuts]
 
 
 class ShardState:
@@ -103,6 +105,8 @@ class ShardState:
     parameter over the whole arena instead of one per tensor: far fewer kernel launches on a
     CPU server, and the same result for elementwise optimizers (SGD, momentum, Adam(W),
     RMSprop, Adagrad), not for per-tensor ones (LAMB, LARS) or per-tensor param groups.
+    (Large shards get a few flat parameters of at most ``parts.PART_BYTES`` each, so that
+    the update can be applied and sent part by part: :meth:`apply_part`.)
     ``shared=True`` puts the parameter arena and the slots in /dev/shm, so that workers on
     this host can map them (:attr:`shared` says whether that worked; else private memory).
     """
@@ -154,27 +158,57 @@ class ShardState:
         old.close()
         return new
 
+    @property
+    def num_parts(self) -> int:
+        """Parts the update can be applied in, one after another (flat shards; else 1)."""
+        return len(self.params) if self.flat else 1
+
+    def part_bytes(self, k: int) -> tuple[int, int]:
+        """(offset, nbytes) of part ``k`` in the arena."""
+        if not self.flat:
+            return 0, self.layout.nbytes
+        view = self.params[k]
+        return view.data_ptr() - self.params_region.address, view.numel() * view.element_size()
+
     def apply(self, ranks: Iterable[int]) -> None:
         """Average the gradients in ``ranks``' slots and take one optimizer step."""
         ranks = list(ranks)
-        grads = self._slots[ranks[0]] if len(ranks) == 1 else self._average(ranks)
+        grads = self._slots[ranks[0]] if len(ranks) == 1 else [
+            self._average(ranks, i) for i in range(len(self._acc))]
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
         if self.optimizer is not None:
             self.optimizer.step()
+        self.finish_update()
+
+    def apply_part(self, ranks: list[int], k: int) -> None:
+        """The update of part ``k`` alone (see :attr:`num_parts`); every part once, then
+        :meth:`finish_update`, is the same update as :meth:`apply` for the elementwise
+        optimizers ``flat`` is meant for. The other parts' gradients are unset meanwhile, so
+        the optimizer skips them. Runs in a worker thread while the event loop sends."""
+        grad = self._slots[ranks[0]][k] if len(ranks) == 1 else self._average(ranks, k)
+        for i, p in enumerate(self.params):
+            p.grad = grad if i == k else None
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def finish_update(self) -> None:
+        """After the last part: step the schedule, count the version."""
+        for p, g in zip(self.params, self._acc, strict=True):
+            p.grad = g
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.version += 1
         self._checksum = None
 
-    def _average(self, ranks: list[int]) -> list[torch.Tensor]:
+    def _average(self, ranks: list[int], i: int) -> torch.Tensor:
+        acc = self._acc[i]
         with torch.no_grad():  # fixed rank order: the same float sums every time
-            for i, acc in enumerate(self._acc):
-                torch.add(self._slots[ranks[0]][i], self._slots[ranks[1]][i], out=acc)
-                for r in ranks[2:]:
-                    acc.add_(self._slots[r][i])
-                acc.div_(len(ranks))
-        return self._acc
+            torch.add(self._slots[ranks[0]][i], self._slots[ranks[1]][i], out=acc)
+            for r in ranks[2:]:
+                acc.add_(self._slots[r][i])
+            acc.div_(len(ranks))
+        return acc
 
     def checksum(self) -> int | None:
         """The current parameters' checksum when verification is on (cached per version)."""
@@ -202,7 +236,7 @@ class ShardState:
             "flat": self.flat,
             "params": {s.key: v.detach().clone()
                        for s, v in zip(self.layout.slots, self.views, strict=True)},
-            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "optimizer": self._optimizer_state(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
         }
 
@@ -214,10 +248,23 @@ class ShardState:
                              f"this server runs flat={self.flat}")
         self.load_params(state["params"])
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            saved = state["optimizer"]
+            self.optimizer.load_state_dict(
+                parts.split_state(saved, self._part_sizes()) if self.flat else saved)
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.version = int(state["version"])
+
+    def _part_sizes(self) -> list[int]:
+        return [p.numel() for p in self.params]
+
+    def _optimizer_state(self) -> dict[str, Any] | None:
+        """The optimizer's state; a flat shard's in the one-parameter form (whatever the
+        part size, see :mod:`tensorx._ps.parts`)."""
+        if self.optimizer is None:
+            return None
+        state = self.optimizer.state_dict()
+        return parts.merge_state(state, self._part_sizes()) if self.flat else state
 
     def save(self, path: Path, plan_bytes: bytes) -> None:
         """Write atomically: a crash mid-save leaves the previous checkpoint intact."""
