@@ -29,6 +29,7 @@ from benchmarks.rawsock import RawClient
 from tensorx.testing import OwnerProcess
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+ALL_CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
 DEFAULT_SIZES = "4K,64K,1M,16M,64M,256M"
 
 
@@ -99,13 +100,18 @@ def bench_raw(sizes: list[int], repeat: int) -> dict[str, object]:
         client.close()
 
 
-def ucx_perftest_limits(size: int) -> dict[str, float]:
-    """GB/s from ucx_perftest on the lanes tensorx's UCX transport uses (if available)."""
+def ucx_perftest_report(size: int, rounds: int) -> str:
+    """tensorx (Endpoint) against ucx_perftest on the same lanes, both UCX configurations
+    tensorx uses, interleaved (``benchmarks/ucx_perftest.py``); empty without the binary."""
+    from benchmarks import ucx_perftest
+
     try:
-        from benchmarks import ucx_perftest
-    except ImportError:
-        return {}
-    return ucx_perftest.limits(size)  # type: ignore[no-any-return]
+        ucx_perftest.perftest_binary()
+    except FileNotFoundError as exc:
+        return f"(no ucx_perftest: {exc})"
+    if hasattr(os, "sched_setaffinity"):  # undo pin(): the processes spawned inherit it
+        os.sched_setaffinity(0, ALL_CPUS)
+    return ucx_perftest.report(ucx_perftest.compare(size, rounds=rounds, iters=10))
 
 
 def pin(server_pid: int | None) -> None:
@@ -199,9 +205,10 @@ def main() -> None:
     print()
     print(table(sizes, systems))
     if "ucx" in args.transports:
-        limits = ucx_perftest_limits(max(sizes))
-        if limits:
-            print("\nucx_perftest on the same lanes (GB/s):", limits)
+        size = 64 << 20 if 64 << 20 in sizes else max(sizes)
+        print(f"\ntensorx vs ucx_perftest on the same lanes, {human(size)}, "
+              f"{args.rounds} interleaved rounds (medians):", flush=True)
+        print(ucx_perftest_report(size, args.rounds))
     if args.plot:
         plot(sizes, systems, args.plot)
 

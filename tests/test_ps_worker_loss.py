@@ -164,6 +164,19 @@ async def step_both(a: Child, b: Child) -> list[float]:
     return va
 
 
+async def finish(ps: ParameterServer, want: float, version: int, children: tuple[Child, Child],
+                 steps: int) -> None:
+    """``steps`` more steps together, then the shard holds exactly ``want`` at ``version``;
+    the children leave cleanly."""
+    for _ in range(steps):
+        want -= BOTH
+        assert await step_both(*children) == [want]
+    assert shard_values(ps) == [want] and ps.version == version
+    for c in children:
+        c.send("close")
+        await c.expect("closed")
+
+
 def loss_records(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
     return [r for r in caplog.records if text in r.getMessage()]
 
@@ -211,13 +224,7 @@ async def test_continue_goes_on_without_a_worker_killed_mid_push(
             assert new["slot"] != old["slot"]
             assert new["stale"].startswith("refused: ") and "not exported" in new["stale"]
             assert new["values"] == [want]  # the shard's parameters, not its own zeros
-            for _ in range(2):
-                want -= BOTH
-                assert await step_both(survivor, successor) == [want]
-            assert shard_values(ps) == [want] and ps.version == 7
-            for c in (survivor, successor):
-                c.send("close")
-                await c.expect("closed")
+            await finish(ps, want, 7, (survivor, successor), steps=2)
     finally:
         for c in (survivor, victim, successor):
             c.stop()
@@ -277,12 +284,7 @@ async def test_wait_holds_the_barrier_until_a_restarted_worker_rejoins(
                 survivor.expect("stepped"), successor.expect("stepped"))
             want -= BOTH
             assert v1 == v2 == [want] and rejoins == 0  # the survivor's link held throughout
-            want -= BOTH
-            assert await step_both(survivor, successor) == [want]
-            assert shard_values(ps) == [want] and ps.version == 4
-            for c in (survivor, successor):
-                c.send("close")
-                await c.expect("closed")
+            await finish(ps, want, 4, (survivor, successor), steps=1)
     finally:
         for c in (survivor, victim, successor):
             c.stop()

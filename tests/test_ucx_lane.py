@@ -339,6 +339,27 @@ async def test_without_error_handling_uses_shared_memory_lanes() -> None:
         await fast.aclose()
 
 
+def _in_child(target: Any, timeout: float = 90.0) -> Any:
+    """Run ``target(conn)`` in a spawned child (UCX configuration, or a crash, stays
+    there) and return what it sends; the child must exit cleanly."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child,))
+    proc.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.1):
+            assert proc.is_alive(), f"child died (exit code {proc.exitcode})"
+            assert time.monotonic() < deadline, "child did not answer in time"
+        result = conn.recv()
+    finally:
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+    return result
+
+
 def _fast_lane_after_peer_death(conn: Connection) -> None:
     async def main() -> str:
         fast = UcxFactory(error_handling=False)
@@ -364,21 +385,7 @@ def _fast_lane_after_peer_death(conn: Connection) -> None:
 def test_without_error_handling_a_dead_peer_is_broken_not_an_abort() -> None:
     # In a child: without UCX error handling, libucp aborts the process that touches a
     # dead peer; the lane must refuse the op first.
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_fast_lane_after_peer_death, args=(child,))
-    proc.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not conn.poll(0.1):
-            assert proc.is_alive(), f"client died (exit code {proc.exitcode})"
-            assert time.monotonic() < deadline
-        assert conn.recv() == "broken"
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
+    assert _in_child(_fast_lane_after_peer_death) == "broken"
 
 
 def _close_memory_of_a_timed_out_write(conn: Connection) -> None:
@@ -412,18 +419,7 @@ def _close_memory_of_a_timed_out_write(conn: Connection) -> None:
 def test_closing_memory_under_a_timed_out_write_is_safe() -> None:
     """A UCX op that timed out still reads its memory; closing and freeing the region must
     not pull the memory from under it (this used to crash the process)."""
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_close_memory_of_a_timed_out_write, args=(child,))
-    proc.start()
-    try:
-        assert conn.poll(90), f"child died (exit code {proc.exitcode})"
-        assert conn.recv() in ("timed out", "completed")
-    finally:
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
+    assert _in_child(_close_memory_of_a_timed_out_write) in ("timed out", "completed")
 
 
 # -- progress -------------------------------------------------------------------------------
@@ -474,18 +470,7 @@ def _driver_under_foreign_ucxx(conn: Connection) -> None:
 
 
 def test_a_process_whose_ucxx_someone_else_started_keeps_its_progress() -> None:
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_driver_under_foreign_ucxx, args=(child,))
-    proc.start()
-    try:
-        assert conn.poll(60), f"child died (exit code {proc.exitcode})"
-        assert conn.recv() is False
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
+    assert _in_child(_driver_under_foreign_ucxx) is False
 
 
 @pytest.mark.gpu

@@ -65,6 +65,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <time.h>
 #include <sys/epoll.h>
 #include <ucp/api/ucp.h>
@@ -352,6 +353,7 @@ static void *tx_driver_main(void *arg)
             continue;
         }
         if (tx_now_ns() - busy < d->spin_ns) {
+            sched_yield();  /* polling, but never ahead of a thread that shares our core */
             continue;
         }
         ucs_status_t st = ucp_worker_arm(d->worker);

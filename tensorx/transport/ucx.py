@@ -116,6 +116,8 @@ class UcxFactory(LaneFactory):
         spin = os.environ.get("TENSORX_UCX_SPIN_US")
         if spin is not None:
             progress_spin_us = None if spin.lower() in ("", "none", "off") else float(spin)
+        if progress_spin_us and len(os.sched_getaffinity(0)) < 2:
+            progress_spin_us = 0.0  # one core: polling only delays the threads that share it
         self.driver = progress_spin_us is not None and _ucp.acquire_driver(
             self._ucp, self._ctx, int(progress_spin_us * 1000))
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
