@@ -142,13 +142,20 @@ async def check_no_leaks(owner: OwnerProcess, client: OwnerProcess,
     assert after["fds"] <= before["fds"], f"owner fds {before} -> {after}"
 
 
-async def test_slow_link_is_correct_and_a_short_timeout_fires(slow: TwoHosts,
-                                                              pair: Pair) -> None:
-    owner, client = pair
+async def setup(owner: OwnerProcess, client: OwnerProcess
+                ) -> tuple[RegionDescriptor, RegionDescriptor, dict[str, int], Any]:
+    """A 1 MiB and a 4 MiB region on the owner, its resources after one connection came
+    and went, and the client's endpoint for the test."""
     desc = await owner.export(MIB, seed=1)
     big = await owner.export(4 * MIB, seed=1)
     before = await baseline(owner, client, desc)
-    ep = await client.connect(owner.address)
+    return desc, big, before, await client.connect(owner.address)
+
+
+async def test_slow_link_is_correct_and_a_short_timeout_fires(slow: TwoHosts,
+                                                              pair: Pair) -> None:
+    owner, client = pair
+    desc, big, before, ep = await setup(owner, client)
     wrote = await ok(await client.transfer(ep, "write", desc, seed=2, timeout=10))
     assert wrote["elapsed"] > 0.8 * MIB * 8 / RATE, "the link is not slow: shaping failed"
     assert await owner.call("digest", desc.region_id) == digest(pattern(MIB, 2))
@@ -174,10 +181,7 @@ async def test_stalled_link_times_out_and_recovers_on_the_same_endpoint(slow: Tw
                                                                          pair: Pair) -> None:
     """Slow too: a 4 MiB write lasts ~0.84 s, long enough to cut it in the middle."""
     owner, client = pair
-    desc = await owner.export(MIB, seed=1)
-    big = await owner.export(4 * MIB, seed=1)
-    before = await baseline(owner, client, desc)
-    ep = await client.connect(owner.address)
+    desc, big, before, ep = await setup(owner, client)
     await ok(await client.transfer(ep, "write", desc, seed=2, timeout=10))
     cut = asyncio.create_task(client.transfer(ep, "write", big, seed=3, timeout=1.0))
     await asyncio.sleep(0.3)
