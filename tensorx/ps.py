@@ -31,10 +31,10 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tensorx._ps import protocol
+from tensorx._ps.answer import Peer, apply_in_parts, send_params
 from tensorx._ps.losses import LossWatch
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
@@ -65,16 +65,6 @@ if TYPE_CHECKING:
 __all__ = ["ParameterServer", "launcher_store"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Peer:
-    rank: int
-    ep: Endpoint
-    params: RegionDescriptor
-    step: int = 0
-    offered: bool = False  # we offered it our arenas in /dev/shm
-    mapped: bool = False   # it said it mapped them: its arena is ours, nothing to write
 
 
 class _Event(NamedTuple):
@@ -159,8 +149,8 @@ class ParameterServer:
         self.state: ShardState | None = None
         self._plan: TransferPlan | None = None
         self._plan_bytes = b""
-        self._peers: dict[Endpoint, _Peer] = {}
-        self._waiting: list[_Peer] = []    # said hello before the parameters were initialised
+        self._peers: dict[Endpoint, Peer] = {}
+        self._waiting: list[Peer] = []    # said hello before the parameters were initialised
         self._slot_descs: dict[int, RegionDescriptor] = {}
         self._header_descs: dict[int, bytes] = {}
         self._sparse: SparseReceiver | None = None
@@ -390,13 +380,13 @@ class ParameterServer:
 
     # -- handshake ------------------------------------------------------------------------
     async def _hello(self, ep: Endpoint, msg: dict[str, Any]) -> None:
-        self._check_hello(msg)
+        protocol.check_hello(msg, self.shard, self.num_shards, self.num_workers)
         self._check_plan(msg)
         assert self.state is not None
         rank = msg["rank"]
         for old in [e for e, p in self._peers.items() if p.rank == rank]:
             await self._leave(old, "replaced by a new connection")
-        peer = _Peer(rank, ep, RegionDescriptor.from_bytes(msg["params"]))
+        peer = Peer(rank, ep, RegionDescriptor.from_bytes(msg["params"]))
         self._peers[ep] = peer
         self.state.verify = self.state.verify or msg["verify"]
         if rank not in self._slot_descs:
@@ -433,27 +423,13 @@ class ParameterServer:
                         self.shard, rank, why)
         return not why
 
-    def _share_offer(self, peer: _Peer) -> dict[str, Any]:
+    def _share_offer(self, peer: Peer) -> dict[str, Any]:
         assert self.state is not None
         if not peer.offered:
             return {}
         return {"host": host_id(), "params": self.state.params_region.shared_name,
                 "slot": self.state.slot_region(peer.rank).shared_name,
                 "nbytes": self.state.layout.nbytes}
-
-    def _check_hello(self, msg: dict[str, Any]) -> None:
-        if msg["proto"] != protocol.PROTOCOL:
-            raise ProtocolError(f"worker speaks ps protocol {msg['proto']}, "
-                                f"this server {protocol.PROTOCOL}")
-        if (msg["shard"], msg["num_shards"]) != (self.shard, self.num_shards):
-            raise UsageError(f"worker thinks this is shard {msg['shard']} of "
-                             f"{msg['num_shards']}; it is shard {self.shard} of "
-                             f"{self.num_shards} (order the ps list by shard)")
-        if msg["num_workers"] != self.num_workers:
-            raise UsageError(f"worker says num_workers={msg['num_workers']}, "
-                             f"this server has {self.num_workers}")
-        if not 0 <= msg["rank"] < self.num_workers:
-            raise UsageError(f"rank {msg['rank']} outside 0..{self.num_workers - 1}")
 
     def _check_plan(self, msg: dict[str, Any]) -> None:
         if self._plan is None:
@@ -465,7 +441,7 @@ class ParameterServer:
             raise PlanMismatchError(f"plan fingerprint {msg['fingerprint']} differs from "
                                     f"{self._plan.fingerprint}")
 
-    async def _welcome(self, peer: _Peer) -> None:
+    async def _welcome(self, peer: Peer) -> None:
         assert self.state is not None
         try:
             # Written even when mapping is offered: the worker may yet fail to map and copy.
@@ -498,7 +474,7 @@ class ParameterServer:
                 ep, peer.rank, self.state.slot_region(peer.rank), self.timeout)
         await self._act(self.scheduler.push(peer.rank))
 
-    def _check_mapped(self, peer: _Peer, mapped: bool) -> None:
+    def _check_mapped(self, peer: Peer, mapped: bool) -> None:
         if mapped and not peer.offered:
             raise ProtocolError(f"rank {peer.rank} says it mapped this shard's arenas, "
                                 "which were not offered to it")
@@ -517,7 +493,8 @@ class ParameterServer:
             t0 = time.perf_counter()
             copies = [p for p in targets if not p.mapped]
             if copies and self.state.num_parts > 1:
-                sending = await self._apply_in_parts(decision.apply, copies)
+                sending = await apply_in_parts(self.state, decision.apply, copies,
+                                               self.timeout)
             else:
                 self.state.apply(decision.apply)
             self.stats["apply_s"] += self.timings.apply.since(t0)
@@ -529,46 +506,13 @@ class ParameterServer:
         await asyncio.gather(*(self._send_params(p, sending.get(p.rank)) for p in targets))
         self.stats["send_s"] += self.timings.sent(t0, len(targets))
 
-    async def _apply_in_parts(self, ranks: list[int], copies: list[_Peer]
-                              ) -> dict[int, list[asyncio.Future[None]]]:
-        """Apply the update part by part (in a thread: torch releases the GIL) and start
-        writing each finished part to ``copies`` while the next one is computed; all but the
-        last part, which :meth:`_send_params` sends with the notification."""
-        assert self.state is not None
-        sending: dict[int, list[asyncio.Future[None]]] = {p.rank: [] for p in copies}
-        last = self.state.num_parts - 1
-        for k in range(last + 1):
-            await asyncio.to_thread(self.state.apply_part, ranks, k)
-            if k == last:
-                break
-            off, nbytes = self.state.part_bytes(k)
-            for peer in copies:
-                sending[peer.rank].append(asyncio.ensure_future(peer.ep.write(
-                    self.state.params_region, peer.params, off, off, nbytes,
-                    timeout=self.timeout)))
-        self.state.finish_update()
-        return sending
-
-    async def _send_params(self, peer: _Peer,
+    async def _send_params(self, peer: Peer,
                            sent: list[asyncio.Future[None]] | None = None) -> None:
-        """The new parameters (or, after :meth:`_apply_in_parts`, their last part) and the
-        notification that travels with them, ordered after every part sent before."""
         assert self.state is not None
+        msg = protocol.encode("params", version=self.state.version, step=peer.step,
+                              checksum=self.state.checksum())
         try:
-            msg = protocol.encode("params", version=self.state.version, step=peer.step,
-                                  checksum=self.state.checksum())
-            ops: list[tuple[Any, ...]] = []
-            if sent is not None:
-                off, nbytes = self.state.part_bytes(self.state.num_parts - 1)
-                ops = [(self.state.params_region, peer.params, off, off, nbytes)]
-            elif not peer.mapped:  # a mapped worker's model is our arena already
-                ops = [(self.state.params_region, peer.params)]
-            results = await asyncio.gather(
-                peer.ep.write_many(ops, notify=msg, timeout=self.timeout), *(sent or []),
-                return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
+            await send_params(self.state, peer, msg, sent, self.timeout)
         except TensorxError as exc:
             logger.warning("ps shard %d: lost rank %d: %s", self.shard, peer.rank, exc)
             self._events.put_nowait(_Event("gone", peer.ep))

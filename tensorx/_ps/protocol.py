@@ -22,9 +22,10 @@ from typing import Any
 
 import msgpack
 
-from tensorx.errors import ProtocolError
+from tensorx.errors import ProtocolError, UsageError
 
-__all__ = ["MAX_CONTROL", "PROTOCOL", "SHARE_OFFER", "decode", "encode", "share_offer"]
+__all__ = ["MAX_CONTROL", "PROTOCOL", "SHARE_OFFER", "check_hello", "decode", "encode",
+           "share_offer"]
 
 PROTOCOL = 2
 MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
@@ -67,6 +68,22 @@ def share_offer(welcome: dict[str, Any]) -> dict[str, Any] | None:
             for k, t in SHARE_OFFER.items()) or offer["nbytes"] < 0:
         raise ProtocolError(f"welcome message: malformed share offer {offer!r}")
     return dict(offer)
+
+
+def check_hello(msg: dict[str, Any], shard: int, num_shards: int, num_workers: int) -> None:
+    """A decoded hello agrees with this shard (ProtocolError, or UsageError for a worker
+    started with other settings)."""
+    if msg["proto"] != PROTOCOL:
+        raise ProtocolError(f"worker speaks ps protocol {msg['proto']}, this server {PROTOCOL}")
+    if (msg["shard"], msg["num_shards"]) != (shard, num_shards):
+        raise UsageError(f"worker thinks this is shard {msg['shard']} of "
+                         f"{msg['num_shards']}; it is shard {shard} of "
+                         f"{num_shards} (order the ps list by shard)")
+    if msg["num_workers"] != num_workers:
+        raise UsageError(f"worker says num_workers={msg['num_workers']}, "
+                         f"this server has {num_workers}")
+    if not 0 <= msg["rank"] < num_workers:
+        raise UsageError(f"rank {msg['rank']} outside 0..{num_workers - 1}")
 
 
 def encode(kind: str, **fields: Any) -> bytes:
