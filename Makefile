@@ -3,9 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 EXTRAS := torch,ucx,examples,metrics,bench,dev
 
-.PHONY: demo test test-slow lint bench env clean
+.PHONY: demo test test-slow lint bench docs env clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,12 +27,20 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check tensorx tests benchmarks examples
+	$(BIN)/ruff check tensorx tests benchmarks examples docs/_ext
 	$(BIN)/mypy
+
+# The documentation site (mkdocs.yml), strict: a broken link or unreadable docstring fails.
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[docs]"
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/transfer.py --sizes 64K,16M,64M
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

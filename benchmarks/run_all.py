@@ -1,7 +1,7 @@
 """Everything ``make bench`` runs: PS rounds (both placements) and training throughput.
 
-Writes ``OUT/performance.md`` (machine line, tables, target checks: the README's
-Performance section is pasted from it) and ``OUT/ps_round.png``; every number in it comes
+Writes ``OUT/performance.md`` (machine line, tables, target checks: docs/performance.md
+is pasted from it) and ``OUT/ps_round.png``; every number in it comes
 from this one run.
 
     python benchmarks/run_all.py                 # about 9 minutes on 2 cores

@@ -1,0 +1,189 @@
+"""Every ``python`` code block in README.md and docs/*.md runs, in its own processes.
+
+An HTML comment on the line before a block says how (see docs/development.md):
+
+* none: the block is a script, run in a fresh interpreter;
+* ``<!-- docs-test: server -->``: first start the ``tensorx ps`` command of the nearest
+  ``sh`` block above it, on a free loopback port; the block's ``tcp://127.0.0.1:7000`` is
+  replaced by the address the server printed, and the server must then stop cleanly;
+* ``<!-- docs-test: torchrun N -->``: run the block under ``torchrun --nproc-per-node N``;
+* ``<!-- docs-test: skip REASON -->``: an illustration, not run (it must still compile).
+
+A block that raises, exits non-zero or hangs fails its test.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\S*)\s*$")
+MARKER = re.compile(r"^<!--\s*docs-test:\s*(\w+)\s*(.*?)\s*-->$")
+PLACEHOLDER = "tcp://127.0.0.1:7000"
+MODES = ("script", "server", "torchrun", "skip")
+BLOCK_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int              # 1-based line of the opening fence
+    lang: str
+    code: str
+    mode: str              # one of MODES
+    arg: str               # the marker's argument (reason, process count)
+    server: str | None     # the `tensorx ps` command a "server" block needs
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def parse(path: Path) -> list[Block]:
+    """The fenced blocks of one Markdown file, each with the marker just before it."""
+    lines = path.read_text().splitlines()
+    blocks: list[Block] = []
+    last_ps: str | None = None
+    i = 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if fence is None:
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
+        assert end is not None, f"{path.name}:{i + 1}: unclosed code block"
+        code = "\n".join(lines[i + 1:end]) + "\n"
+        mode, arg = _marker(lines, i)
+        if fence.group(1) == "sh":
+            last_ps = _ps_command(code) or last_ps
+        blocks.append(Block(path, i + 1, fence.group(1), code, mode, arg,
+                            last_ps if mode == "server" else None))
+        i = end + 1
+    return blocks
+
+
+def _marker(lines: list[str], fence: int) -> tuple[str, str]:
+    before = fence - 1
+    while before >= 0 and not lines[before].strip():
+        before -= 1
+    found = MARKER.match(lines[before].strip()) if before >= 0 else None
+    return (found.group(1), found.group(2)) if found else ("script", "")
+
+
+def _ps_command(code: str) -> str | None:
+    joined = code.replace("\\\n", " ")
+    return next((line.strip() for line in joined.splitlines()
+                 if line.strip().startswith("tensorx ps ")), None)
+
+
+ALL = [b for path in DOCUMENTS for b in parse(path)]
+PYTHON = [b for b in ALL if b.lang == "python"]
+RUN = [b for b in PYTHON if b.mode != "skip"]
+
+
+def test_the_documents_have_blocks_to_run() -> None:
+    assert {b.path.name for b in RUN} >= {"README.md", "getting-started.md", "porting.md"}
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.id)
+def test_every_python_block_is_marked_well_and_compiles(block: Block) -> None:
+    assert block.mode in MODES, f"{block.id}: unknown docs-test marker {block.mode!r}"
+    if block.mode == "skip":
+        assert block.arg, f"{block.id}: a skipped block says why"
+    if block.mode == "server":
+        assert block.server is not None, f"{block.id}: no `tensorx ps` sh block above it"
+        assert PLACEHOLDER in block.code, f"{block.id}: does not connect to {PLACEHOLDER}"
+    compile(block.code, block.id, "exec")
+
+
+@pytest.mark.timeout(3 * BLOCK_TIMEOUT)
+@pytest.mark.parametrize("block", RUN, ids=lambda b: b.id)
+def test_python_block_runs(block: Block, tmp_path: Path) -> None:
+    script = tmp_path / "block.py"
+    if block.mode == "server":
+        assert block.server is not None
+        with _Server(block.server) as address:
+            script.write_text(block.code.replace(PLACEHOLDER, address))
+            _run([sys.executable, str(script)], tmp_path, block)
+    elif block.mode == "torchrun":
+        script.write_text(block.code)
+        _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+              "--nproc-per-node", block.arg or "2", str(script)], tmp_path, block)
+    else:
+        script.write_text(block.code)
+        _run([sys.executable, str(script)], tmp_path, block)
+
+
+def _run(argv: list[str], cwd: Path, block: Block) -> None:
+    try:
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True,
+                              timeout=BLOCK_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired as exc:
+        output = [o.decode() if isinstance(o, bytes) else o or "" for o in (exc.stdout, exc.stderr)]
+        pytest.fail(f"{block.id} did not finish within {BLOCK_TIMEOUT} s:\n" + "\n".join(output))
+    assert done.returncode == 0, (f"{block.id} exited {done.returncode}:\n{done.stdout}\n"
+                                  f"{done.stderr}")
+
+
+class _Server:
+    """The block's ``tensorx ps`` command, on a free loopback port, for one test."""
+
+    def __init__(self, command: str) -> None:
+        args = shlex.split(command)[2:]
+        if "--listen" in args:
+            del args[args.index("--listen"):args.index("--listen") + 2]
+        self.argv = [sys.executable, "-m", "tensorx.cli", "ps", "--listen",
+                     "tcp://127.0.0.1:0", "--log-level", "WARNING", *args]
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> str:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        first: list[str] = []
+        reader = threading.Thread(target=lambda: first.append(self._stdout().readline()),
+                                  daemon=True)
+        reader.start()
+        reader.join(BLOCK_TIMEOUT)
+        line = first[0] if first else ""
+        if "listening on" not in line:
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=30)
+            pytest.fail(f"{shlex.join(self.argv)} did not start: {line!r}\n{err}")
+        return line.split()[-1]
+
+    def _stdout(self) -> Any:
+        assert self.proc is not None and self.proc.stdout is not None
+        return self.proc.stdout
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate(timeout=30)
+            pytest.fail("tensorx ps did not stop within 30 s of SIGTERM")
+        if exc[0] is None:
+            assert self.proc.returncode == 0, f"tensorx ps exited {self.proc.returncode}:\n{err}"
+
+
+def test_readme_links_resolve() -> None:
+    """README's relative links (to docs/*.md, so that they work on GitHub) name real files."""
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if "://" not in t]
+    assert local, "README links to the docs"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"
