@@ -36,14 +36,15 @@ _LAZY = {
     "PlanEntry": "tensorx.graph_analyzer",
     "TransferPlan": "tensorx.graph_analyzer",
     "ParameterServer": "tensorx.ps",
-    "RemoteOptimizer": "tensorx.worker",
+    "RemoteOptimizer": "tensorx.remote_optimizer",
     "Worker": "tensorx.worker",
 }
 
 if TYPE_CHECKING:
     from tensorx.graph_analyzer import GraphAnalyzer, PlanEntry, TransferPlan
     from tensorx.ps import ParameterServer
-    from tensorx.worker import RemoteOptimizer, Worker
+    from tensorx.remote_optimizer import RemoteOptimizer
+    from tensorx.worker import Worker
 
 
 def __getattr__(name: str) -> Any:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from tensorx._ps import protocol
 from tensorx._ps.answer import Peer, apply_in_parts, send_params
 from tensorx._ps.losses import LossWatch
+from tensorx._ps.optim_service import OptimService
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
 from tensorx._ps.schedule import MODES, Decision, Scheduler
@@ -154,6 +155,7 @@ class ParameterServer:
         self._slot_descs: dict[int, RegionDescriptor] = {}
         self._header_descs: dict[int, bytes] = {}
         self._sparse: SparseReceiver | None = None
+        self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
@@ -367,6 +369,8 @@ class ParameterServer:
             await self._push(ep, msg)
         elif kind == "bye":
             await self._leave(ep, "left")
+        elif kind in ("state_get", "state_done", "state_put"):
+            await self._optim_request(ep, kind, msg)
         else:
             raise ProtocolError(f"unexpected {kind!r} message from a worker")
 
@@ -377,6 +381,16 @@ class ParameterServer:
                             timeout=self.timeout)
         if ep in self._peers:
             await self._leave(ep, f"refused ({type(exc).__name__})")
+
+    async def _optim_request(self, ep: Endpoint, kind: str, msg: dict[str, Any]) -> None:
+        if ep not in self._peers or self.state is None or not self._initialised:
+            raise ProtocolError(f"{kind} before a completed handshake")
+        if kind == "state_get":
+            await self.optim.lend(ep, self.state, self.timeout)
+        elif kind == "state_done":
+            self.optim.returned(ep)
+        else:
+            await self.optim.load(ep, msg, self.state, self.timeout)
 
     # -- handshake ------------------------------------------------------------------------
     async def _hello(self, ep: Endpoint, msg: dict[str, Any]) -> None:
@@ -449,7 +463,7 @@ class ParameterServer:
                 "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
                 headers=self._header_descs[peer.rank], version=self.state.version,
                 mode=self.mode, checksum=self.state.checksum(),
-                share=self._share_offer(peer)),
+                share=self._share_offer(peer), optim=self.optim.welcome(peer.ep, self.state)),
                 timeout=self.timeout)
         except TensorxError as exc:
             logger.warning("ps shard %d: lost rank %d at welcome: %s", self.shard, peer.rank, exc)
@@ -463,6 +477,7 @@ class ParameterServer:
         if peer is None or self.state is None or not self._initialised:
             raise ProtocolError("push before a completed handshake")
         self._check_mapped(peer, msg["mapped"])
+        self.optim.pushed(peer.rank, msg["hyper"], self.state)
         peer.step = msg["step"]
         self.stats["pushes"] += 1
         lag = self.state.version - msg["version"]
@@ -491,6 +506,7 @@ class ParameterServer:
         if decision.apply:
             self.stats["barrier_s"] += self.timings.barrier_done()
             t0 = time.perf_counter()
+            self.optim.before_update(decision.apply, self.state)
             copies = [p for p in targets if not p.mapped]
             if copies and self.state.num_parts > 1:
                 sending = await apply_in_parts(self.state, decision.apply, copies,
@@ -510,7 +526,8 @@ class ParameterServer:
                            sent: list[asyncio.Future[None]] | None = None) -> None:
         assert self.state is not None
         msg = protocol.encode("params", version=self.state.version, step=peer.step,
-                              checksum=self.state.checksum())
+                              checksum=self.state.checksum(),
+                              hyper=self.optim.answer(peer.ep, self.state))
         try:
             await send_params(self.state, peer, msg, sent, self.timeout)
         except TensorxError as exc:
@@ -519,6 +536,7 @@ class ParameterServer:
 
     async def _leave(self, ep: Endpoint, why: str) -> None:
         peer = self._peers.pop(ep, None)
+        self.optim.forget(ep, None if peer is None else peer.rank)
         if peer is None:
             with contextlib.suppress(TensorxError):
                 await ep.aclose()  # a refused or half-joined peer: release its connection

@@ -10,17 +10,16 @@ shards write fresh parameters straight into the module::
 On the shards' own host, in sync mode, the arenas are the shards' memory itself (mapped
 from /dev/shm, see :mod:`tensorx._ps.shared`) and a step only exchanges notifications.
 
-:class:`RemoteOptimizer` is the blocking facade for ordinary PyTorch loops.
+:class:`tensorx.RemoteOptimizer` (:mod:`tensorx.remote_optimizer`) is the blocking
+``torch.optim.Optimizer`` facade for ordinary PyTorch loops.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
 import random
-import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
@@ -28,8 +27,9 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import protocol
+from tensorx._ps import optim_state, protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
+from tensorx._ps.hyper import snapshot as hyper_snapshot
 from tensorx._ps.shared import SharedArenas
 from tensorx._ps.sparse import SparseSender, dynamic_path_ok
 from tensorx._ps.stats import WorkerTimings
@@ -48,7 +48,7 @@ from tensorx.errors import (
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
-__all__ = ["RemoteOptimizer", "Worker", "ps_addresses"]
+__all__ = ["Worker", "ps_addresses"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ class Worker:
         self.version = [0] * len(self.addresses)
         self.steps = 0
         self.mode = ""
+        self.optim: list[dict[str, Any]] = []        # per shard: its optimizer, at welcome
+        self.hyper: list[list[dict[str, Any]]] = []  # per shard: group values it last told us
         self._eps: list[Endpoint] = []
         self._slots: list[RegionDescriptor] = []
         self._headers: list[bytes] = []
@@ -170,6 +172,8 @@ class Worker:
                                         self.model, self._write_bucket,
                                         asyncio.get_running_loop(), self._overlap)
         self.mode = welcomes[0]["mode"]
+        self.optim = [protocol.optim_info(w) for w in welcomes]
+        self.hyper = [hyper_snapshot([g["hp"] for g in o["groups"]]) for o in self.optim]
         for s, w in enumerate(welcomes):
             self._accept_params(s, w)
         assert self._shared is not None
@@ -270,11 +274,13 @@ class Worker:
         await self.aclose()
 
     # -- steps ----------------------------------------------------------------------------
-    async def step(self) -> None:
-        """Push this step's gradients, wait as the mode requires, pull fresh parameters."""
+    async def step(self, hyper: list[dict[str, Any]] | None = None) -> None:
+        """Push this step's gradients, wait as the mode requires, pull fresh parameters.
+        ``hyper``: per param group, hyperparameters to change before this step's update (see
+        :mod:`tensorx._ps.hyper`; :class:`RemoteOptimizer` computes them)."""
         t0 = time.perf_counter()
         try:
-            await self.push()
+            await self.push(hyper)
             t1 = time.perf_counter()
             await self.pull()
         except (BrokenError, TimeoutError) as exc:
@@ -287,7 +293,7 @@ class Worker:
         self.stats["steps"] += 1
         self.timings.step_done(t0, t1)
 
-    async def push(self) -> None:
+    async def push(self, hyper: list[dict[str, Any]] | None = None) -> None:
         """Write every gradient bucket not yet written into our slots, then notify."""
         if self._pusher is None:
             raise UsageError("the worker is not started; use 'async with Worker(...)'")
@@ -297,7 +303,7 @@ class Worker:
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("re-bound %s to the arenas (copied once)", ", ".join(copied))
         rest = await self._pusher.settle()
-        await asyncio.gather(*(self._push(s, [b for b in rest if b.shard == s])
+        await asyncio.gather(*(self._push(s, [b for b in rest if b.shard == s], hyper or [])
                                for s in range(self.num_shards)))
 
     def _mapped(self, shard: int) -> bool:
@@ -314,7 +320,7 @@ class Worker:
             await self._eps[bucket.shard].write_many([self._bucket_op(bucket)],
                                                      timeout=self.timeout)
 
-    async def _push(self, shard: int, rest: list[Bucket]) -> None:
+    async def _push(self, shard: int, rest: list[Bucket], hyper: list[dict[str, Any]]) -> None:
         """Write what is left of this step's gradient for ``shard`` and tell it, in one go:
         the push notification travels with the data (never ahead of it)."""
         ops = [] if self._mapped(shard) else [self._bucket_op(b) for b in rest]
@@ -323,7 +329,8 @@ class Worker:
             staging = self._sparse.stage(shard)
             ops.append((self._region(shard, "headers"), self._headers[shard]))
         msg = protocol.encode("push", step=self.steps, version=self.version[shard],
-                              staging=staging, mapped=self._mapped(shard))
+                              staging=staging, mapped=self._mapped(shard),
+                              hyper=hyper if self.optim[shard]["groups"] else [])
         with self._naming(shard):
             await self._eps[shard].write_many(ops, notify=msg, timeout=self.timeout)
 
@@ -372,6 +379,8 @@ class Worker:
 
     def _accept_params(self, shard: int, msg: dict[str, Any]) -> None:
         self.version[shard] = msg["version"]
+        if msg.get("hyper"):
+            self._heard(shard, msg["hyper"])
         expected = msg["checksum"]
         if self.verify and expected is not None:
             region = self._region(shard, "params")
@@ -380,6 +389,60 @@ class Worker:
             if got != expected:
                 raise ProtocolError(f"shard {shard}: parameters of version {msg['version']} "
                                     f"fail their checksum ({got:#x} != {expected:#x})")
+
+    def _heard(self, shard: int, values: Any) -> None:
+        if not isinstance(values, list) or len(values) != len(self.hyper[shard]) or \
+                not all(isinstance(g, dict) for g in values):
+            raise ProtocolError(f"shard {shard} sent hyperparameters for {len(values)} groups; "
+                                f"its optimizer has {len(self.hyper[shard])}")
+        self.hyper[shard] = hyper_snapshot(values)
+
+    # -- optimizer state (RemoteOptimizer.state_dict / load_state_dict) -------------------
+    async def fetch_optimizer_state(self) -> list[tuple[dict[str, Any], optim_state.State]]:
+        """Every shard's optimizer state: (manifest, state by entry label) per shard."""
+        return list(await asyncio.gather(*(self._fetch_state(s)
+                                           for s in range(self.num_shards))))
+
+    async def _fetch_state(self, shard: int) -> tuple[dict[str, Any], optim_state.State]:
+        ep = self._eps[shard]
+        with self._naming(shard):
+            await ep.notify(protocol.encode("state_get"), timeout=self.timeout)
+            msg = await self._expect(shard, "state")
+            desc = RegionDescriptor.from_bytes(msg["region"])
+            numels = {e.label: e.numel for e in self.plan.shard_entries(shard)}
+            optim_state.check_manifest(msg["manifest"], numels, desc.nbytes)
+            region = MemoryRegion.allocate(desc.nbytes)
+            try:
+                await ep.read(region, desc, timeout=self.timeout)
+                state = optim_state.unpack(msg["manifest"], region)
+            finally:
+                region.close()
+            await ep.notify(protocol.encode("state_done"), timeout=self.timeout)
+        return msg["manifest"], state
+
+    async def load_optimizer_state(self, hps: list[dict[str, Any]],
+                                   states: list[optim_state.State]) -> None:
+        """Load ``states[s]`` (by entry label) into shard ``s``'s optimizer, with the groups'
+        hyperparameters ``hps``."""
+        await asyncio.gather(*(self._load_state(s, hps, states[s])
+                               for s in range(self.num_shards)))
+
+    async def _load_state(self, shard: int, hps: list[dict[str, Any]],
+                          state: optim_state.State) -> None:
+        ep = self._eps[shard]
+        packed = optim_state.pack(state)
+        groups = [{"hp": hp, "params": []} for hp in hps] if self.optim[shard]["groups"] else []
+        region = packed.region()
+        try:
+            desc = self.node.export(region, access="r")
+            with self._naming(shard):
+                await ep.notify(protocol.encode("state_put", manifest=packed.manifest(groups),
+                                                region=desc.to_bytes()), timeout=self.timeout)
+                msg = await self._expect(shard, "state_loaded")
+        finally:
+            region.close()
+        if self.hyper[shard]:
+            self._heard(shard, msg["hyper"])
 
     async def _expect(self, shard: int, kind: str) -> dict[str, Any]:
         try:
@@ -425,72 +488,9 @@ def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None)
     return lookup(store if store is not None else connect_store(timeout), num_shards, timeout)
 
 
-class RemoteOptimizer:
-    """A blocking, optimizer-like facade over :class:`Worker` for ordinary PyTorch loops::
+def __getattr__(name: str) -> Any:
+    if name == "RemoteOptimizer":  # it lives in its own module, which imports this one
+        from tensorx.remote_optimizer import RemoteOptimizer
 
-        opt = RemoteOptimizer(model, ps=["tcp://h:7000"], rank=0, num_workers=2)
-        for x, y in data:
-            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
-
-    The optimizer itself (and its learning-rate schedule) runs on the server. The worker
-    runs on a background event loop, so gradient buckets leave during backward; ``step``
-    blocks until fresh parameters are in the model. Close it (or use ``with``) to leave the
-    server cleanly; a forgotten one is closed at interpreter exit.
-    """
-
-    def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
-                 num_workers: int = 1, **options: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name=f"tensorx-worker-{rank}")
-        self._thread.start()
-        self.worker = Worker(model, ps, rank, num_workers, **options)
-        try:
-            self._call(self.worker.start())
-        except BaseException:
-            self._stop_loop()
-            raise
-        atexit.register(self.close)
-
-    def _call(self, coro: Any) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result()
-
-    def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
-        self._call(self.worker.step())
-        return loss
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        self.worker.zero_grad()
-
-    def close(self) -> None:
-        """Leave the server and stop the background loop. Idempotent."""
-        if self._loop.is_closed():
-            return
-        atexit.unregister(self.close)
-        try:
-            self._call(self.worker.aclose())
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        with contextlib.suppress(Exception):
-            self._call(_cancel_leftovers())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
-
-    def __enter__(self) -> RemoteOptimizer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-async def _cancel_leftovers() -> None:
-    """Cancel and await every other task on this loop (transport loops included)."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+        return RemoteOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,9 +25,9 @@ import msgpack
 from tensorx.errors import ProtocolError, UsageError
 
 __all__ = ["MAX_CONTROL", "PROTOCOL", "SHARE_OFFER", "check_hello", "decode", "encode",
-           "share_offer"]
+           "optim_info", "share_offer"]
 
-PROTOCOL = 2
+PROTOCOL = 3
 MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
 
 _OPT_INT = (int, type(None))
@@ -39,17 +39,31 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
               "share": bool},
     # shard -> worker: your gradient slot; your arena now holds parameters `version`
     # (and, with sparse tensors, your header region for the dynamic path; else b"");
-    # `share`: {} or the offer to map (see SHARE_OFFER)
+    # `share`: {} or the offer to map (see SHARE_OFFER); `optim`: this shard's optimizer,
+    # {"defaults": {hyperparameters}, "groups": [{"hp": {...}, "params": [labels]}]}
     "welcome": {"slot": bytes, "headers": bytes, "version": int, "mode": str,
-                "checksum": _OPT_INT, "share": dict},
+                "checksum": _OPT_INT, "share": dict, "optim": dict},
     # shard -> worker: the handshake or a step failed; `code` names the error class
     "error": {"code": str, "msg": str},
     # worker -> shard: my slot holds the gradient of my step `step`, computed on `version`;
     # `staging`: {tensor name: descriptor} of sparse staging regions that are new;
-    # `mapped`: my slot and arena are the ones you offered, nothing was (or is to be) written
-    "push": {"step": int, "version": int, "staging": dict, "mapped": bool},
-    # shard -> worker: your arena now holds parameters `version` (checksum if asked)
-    "params": {"version": int, "step": int, "checksum": _OPT_INT},
+    # `mapped`: my slot and arena are the ones you offered, nothing was (or is to be) written;
+    # `hyper`: per param group, the hyperparameters I changed for this update ([]: none;
+    # see tensorx._ps.hyper)
+    "push": {"step": int, "version": int, "staging": dict, "mapped": bool, "hyper": list},
+    # shard -> worker: your arena now holds parameters `version` (checksum if asked);
+    # `hyper`: the groups' hyperparameters now, when they changed since I last told you
+    "params": {"version": int, "step": int, "checksum": _OPT_INT, "hyper": list},
+    # worker -> shard: lend me your optimizer's state (see tensorx._ps.optim_state)
+    "state_get": {},
+    # shard -> worker: it is packed in `region` (readable by you), laid out as `manifest`
+    "state": {"manifest": dict, "region": bytes},
+    # worker -> shard: I have read it; free the region
+    "state_done": {},
+    # worker -> shard: load the optimizer state packed in my `region`, laid out as `manifest`
+    "state_put": {"manifest": dict, "region": bytes},
+    # shard -> worker: loaded; `hyper`: the groups' hyperparameters now
+    "state_loaded": {"hyper": list},
     # worker -> shard: I am leaving
     "bye": {},
 }
@@ -68,6 +82,20 @@ def share_offer(welcome: dict[str, Any]) -> dict[str, Any] | None:
             for k, t in SHARE_OFFER.items()) or offer["nbytes"] < 0:
         raise ProtocolError(f"welcome message: malformed share offer {offer!r}")
     return dict(offer)
+
+
+def optim_info(welcome: dict[str, Any]) -> dict[str, Any]:
+    """The welcome's description of the shard's optimizer, checked (groups may be [] for a
+    shard without parameters)."""
+    info = welcome["optim"]
+    groups = info.get("groups")
+    if set(info) != {"defaults", "groups"} or not isinstance(info["defaults"], dict) \
+            or not isinstance(groups, list) or not all(
+                isinstance(g, dict) and set(g) == {"hp", "params"} and isinstance(g["hp"], dict)
+                and isinstance(g["params"], list)
+                and all(isinstance(n, str) for n in g["params"]) for g in groups):
+        raise ProtocolError("welcome message: malformed optimizer description")
+    return dict(info)
 
 
 def check_hello(msg: dict[str, Any], shard: int, num_shards: int, num_workers: int) -> None:

@@ -218,6 +218,13 @@ class ShardState:
             self._checksum = checksum(self.params_region)
         return self._checksum
 
+    def param_labels(self) -> dict[int, str] | None:
+        """``id(param)`` -> entry label for the optimizer's parameters; None when flat (a
+        parameter covers several entries)."""
+        if self.flat:
+            return None
+        return {id(p): s.key for p, s in zip(self.params, self.layout.slots, strict=True)}
+
     def load_params(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for slot, view in zip(self.layout.slots, self.views, strict=True):
