@@ -163,8 +163,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         docstring)."""
         self.worker.zero_grad()
 
+    def _check_portable(self) -> None:
+        if any(o["flat"] for o in self.worker.optim):
+            raise UsageError("the optimizer state of a flat=True server cannot be transferred "
+                             "(its parameters span several tensors); run it with flat=False")
+
     def state_dict(self) -> dict[str, Any]:
         """The server's optimizer state, gathered from every shard, in torch's format."""
+        self._check_portable()
         fetched = self._call(self.worker.fetch_optimizer_state())
         by_label: State = {}
         for _, state in fetched:
@@ -202,6 +208,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Check ``state_dict`` as torch does, then load it into every shard's optimizer."""
+        self._check_portable()
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(saved, list) or not isinstance(state_dict.get("state"), dict):
             raise UsageError("not an optimizer state_dict (needs 'state' and 'param_groups')")

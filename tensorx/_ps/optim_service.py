@@ -45,11 +45,12 @@ class OptimService:
         opt = state.optimizer
         if opt is None:
             self._seen[ep] = []
-            return {"defaults": {}, "groups": []}
+            return {"defaults": {}, "groups": [], "flat": False}
         groups = optim_state.groups_of(opt, state.param_labels(),
                                        [s.key for s in state.layout.slots])
         self._seen[ep] = [g["hp"] for g in groups]
-        return {"defaults": hyper.snapshot([opt.defaults])[0], "groups": groups}
+        return {"defaults": hyper.snapshot([opt.defaults])[0], "groups": groups,
+                "flat": state.param_labels() is None}
 
     def pushed(self, rank: int, sent: Any, state: Any) -> None:
         """Keep ``rank``'s changes for the update its push takes part in."""

@@ -40,7 +40,8 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # shard -> worker: your gradient slot; your arena now holds parameters `version`
     # (and, with sparse tensors, your header region for the dynamic path; else b"");
     # `share`: {} or the offer to map (see SHARE_OFFER); `optim`: this shard's optimizer,
-    # {"defaults": {hyperparameters}, "groups": [{"hp": {...}, "params": [labels]}]}
+    # {"defaults": {hyperparameters}, "groups": [{"hp": {...}, "params": [labels]}],
+    #  "flat": its parameters span several entries (no state transfer)}
     "welcome": {"slot": bytes, "headers": bytes, "version": int, "mode": str,
                 "checksum": _OPT_INT, "share": dict, "optim": dict},
     # shard -> worker: the handshake or a step failed; `code` names the error class
@@ -89,7 +90,8 @@ def optim_info(welcome: dict[str, Any]) -> dict[str, Any]:
     shard without parameters)."""
     info = welcome["optim"]
     groups = info.get("groups")
-    if set(info) != {"defaults", "groups"} or not isinstance(info["defaults"], dict) \
+    if set(info) != {"defaults", "groups", "flat"} or not isinstance(info["flat"], bool) \
+            or not isinstance(info["defaults"], dict) \
             or not isinstance(groups, list) or not all(
                 isinstance(g, dict) and set(g) == {"hp", "params"} and isinstance(g["hp"], dict)
                 and isinstance(g["params"], list)

@@ -1,0 +1,333 @@
+"""RemoteOptimizer behaves as a torch.optim.Optimizer: groups, schedules, state, errors.
+
+Two workers in threads (RemoteOptimizer blocks), against real shards on a background loop;
+every result is compared with the same torch optimizer in one process on the union batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tensorx._ps import hyper, optim_state
+from tensorx.errors import ProtocolError, UsageError
+from tensorx.ps import ParameterServer
+from tensorx.remote_optimizer import RemoteOptimizer
+
+from .conftest import HAVE_UCX
+
+Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+UCX = pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")
+# the defaults (tcp, same-host mapping) and bytes really crossing tcp and ucx
+LINKS = [pytest.param("tcp", True, id="tcp"),
+         pytest.param("tcp", False, id="tcp-copy"),
+         pytest.param("ucx", False, id="ucx-copy", marks=[pytest.mark.ucx, UCX])]
+
+
+def adamw_groups(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Weight decay for the weight matrices only (told apart by size: the same rule on the
+    server's views and on the model)."""
+    decay = [p for p in params if p.numel() > 16]
+    rest = [p for p in params if p.numel() <= 16]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": rest, "weight_decay": 0.0}], lr=0.02,
+                             betas=(0.9, 0.95))
+
+
+def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.5)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batches(steps: int, workers: int = 2) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(7)
+    return [[(torch.randn(4, 8, generator=gen), torch.randint(0, 3, (4,), generator=gen))
+             for _ in range(workers)] for _ in range(steps)]
+
+
+@contextlib.contextmanager
+def serving(num_shards: int, num_workers: int, **kw: Any) -> Iterator[list[str]]:
+    """``num_shards`` real shards on a background event loop; yields their addresses."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
+    shards: list[ParameterServer] = []
+    try:
+        for s in range(num_shards):
+            ps = ParameterServer("tcp://127.0.0.1:0", num_workers=num_workers, shard=s,
+                                 num_shards=num_shards, log_every=None, **kw)
+            shards.append(ps)
+            run(ps.start())
+        yield [ps.address for ps in shards]
+    finally:
+        for ps in shards:
+            run(ps.aclose())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def on_ranks(fn: Callable[[int], Any], n: int = 2) -> list[Any]:
+    """``fn(rank)`` for every rank, each in its own thread; the first error is raised."""
+    out: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+Hook = Callable[[torch.optim.Optimizer, int, int], None]  # (optimizer, step, rank)
+
+
+def loop(opt: torch.optim.Optimizer, model: nn.Module, data: list[Any], rank: int,
+         hook: Hook | None = None, sched: Any = None) -> None:
+    for i, step in enumerate(data):
+        x, y = step[rank] if rank >= 0 else (torch.cat([b[0] for b in step]),
+                                             torch.cat([b[1] for b in step]))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if hook is not None:
+            hook(opt, i, rank)
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def local(factory: Factory, data: list[Any], hook: Hook | None = None,
+          schedule: Callable[[Any], Any] | None = None,
+          model: nn.Module | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """One process on the union batch: what two sync workers must equal."""
+    model = model or make_model()
+    opt = factory(list(model.parameters()))  # type: ignore[arg-type]
+    loop(opt, model, data, -1, hook, schedule(opt) if schedule else None)
+    return model, opt
+
+
+def close(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+SCHEDULES: dict[str, Callable[[Any], Any]] = {
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 4)),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6,
+                                                                     eta_min=1e-3),
+}
+
+
+@pytest.mark.parametrize(("transport", "share"), LINKS)
+@pytest.mark.parametrize("schedule", ["lambda", "cosine"])
+def test_worker_schedules_equal_single_process(transport: str, share: bool,
+                                               schedule: str) -> None:
+    """torch LR schedulers on both workers, weight-decay groups on two shards."""
+    if schedule == "cosine" and (transport, share) != ("tcp", True):
+        pytest.skip("one schedule over every link is enough")
+    data = batches(8)
+    models = [make_model(), make_model(seed=5)]
+    with serving(2, 2, optimizer=adamw_groups, transport=transport,
+                 share_memory=share) as ps:
+        def work(rank: int) -> list[dict[str, Any]]:
+            with RemoteOptimizer(models[rank], ps, rank, 2, transport=transport,
+                                 share_memory=share) as opt:
+                loop(opt, models[rank], data, rank, sched=SCHEDULES[schedule](opt))
+                return [{k: v for k, v in g.items() if k != "params"}
+                        for g in opt.param_groups]
+
+        groups = on_ranks(work)
+    want, opt = local(adamw_groups, data, schedule=SCHEDULES[schedule])
+    close(models[0], want)
+    close(models[1], want)
+    for got in groups:  # the groups' values on the workers are the server's (and torch's)
+        assert got == [{k: v for k, v in g.items() if k != "params"}
+                       for g in opt.param_groups]
+
+
+def test_param_groups_mirror_the_server_groups() -> None:
+    with serving(2, 1, optimizer=adamw_groups) as ps:
+        model = make_model()
+        with RemoteOptimizer(model, ps) as opt:
+            assert isinstance(opt, torch.optim.Optimizer)
+            want = adamw_groups(list(model.parameters()))  # type: ignore[arg-type]
+            assert [[id(p) for p in g["params"]] for g in opt.param_groups] == \
+                [[id(p) for p in g["params"]] for g in want.param_groups]
+            assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+            assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["lr"] == 0.02
+            assert not opt.state
+
+
+def test_lr_set_on_one_rank_reaches_the_next_update() -> None:
+    """Rank 0 alone sets the lr before step 2: that very update uses it (no half-round
+    delay), and rank 1 sees it once its step returns. Conflicting changes in one update:
+    the lowest rank wins, on every rank."""
+    def hook(opt: torch.optim.Optimizer, i: int, rank: int) -> None:
+        if i == 2 and rank in (0, -1):
+            opt.param_groups[0]["lr"] = 0.5
+        if i == 4:
+            opt.param_groups[0]["lr"] = 0.02 if rank in (0, -1) else 0.9
+            opt.param_groups[0]["momentum"] = 0.0 if rank in (1, -1) else 0.5
+
+    data = batches(7)
+    models = [make_model(), make_model()]
+    seen: list[list[float]] = [[], []]
+    with serving(1, 2, optimizer=sgd, transport="tcp", share_memory=False) as ps:
+        def work(rank: int) -> None:
+            with RemoteOptimizer(models[rank], ps, rank, 2, transport="tcp",
+                                 share_memory=False) as opt:
+                for i in range(len(data)):
+                    loop(opt, models[rank], data[i:i + 1], rank,
+                         lambda o, _, r, i=i: hook(o, i, r))
+                    seen[rank].append(opt.param_groups[0]["lr"])
+
+        on_ranks(work)
+    close(models[0], local(sgd, data, hook)[0])
+    assert seen[0] == seen[1] == [0.1, 0.1, 0.5, 0.5, 0.02, 0.02, 0.02]
+
+
+@pytest.mark.parametrize(("transport", "share"), [LINKS[0], LINKS[2]])
+def test_state_dict_round_trip_resumes_exactly(transport: str, share: bool,
+                                               tmp_path: Path) -> None:
+    """Tensors split into chunks across two shards: state_dict() equals torch's own, in
+    torch's format; saved, loaded into fresh servers, training continues as if never
+    interrupted."""
+    data = batches(10)
+    opts = {"transport": transport, "share_memory": share,
+            "plan_options": {"chunk_bytes": 256}}
+    models = [make_model(), make_model()]
+    with serving(2, 2, optimizer=adam, transport=transport, share_memory=share) as ps:
+        def first(rank: int) -> dict[str, Any]:
+            with RemoteOptimizer(models[rank], ps, rank, 2, **opts) as opt:
+                assert any(not e.whole for e in opt.worker.plan.entries)  # really chunked
+                loop(opt, models[rank], data[:5], rank)
+                return opt.state_dict()
+
+        saved = on_ranks(first)[0]
+    _, half = local(adam, data[:5])
+    want = half.state_dict()
+    assert saved["param_groups"] == want["param_groups"]
+    assert saved["state"].keys() == want["state"].keys()
+    for i, entry in want["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(saved["state"][i][key], value, rtol=1e-5, atol=1e-6)
+    torch.save({"model": models[0].state_dict(), "optimizer": saved}, tmp_path / "ckpt.pt")
+
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed = [make_model(seed=3), make_model(seed=4)]
+    with serving(2, 2, optimizer=adam, transport=transport, share_memory=share) as ps:
+        def second(rank: int) -> None:
+            resumed[rank].load_state_dict(ckpt["model"])
+            with RemoteOptimizer(resumed[rank], ps, rank, 2, **opts) as opt:
+                opt.load_state_dict(ckpt["optimizer"])
+                loop(opt, resumed[rank], data[5:], rank)
+
+        on_ranks(second)
+    close(resumed[0], local(adam, data)[0])
+
+
+def test_unsupported_calls_are_clear_errors() -> None:
+    with serving(1, 1, optimizer=adamw_groups) as ps:
+        model = make_model()
+        with RemoteOptimizer(model, ps) as opt:
+            with pytest.raises(UsageError, match="add_param_group"):
+                opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(2, 8)), torch.tensor([0, 1])
+                                        ).backward()
+            opt.param_groups[0]["lr"] = torch.tensor(0.1)
+            with pytest.raises(UsageError, match="cannot be sent"):
+                opt.step()
+            opt.param_groups[0]["lr"] = 0.01
+            del opt.param_groups[1]["eps"]
+            with pytest.raises(UsageError, match="removed"):
+                opt.step()
+            opt.param_groups[1]["eps"] = 1e-8
+            opt.param_groups[1]["params"].append(nn.Parameter(torch.zeros(1)))
+            with pytest.raises(UsageError, match="cannot be changed"):
+                opt.step()
+            opt.param_groups[1]["params"].pop()
+            opt.step()  # everything undone: steps again
+            assert opt.param_groups[0]["lr"] == 0.01
+            sd = opt.state_dict()
+            with pytest.raises(UsageError, match="groups"):
+                opt.load_state_dict({"state": {}, "param_groups": sd["param_groups"][:1]})
+            with pytest.raises(UsageError, match="state_dict"):
+                opt.load_state_dict({"param_groups": []})
+            with pytest.raises(UsageError, match="pickled"):
+                pickle.dumps(opt)
+    with serving(1, 1, optimizer=sgd, flat=True) as ps, \
+            RemoteOptimizer(make_model(), ps) as opt:
+        with pytest.raises(UsageError, match="flat=True"):
+            opt.state_dict()
+
+
+def test_bad_hyperparameters_from_a_peer_are_protocol_errors() -> None:
+    groups = hyper.snapshot(adamw_groups([nn.Parameter(torch.zeros(20))]).param_groups)
+    assert hyper.check([], groups) == []
+    assert hyper.check([{"lr": 0.5}, {}], groups) == [{"lr": 0.5}, {}]
+    assert hyper.check([{"betas": [0.8, 0.9]}, {}], groups)[0]["betas"] == (0.8, 0.9)
+    for bad in ({"lr": 1}, [{"lr": "fast"}, {}], [{"params": 1}, {}], [{"lr": 0.1}],
+                [{"lr": {"x": 1}}, {}], [{"betas": [0.9]}, {}], [{"x" * 200: 1}, {}],
+                [{"lr": 2**70}, {}]):
+        with pytest.raises(ProtocolError):
+            hyper.check(bad, groups)
+
+
+def test_bad_state_manifests_are_protocol_errors() -> None:
+    numels = {"w": 10, "b": 2}
+    good = {"groups": [], "tensors": {"w": {"exp_avg": ["float32", [10], 0]}},
+            "values": {"w": {"step": 3.0}}}
+    optim_state.check_manifest(good, numels, 64)
+    bad_tensors: list[Any] = [
+        {"x": {"exp_avg": ["float32", [10], 0]}},      # not an entry of this shard
+        {"w": {"exp_avg": ["float32", [11], 0]}},      # more elements than the entry
+        {"w": {"exp_avg": ["float32", [10], 32]}},     # beyond the region
+        {"w": {"exp_avg": ["float32", [10], 2]}},      # misaligned
+        {"w": {"exp_avg": ["object", [10], 0]}},       # not a tensor dtype
+        {"w": {"exp_avg": ["float32", [-1], 0]}},
+        {"w": {str(k): ["float32", [1], 0] for k in range(17)}},
+    ]
+    for tensors in bad_tensors:
+        with pytest.raises(ProtocolError):
+            optim_state.check_manifest({**good, "tensors": tensors}, numels, 64)
+    with pytest.raises(ProtocolError):
+        optim_state.check_manifest({**good, "values": {"w": {"step": [1, 2]}}}, numels, 64)
+    with pytest.raises(ProtocolError):
+        optim_state.check_manifest({**good, "groups": [{"hp": {"lr": 0.1}}]}, numels, 64)
