@@ -26,6 +26,7 @@ pytest.importorskip("ucxx")
 from tensorx.errors import (
     BrokenError,
     ClosedError,
+    ProtocolError,
     RegionError,
     TimeoutError,
     TransportUnavailableError,
@@ -260,7 +261,7 @@ async def test_mismatched_error_handling_is_unavailable(owner: Owner) -> None:
     try:
         with pytest.raises(TransportUnavailableError, match="error handling"):
             await fast.open_lane(owner.info, peer="owner", timeout=5)
-        with pytest.raises(TransportUnavailableError, match="worker address"):
+        with pytest.raises(ProtocolError, match="worker address"):
             await fast.open_lane({}, peer="nobody", timeout=5)
     finally:
         await fast.aclose()

@@ -53,6 +53,7 @@ class UcpLib:
     def __init__(self, module: ModuleType) -> None:
         self.ffi: Any = module.ffi
         self.lib: Any = module.lib
+        self.path = str(module.__file__)
 
     def status_string(self, status: int) -> str:
         return str(self.ffi.string(self.lib.tx_status_string(status)).decode())

@@ -55,6 +55,8 @@ void tx_driver_stop(void *driver);
 unsigned long tx_driver_sleeps(void *driver);
 const char *tx_status_string(int status);
 const char *tx_version(void);
+int tx_probe_address(const void *address, int error_handling);
+char *tx_context_info(uintptr_t ctx);
 """
 
 SOURCE = r"""
@@ -425,5 +427,58 @@ const char *tx_status_string(int status)
 const char *tx_version(void)
 {
     return ucp_get_version_string();
+}
+
+/* Open an endpoint to ``address`` in a context and worker of our own: libucp aborts the
+ * process on some malformed addresses, so this runs in a throwaway child process (see
+ * ``_ucx_probe.py``) before the node hands a peer's address to its own worker. */
+int tx_probe_address(const void *address, int error_handling)
+{
+    ucp_config_t *config = NULL;
+    ucp_params_t params;
+    ucp_worker_params_t wparams;
+    ucp_context_h ctx = NULL;
+    ucp_worker_h worker = NULL;
+    ucp_ep_params_t ep_params;
+    ucp_ep_h ep = NULL;
+    ucs_status_t st = ucp_config_read(NULL, NULL, &config);
+    if (st != UCS_OK) {
+        return (int)st;
+    }
+    memset(&params, 0, sizeof(params));
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    st = ucp_init(&params, config, &ctx);
+    ucp_config_release(config);
+    if (st != UCS_OK) {
+        return (int)st;
+    }
+    memset(&wparams, 0, sizeof(wparams));
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+    st = ucp_worker_create(ctx, &wparams, &worker);
+    if (st != UCS_OK) {
+        return (int)st;
+    }
+    memset(&ep_params, 0, sizeof(ep_params));
+    ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                           UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep_params.address = (const ucp_address_t *)address;
+    ep_params.err_mode = error_handling ? UCP_ERR_HANDLING_MODE_PEER
+                                        : UCP_ERR_HANDLING_MODE_NONE;
+    return (int)ucp_ep_create(worker, &ep_params, &ep);  /* the process exits next */
+}
+
+char *tx_context_info(uintptr_t ctx)
+{
+    char *buf = NULL;
+    size_t size = 0;
+    FILE *f = open_memstream(&buf, &size);
+    if (f == NULL) {
+        return NULL;
+    }
+    ucp_context_print_info((ucp_context_h)ctx, f);
+    fclose(f);
+    return buf;
 }
 """

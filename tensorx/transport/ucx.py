@@ -32,6 +32,7 @@ from typing import Any
 
 from tensorx.errors import (
     ClosedError,
+    ProtocolError,
     RegionError,
     TimeoutError,
     TransportUnavailableError,
@@ -40,6 +41,7 @@ from tensorx.errors import (
 from tensorx.memregion import MemoryRegion
 from tensorx.transport import _ucp
 from tensorx.transport._ucx_lane import ORPHANS, UcxLane, remaining
+from tensorx.transport._ucx_probe import AddressProbe
 from tensorx.transport.base import LaneFactory
 
 __all__ = ["UcxFactory", "UcxLane"]
@@ -113,6 +115,9 @@ class UcxFactory(LaneFactory):
         self.context_handle = int(self._ctx.context.handle)
         self.worker_handle = int(self._ctx.worker.handle)
         self._address = bytes(self._ctx.worker_address.tobytes())
+        settings = {**DEFAULT_OPTIONS, **(options or {}), "TLS": str(self._ctx.config["TLS"])}
+        self._probe = AddressProbe(self._ucp.path,
+                                   {f"UCX_{k.upper()}": str(v) for k, v in settings.items()})
         spin = os.environ.get("TENSORX_UCX_SPIN_US")
         if spin is not None:
             progress_spin_us = None if spin.lower() in ("", "none", "off") else float(spin)
@@ -147,14 +152,17 @@ class UcxFactory(LaneFactory):
         self._check_open()
         address = peer_info.get("worker_address")
         if not isinstance(address, bytes) or not address:
-            raise TransportUnavailableError(f"{peer} sent no UCX worker address")
+            raise ProtocolError(f"{peer} offers UCX but sent no UCX worker address")
         if peer_info.get("error_handling") != self.error_handling:
             raise TransportUnavailableError(
                 f"UCX error handling differs ({peer}: {peer_info.get('error_handling')}, "
                 f"here: {self.error_handling}); UCX needs both sides to agree")
         self._attach_loop()
-        lane = UcxLane(self, address, peer, peer_info)
         budget = CONNECT_TIMEOUT if timeout is None else min(timeout, CONNECT_TIMEOUT)
+        started = time.monotonic()
+        await self._probe.check(address, self.error_handling, peer, budget)
+        budget = max(0.0, budget - (time.monotonic() - started))
+        lane = UcxLane(self, address, peer, peer_info)
         try:
             await lane._connect(budget)
         except BaseException:
