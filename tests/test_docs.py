@@ -187,3 +187,16 @@ def test_readme_links_resolve() -> None:
     assert local, "README links to the docs"
     missing = [t for t in local if not (ROOT / t).exists()]
     assert not missing, f"README links to missing files: {missing}"
+
+
+def test_the_api_reference_covers_the_public_surface() -> None:
+    """Every name in ``tensorx.__all__`` has its entry in docs/api.md (errors: the module)."""
+    import tensorx
+    import tensorx.errors
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^::: tensorx\.(\w+)\s*$", text, re.MULTILINE))
+    if "errors" in documented:
+        documented |= set(tensorx.errors.__all__)
+    missing = sorted(set(tensorx.__all__) - documented - {"__version__"})
+    assert not missing, f"docs/api.md has no `::: tensorx.NAME` entry for {missing}"
