@@ -55,6 +55,7 @@ class Kind(enum.IntEnum):
     QUERY = 19      # what do you export / who is connected? (authenticated peers only)
     ANSWER = 20
     REVOKE = 21     # owner -> peers: this region is closed or unexported; drop it
+    REVOKE_ACK = 22  # peer -> owner: none of my ops on that region is in flight any more
 
 
 _INT, _BYTES, _STR, _BOOL, _DICT = int, bytes, str, bool, dict
@@ -75,6 +76,7 @@ SCHEMAS: dict[Kind, dict[str, type]] = {
     Kind.QUERY: {"req": _INT, "what": _STR},
     Kind.ANSWER: {"req": _INT, "data": _DICT},
     Kind.REVOKE: {"rid": _INT},
+    Kind.REVOKE_ACK: {"rid": _INT},
 }
 # Kinds whose payload is region data; every other kind but NOTIFY carries none.
 DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tensorx.errors import (
     ClosedError,
     RegionError,
+    TensorxError,
     TransportUnavailableError,
     UsageError,
 )
@@ -55,6 +56,7 @@ class Endpoint:
         self._validated: dict[tuple[int, int], tuple[int, str]] = {}
         self._revoked: set[int] = set()
         conn.on_revoke = self._revoke
+        self._acks: set[asyncio.Task[None]] = set()
         self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
         self.stats = OpStats()
@@ -194,10 +196,24 @@ class Endpoint:
         return Op(region, desc, offset, remote_offset, nbytes)
 
     def _revoke(self, region_id: int) -> None:
-        """The owner closed or unexported a region: refuse it from now on."""
+        """The owner closed or unexported a region: refuse it from now on. Over a lane
+        that bypasses the owner, the owner keeps the memory until we acknowledge, which we
+        do once every op issued before (on any region) has completed."""
         self._revoked.add(region_id)
         for key in [k for k in self._validated if k[0] == region_id]:
             del self._validated[key]
+        if self._lane.bypasses_owner:
+            task = asyncio.get_running_loop().create_task(self._ack_revoke(region_id))
+            self._acks.add(task)
+            task.add_done_callback(self._acks.discard)
+
+    async def _ack_revoke(self, region_id: int) -> None:
+        try:
+            await self._lane.flush(timeout=self._node.timeout)
+        except TensorxError as exc:  # a broken or closed lane has nothing in flight either
+            logger.debug("flush before acknowledging a revocation: %s", exc)
+        if not self._conn.broken:
+            self._conn.revoke_ack(region_id)
 
     async def _remote_limits(self, desc: RegionDescriptor) -> tuple[int, str]:
         """Size and rights of the remote region: from the owner (once) for lanes that
@@ -212,6 +228,8 @@ class Endpoint:
         key = (desc.region_id, desc.cookie)
         if key not in self._validated:
             n, access = await self._conn.request_validate(*key, self._node.timeout)
+            if desc.region_id in self._revoked:  # revoked while we asked
+                raise RegionError(f"region {desc.region_id:#x} was closed by its owner")
             if n != desc.nbytes or not set(desc.access) <= set(access):
                 raise RegionError(f"descriptor of region {desc.region_id:#x} does not match "
                                   "what its owner exported")
@@ -239,12 +257,16 @@ class Endpoint:
         try:
             await self._lane.aclose()
         finally:
+            for task in list(self._acks):
+                task.cancel()
             await self._conn.aclose()
             self._node._forget(self)
 
     def abort(self) -> None:
         """Close at once; ops in flight fail with ClosedError. Idempotent."""
         self._closed = True
+        for task in list(self._acks):
+            task.cancel()
         self._lane.abort()
         self._conn.abort()
         self._node._forget(self)

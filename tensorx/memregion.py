@@ -212,7 +212,8 @@ class MemoryRegion:
             raise ClosedError(f"memory region {self.region_id:#x} is closed")
 
     def add_close_callback(self, fn: Callable[[MemoryRegion], None]) -> None:
-        """Call ``fn(region)`` when the region is closed (transports deregister here)."""
+        """Call ``fn(region)`` when the region is closed (transports deregister here);
+        the callback added last runs first."""
         self._check_open()
         self._close_callbacks.append(fn)
 
@@ -222,7 +223,8 @@ class MemoryRegion:
             return
         self._closed = True
         callbacks, self._close_callbacks = self._close_callbacks, []
-        for fn in callbacks:
+        for fn in reversed(callbacks):  # last added first: a node unexports (and may hold
+            # the memory for its peers) before the transport that registered it deregisters
             try:
                 fn(self)
             except Exception:  # a failing callback must not keep memory registered
@@ -486,8 +488,9 @@ class ExportTable:
         region._descriptor = desc
         return desc
 
-    def remove(self, region: MemoryRegion) -> None:
-        self._by_id.pop(region.region_id, None)
+    def remove(self, region: MemoryRegion) -> bool:
+        """Stop serving ``region``; whether it was exported here."""
+        return self._by_id.pop(region.region_id, None) is not None
 
     def __len__(self) -> int:
         return len(self._by_id)

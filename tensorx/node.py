@@ -97,6 +97,8 @@ class Node:
         self._factory_why = ""
         self._listener: TcpListener | None = None
         self._endpoints: set[Endpoint] = set()
+        # closed regions whose memory peers may still reach: region, peers yet to ack
+        self._held: dict[int, tuple[MemoryRegion, set[Endpoint]]] = {}
         self._state = "new"
         self.notifications: asyncio.Queue[tuple[Endpoint, bytes]] = asyncio.Queue()
         self.disconnected: asyncio.Queue[Endpoint] = asyncio.Queue()
@@ -202,11 +204,37 @@ class Node:
         return desc
 
     def unexport(self, region: MemoryRegion) -> None:
-        """Stop serving ``region`` and tell every connected peer to drop it. (An op a peer
-        issued before the notice arrives may still land: close regions when quiet.)"""
-        self._exports.remove(region)
+        """Stop serving ``region`` and tell every connected peer to drop it.
+
+        Peers whose lane reaches the memory without us (UCX) may have ops on it in flight:
+        the memory stays mapped and registered (even once the region is closed) until each
+        of them has acknowledged, having completed every op issued before, or is gone. So
+        a late write lands in the old memory, never in memory reused for something else."""
+        exported = self._exports.remove(region)
+        holders = set()
         for ep in self._endpoints:
             ep._conn.revoke(region.region_id)
+            if ep._lane.bypasses_owner and not ep.closed:
+                holders.add(ep)
+        if not (exported and holders and self._factory is not None):
+            return
+        held = self._held.get(region.region_id)
+        if held is None:
+            self._factory.hold(region)
+            self._held[region.region_id] = (region, holders)
+        else:
+            held[1].update(holders)
+
+    def _revoke_acked(self, ep: Endpoint, region_id: int) -> None:
+        """``ep``'s peer has no op on the region in flight any more (or is gone)."""
+        held = self._held.get(region_id)
+        if held is None:
+            return
+        held[1].discard(ep)
+        if not held[1]:
+            del self._held[region_id]
+            assert self._factory is not None
+            self._factory.release(held[0])
 
     def exports(self) -> list[RegionDescriptor]:
         """Descriptors of every region this node exports now."""
@@ -256,6 +284,7 @@ class Node:
         conn.on_notify = lambda c, payload: self.notifications.put_nowait((ep, payload))
         conn.on_closed = lambda c, exc: self._on_broken(ep, exc)
         conn.on_query = self._answer
+        conn.on_revoke_ack = lambda region_id: self._revoke_acked(ep, region_id)
         conn.start()
         self._endpoints.add(ep)
         info = lane.info
@@ -322,6 +351,13 @@ class Node:
         if ep in self._endpoints:
             self._endpoints.discard(ep)
             self.disconnected.put_nowait(ep)
+        self._release_held(ep)
 
     def _forget(self, ep: Endpoint) -> None:
         self._endpoints.discard(ep)
+        self._release_held(ep)
+
+    def _release_held(self, ep: Endpoint) -> None:
+        """``ep`` is gone, its UCX endpoint closed: it no longer holds any memory."""
+        for region_id in list(self._held):
+            self._revoke_acked(ep, region_id)

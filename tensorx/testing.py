@@ -11,6 +11,7 @@ whose link can be slowed, cut or made lossy.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import multiprocessing as mp
 import os
@@ -77,20 +78,23 @@ class OwnerProcess:
     """A spawned process with a Node that exports guarded regions on command.
 
     ``listen``: the node's address (a namespace's own IP needs a ``token``); ``netns``: run
-    inside that network namespace (see :mod:`tensorx._netns`). The same process can play
+    inside that network namespace (see :mod:`tensorx._netns`); ``env``: environment set in
+    the child before its node starts; ``node_options``: further ``Node`` arguments (a node
+    that fails to start answers the first call with why). The same process can play
     the client: ``connect``, then ``transfer`` (timed, errors returned, not raised).
     """
 
     def __init__(self, transport: str = "tcp", token: str | None = None,
                  timeout: float = 60.0, *, listen: str = "tcp://127.0.0.1:0",
-                 netns: str | None = None) -> None:
+                 netns: str | None = None, env: dict[str, str] | None = None,
+                 node_options: dict[str, Any] | None = None) -> None:
         self.transport = transport
         self.token = token
         self.timeout = timeout
         ctx = mp.get_context("spawn")
         self._pipe, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_owner_main, args=(child, transport, token, listen, netns),
-                                 daemon=True)
+        self._proc = ctx.Process(target=_owner_main, daemon=True, args=(
+            child, transport, token, listen, netns, env or {}, node_options or {}))
         self.address = ""
 
     async def __aenter__(self) -> OwnerProcess:
@@ -171,16 +175,18 @@ class OwnerProcess:
 
 
 def _owner_main(pipe: Pipe, transport: str, token: str | None, listen: str,
-                netns: str | None) -> None:
+                netns: str | None, env: dict[str, str], options: dict[str, Any]) -> None:
     if netns is not None:
         enter_netns(netns)  # first: every socket and thread after this lives in there
-    asyncio.run(_Owner(pipe, transport, token, listen).run())
+    os.environ.update(env)
+    asyncio.run(_Owner(pipe, transport, token, listen, options).run())
 
 
 class _Owner:
-    def __init__(self, pipe: Pipe, transport: str, token: str | None, listen: str) -> None:
+    def __init__(self, pipe: Pipe, transport: str, token: str | None, listen: str,
+                 options: dict[str, Any]) -> None:
         self.pipe = pipe
-        self.node = Node(listen, transport=transport, token=token)
+        self.node = Node(listen, transport=transport, token=token, **options)
         self.eps: list[Endpoint] = []
         self.unfinished: list[MemoryRegion] = []
         self.backing: dict[int, np.ndarray] = {}
@@ -191,6 +197,13 @@ class _Owner:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        try:
+            await self.node.start()
+        except Exception:  # answer the first command with why (e.g. a transport refused)
+            failure = traceback.format_exc()
+            if await loop.run_in_executor(None, self._recv) is not None:
+                self._reply(False, failure)
+            return
         async with self.node:
             drain = loop.create_task(self._drain_notifications())
             while True:
@@ -264,6 +277,26 @@ class _Owner:
 
     async def do_close_region(self, rid: int) -> None:
         self.regions[rid].close()
+
+    async def do_export_allocated(self, nbytes: int, seed: int) -> bytes:
+        """Export memory of its own (``MemoryRegion.allocate``), freed once unreferenced."""
+        region = MemoryRegion.allocate(nbytes)
+        region.view(np.uint8)[:] = pattern(nbytes, seed)
+        self.regions[region.region_id] = region
+        return self.node.export(region).to_bytes()
+
+    async def do_replace(self, rid: int, seed: int) -> bytes:
+        """Close an allocated region, drop it, and export a fresh one of the same size."""
+        old = self.regions.pop(rid)
+        old.close()
+        nbytes = old.nbytes
+        del old
+        gc.collect()
+        return await self.do_export_allocated(nbytes, seed)
+
+    async def do_held(self) -> int:
+        """Closed regions whose memory the node still holds for its peers."""
+        return len(getattr(self.node, "_held", ()))
 
     async def do_notes(self) -> list[bytes]:
         return list(self.notes)

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
+
+# This host has no RDMA NIC, so the suite's UCX lanes are UCX's tcp, which a node runs only
+# when told the network is trusted (it bounds nothing). Child processes inherit this; the
+# tests of the default (tests/test_ucx_safety.py) start their owners without it.
+os.environ.setdefault("TENSORX_UCX_TCP", "1")
 
 
 def transports() -> list[object]:

@@ -40,6 +40,7 @@ class UcxLane(DataLane):
     """One UCP endpoint to one peer's worker, with its unpacked rkeys."""
 
     name = "ucx"
+    bypasses_owner = True
 
     def __init__(self, factory: UcxFactory, address: bytes, peer: str,
                  peer_info: Mapping[str, Any]) -> None:

@@ -46,6 +46,11 @@ class DataLane(abc.ABC):
     name: str
     """Transport name reported in ``ep.info["transport"]``: ``"tcp"`` or ``"ucx"``."""
 
+    bypasses_owner = False
+    """Whether the peer's ops reach this side's memory without this side's code checking
+    them (one-sided RMA): the owner then holds a closed region's memory until the peer
+    acknowledged the revocation (its ops on it are done)."""
+
     @property
     @abc.abstractmethod
     def info(self) -> dict[str, Any]:
@@ -124,6 +129,15 @@ class LaneFactory(abc.ABC):
         """Register ``region`` for remote access (cached per region) and return the keys a
         peer needs (they travel in ``RegionDescriptor.keys[self.name]``). Deregisters when
         the region is closed."""
+
+    def hold(self, region: MemoryRegion) -> None:
+        """Keep ``region``'s memory mapped and registered, even once it is closed, until
+        :meth:`release`: peers may still have ops on it in flight."""
+        region._pin()
+
+    def release(self, region: MemoryRegion) -> None:
+        """Undo one :meth:`hold`; a closed region is deregistered once nothing holds it."""
+        region._unpin()
 
     @abc.abstractmethod
     def local_info(self) -> dict[str, Any]:

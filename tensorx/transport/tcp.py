@@ -89,6 +89,7 @@ class Connection:
         self.on_closed: ClosedHandler = lambda conn, exc: None
         self.on_query: QueryHandler = lambda what: {}
         self.on_revoke: Callable[[int], None] = lambda region_id: None
+        self.on_revoke_ack: Callable[[int], None] = lambda region_id: None
         self.stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0}
 
     # -- handshake phase ----------------------------------------------------------------
@@ -306,6 +307,11 @@ class Connection:
         if self._error is None:
             self._send_frame(Kind.REVOKE, {"rid": region_id})
 
+    def revoke_ack(self, region_id: int) -> None:
+        """Tell the owner that none of our ops on its region is in flight any more."""
+        if self._error is None:
+            self._send_frame(Kind.REVOKE_ACK, {"rid": region_id})
+
     async def notify(self, payload: bytes, timeout: float | None) -> None:
         if len(payload) > _wire.MAX_NOTIFY:
             raise UsageError(f"notification of {len(payload)} B exceeds {_wire.MAX_NOTIFY} B")
@@ -435,6 +441,9 @@ class Connection:
     async def _on_revoke(self, h: dict[str, Any], payload_len: int) -> None:
         self.on_revoke(h["rid"])
 
+    async def _on_revoke_ack(self, h: dict[str, Any], payload_len: int) -> None:
+        self.on_revoke_ack(h["rid"])
+
     async def _on_answer(self, h: dict[str, Any], payload_len: int) -> None:
         self._resolve(h["req"], h["data"])
 
@@ -442,7 +451,7 @@ class Connection:
         Kind.WRITE: _on_write, Kind.READ: _on_read, Kind.READ_DATA: _on_read_data,
         Kind.WRITE_ACK: _on_ack, Kind.VALID: _on_valid, Kind.ERROR: _on_error,
         Kind.NOTIFY: _on_notify, Kind.VALIDATE: _on_validate, Kind.QUERY: _on_query,
-        Kind.ANSWER: _on_answer, Kind.REVOKE: _on_revoke,
+        Kind.ANSWER: _on_answer, Kind.REVOKE: _on_revoke, Kind.REVOKE_ACK: _on_revoke_ack,
     }
 
     def _resolve(self, req: int, value: Any) -> None:

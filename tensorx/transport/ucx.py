@@ -4,10 +4,12 @@ ucxx provides the UCP context, the worker and its progress thread; the RMA calls
 endpoints and the rkeys go through our cffi binding (:mod:`tensorx.transport._ucp`) on
 ucxx's own handles. No code of the owner runs for a read or write: only UCX's progress.
 
-Error handling is a real trade-off on a single host (see the class docstring of
-:class:`UcxFactory`): with ``error_handling=True`` (the default) endpoints use UCX's peer
-failure mode, which confines them to tcp lanes but turns a dead peer into ``BrokenError``;
-with ``error_handling=False`` endpoints get shared-memory lanes (cma, posix) and run several
+UCX's tcp transport is left out unless allowed (``allow_tcp``): it carries one-sided ops in
+software with no bounds check, reachable by anyone who reaches its ports. Error handling is
+a real trade-off on a single host (see the class docstring of :class:`UcxFactory`): with
+``error_handling=True`` (the default) endpoints use UCX's peer failure mode, which confines
+them to tcp lanes on one host but turns a dead peer into ``BrokenError``; with
+``error_handling=False`` endpoints get shared-memory lanes (cma, posix) and run several
 times faster, but a peer that dies *during* a transfer aborts this process inside libucp (a
 peer that exited between calls is caught by a pidfd watch and gives ``BrokenError``).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -71,13 +74,23 @@ class UcxFactory(LaneFactory):
         error_handling: use UCX peer-failure handling on every endpoint (both peers must
             agree, see :meth:`local_info`). ``None`` reads ``$TENSORX_UCX_ERROR_HANDLING``
             (``0`` or ``1``, default ``1``). ``True`` (the default, safe): a dead peer gives
-            ``BrokenError``; on one host UCX then only offers tcp lanes. ``False`` (fast):
+            ``BrokenError``; on one host UCX then only offers tcp lanes, so without
+            ``allow_tcp`` the factory is unavailable there (the node uses tensorx TCP).
+            ``False`` (fast):
             same-host peers get cma/posix lanes, but a peer dying mid-transfer aborts this
             process from inside libucp (one that exited between calls is a ``BrokenError``).
             On RDMA NICs both go together.
-        tls: ``UCX_TLS`` for this process's UCX context, e.g. ``"tcp"`` or ``"posix,cma"``
-            (``None``: UCX's choice, or the environment's ``UCX_TLS``).
+        tls: ``UCX_TLS`` for this process's UCX context, e.g. ``"rc,sm"`` or ``"posix,cma"``
+            (``None``: the environment's ``UCX_TLS``, else all but tcp unless allowed).
         options: extra UCX settings (names without ``UCX_``); override the defaults.
+        allow_tcp: let UCX run its tcp transport in this process. ``None`` reads
+            ``$TENSORX_UCX_TCP`` (``1`` allows; default no). UCX over tcp carries one-sided
+            ops in software that writes and reads wherever a request says, with no bounds
+            check, and listens on every network device: anyone who reaches those ports can
+            read and write all of this process's memory, token or not. So by default UCX's
+            tcp transport is left out (``UCX_TLS=^tcp``) and peers on a network without
+            RDMA use tensorx's own TCP lane, where the owner checks every op. Allow it only
+            on a network and with peers you trust entirely.
         chunk_bytes: transfers are issued to UCP in pieces of at most this size.
         inline_bytes: calls moving fewer bytes progress the worker inline a little before
             sleeping (microsecond latency); larger ones leave all progress to ucxx's thread,
@@ -100,7 +113,8 @@ class UcxFactory(LaneFactory):
     def __init__(self, *, error_handling: bool | None = None, tls: str | None = None,
                  options: Mapping[str, str] | None = None, chunk_bytes: int = DEFAULT_CHUNK,
                  inline_bytes: int = 256 << 10, inline_progress: int = 64,
-                 progress_spin_us: float | None = DEFAULT_SPIN_US) -> None:
+                 progress_spin_us: float | None = DEFAULT_SPIN_US,
+                 allow_tcp: bool | None = None) -> None:
         if chunk_bytes <= 0 or inline_progress < 0 or inline_bytes < 0:
             raise UsageError("chunk_bytes must be > 0; inline_bytes, inline_progress >= 0")
         if error_handling is None:
@@ -111,8 +125,14 @@ class UcxFactory(LaneFactory):
         self.inline_progress = int(inline_progress)
         self._ucp = _ucp.load()
         self._ffi, self._lib = self._ucp.ffi, self._ucp.lib
+        if allow_tcp is None:
+            allow_tcp = os.environ.get("TENSORX_UCX_TCP", "0") == "1"
+        self.allow_tcp = bool(allow_tcp)
+        if tls is None and not self.allow_tcp and "UCX_TLS" not in os.environ:
+            tls = "^tcp"
         self._ctx = _ucp.ucxx_context(DEFAULT_OPTIONS, tls, options)
         self.context_handle = int(self._ctx.context.handle)
+        self.transports = self._check_transports()
         self.worker_handle = int(self._ctx.worker.handle)
         self._address = bytes(self._ctx.worker_address.tobytes())
         settings = {**DEFAULT_OPTIONS, **(options or {}), "TLS": str(self._ctx.config["TLS"])}
@@ -137,10 +157,35 @@ class UcxFactory(LaneFactory):
         self._unmap_later: set[int] = set()
         self._closed = False
 
+    def _check_transports(self) -> set[str]:
+        """The transports of this process's UCX context; TransportUnavailableError where
+        they would expose the process or cannot give the lanes asked for."""
+        raw = self._lib.tx_context_info(self.context_handle)
+        text = "" if raw == self._ffi.NULL else self._ffi.string(raw).decode(errors="replace")
+        if raw != self._ffi.NULL:
+            self._lib.tx_free(raw)
+        found = {m.group(1) for m in _RESOURCE.finditer(text)}
+        if "tcp" in found and not self.allow_tcp:
+            raise TransportUnavailableError(
+                "UCX in this process runs its tcp transport (UCX_TLS, or another user of "
+                "ucxx), which writes wherever a request says: anyone reaching its ports could "
+                "read and write all of this process's memory. Allow it on a trusted network "
+                "with allow_tcp=True or TENSORX_UCX_TCP=1")
+        if self.error_handling and not any(t.startswith(PEER_FAILURE_TLS) for t in found):
+            raise TransportUnavailableError(
+                "no UCX transport here both handles peer failure and bounds one-sided ops "
+                f"(UCX has {', '.join(sorted(found)) or 'none'}; its tcp is left out since it "
+                "writes wherever a request says); error_handling=False gives same-host "
+                "shared-memory lanes, allow_tcp=True UCX tcp on a trusted network")
+        return found
+
     # -- LaneFactory -----------------------------------------------------------------
     def register(self, region: MemoryRegion) -> dict[str, Any]:
         reg = self._registration(region)
         return {"addr": region.address, "rkey": reg.rkey}
+
+    def release(self, region: MemoryRegion) -> None:
+        self._unpin([region])
 
     def local_info(self) -> dict[str, Any]:
         return {"worker_address": self._address, "error_handling": self.error_handling,
@@ -344,6 +389,11 @@ class UcxFactory(LaneFactory):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the UCX transport is closed")
+
+
+# transports with UCX peer-failure handling that carry RMA in hardware (tcp: in software)
+PEER_FAILURE_TLS = ("rc", "dc", "ud", "tcp")
+_RESOURCE = re.compile(r"resource\s+\d+\s*:.*?--\s+([A-Za-z0-9_]+)/")
 
 
 class _Registration:
