@@ -299,11 +299,13 @@ class ParameterServer:
         if plan.num_shards != self.num_shards:
             raise UsageError(f"plan has {plan.num_shards} shards, this server "
                              f"{self.num_shards}")
-        self._plan, self._plan_bytes = plan, plan_bytes
         layout = ShardLayout.from_plan(plan, self.shard)
+        # the optimizer factory runs here: if it raises (a foreign optimizer is a
+        # UsageError), the plan is not adopted and the next hello tries again
         self.state = ShardState(layout, self.num_workers, self._optimizer, self._lr_scheduler,
                                 flat=self.flat,
                                 shared=self.share_memory and self.mode == "sync")
+        self._plan, self._plan_bytes = plan, plan_bytes
         if dynamic_path_ok(plan) and plan.header_bytes(self.shard):
             self._sparse = SparseReceiver(plan, self.shard, self.num_workers)
         return plan

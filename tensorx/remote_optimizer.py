@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from tensorx._ps import hyper
+from tensorx._ps.optim import plan_params
 from tensorx._ps.optim_state import State
 from tensorx.errors import ProtocolError, UsageError
 from tensorx.worker import Worker
@@ -98,9 +99,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 raise UsageError(f"the shards' optimizers differ in their param groups ({s} "
                                  "vs the first): build the same groups, with the same "
                                  "hyperparameters, on every shard (empty ones included)")
-        name_of = {e.label: e.name for e in self.worker.plan.entries}
+        runs = plan_params(self.worker.plan)  # what the shards' optimizers see
+        name_of = {e.label: e.name for e in runs}
         self._entries: dict[str, list[Any]] = {}
-        for e in sorted(self.worker.plan.entries, key=lambda e: e.chunk):
+        for e in sorted(runs, key=lambda e: e.chunk):
             self._entries.setdefault(e.name, []).append(e)
         order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         params = dict(model.named_parameters())

@@ -30,6 +30,7 @@ import torch
 from tensorx._ps import optim_state, protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
 from tensorx._ps.hyper import snapshot as hyper_snapshot
+from tensorx._ps.optim import plan_params
 from tensorx._ps.shared import SharedArenas
 from tensorx._ps.sparse import SparseSender, dynamic_path_ok
 from tensorx._ps.stats import WorkerTimings
@@ -409,7 +410,7 @@ class Worker:
             await ep.notify(protocol.encode("state_get"), timeout=self.timeout)
             msg = await self._expect(shard, "state")
             desc = RegionDescriptor.from_bytes(msg["region"])
-            numels = {e.label: e.numel for e in self.plan.shard_entries(shard)}
+            numels = {e.label: e.numel for e in plan_params(self.plan) if e.shard == shard}
             optim_state.check_manifest(msg["manifest"], numels, desc.nbytes)
             region = MemoryRegion.allocate(desc.nbytes)
             try:

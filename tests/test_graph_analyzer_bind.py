@@ -339,13 +339,13 @@ def test_a_tensor_split_around_an_empty_shard_is_still_one_view() -> None:
     """The planner may leave a shard empty between two chunks of one tensor; the shards'
     regions are still adjacent in memory, so binding must accept it (found by hypothesis)."""
     model = nn.Module()
-    for i, shape in enumerate([(36, 39), (33, 9), (4, 31), (33,)]):
+    for i, shape in enumerate([(9, 33), (16, 64)]):
         model.register_parameter(f"t{i}", nn.Parameter(torch.randn(shape)))
-    plan = GraphAnalyzer(model, num_shards=4, alignment=64, chunk_bytes=64 * 46).plan()
-    shards = [c.shard for c in plan.tensors()["t0"]]
-    assert plan.arena_bytes(2) == 0 and shards == [1, 3]
-    before = model.t0.detach().clone()
+    plan = GraphAnalyzer(model, num_shards=4, alignment=64, chunk_bytes=64 * 31).plan()
+    shards = [c.shard for c in plan.tensors()["t1"]]
+    assert plan.arena_bytes(1) == 0 and shards == [0, 2, 2]
+    before = model.t1.detach().clone()
     binding = plan.bind(model)
-    assert torch.equal(model.t0, before)
-    assert model.t0.data_ptr() == binding.entry_view(plan.tensors()["t0"][0], "params").data_ptr()
+    assert torch.equal(model.t1, before)
+    assert model.t1.data_ptr() == binding.entry_view(plan.tensors()["t1"][0], "params").data_ptr()
     binding.unbind()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -64,7 +66,9 @@ def test_every_byte_of_every_parameter_is_covered_once(
         chunks = plan.tensors()[name]
         for c in chunks:
             assert c.nbytes == c.numel * p.element_size()
-            assert c.nbytes <= plan.options.chunk_bytes or (c.kind == "dynamic" and c.whole)
+            assert c.nbytes <= plan.options.chunk_bytes or c.whole
+            row = max(1, math.prod(p.shape[1:]))
+            assert c.whole or (c.start % row == 0 and c.numel % row == 0)  # whole rows
             for i in range(c.start, c.start + c.numel):
                 count[i] += 1
         assert count == [1] * p.numel()

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HEADER_BYTES", "DynamicEntry", "PlanEntry", "PlanOptions", "TransferPlan"]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 HEADER_BYTES = 64  # one header slot: rows, nbytes, version, capacity (u64 each), padding
 INDEX_BYTES = 8  # sparse row indices travel as int64
 
@@ -100,6 +100,7 @@ class PlanEntry:
     arena: str
     offset: int
     role: str = "param"
+    index: int = -1  # the tensor's position in the model: named_parameters(), then buffers
 
     @property
     def end(self) -> int:

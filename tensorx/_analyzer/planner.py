@@ -5,9 +5,12 @@ Layout rules, and why:
 * Order. Entries follow the order in which backward makes gradients ready (the reverse of
   the forward pass), so a worker can push a prefix of an arena as soon as it is complete.
   Without sample inputs, registration order stands in for forward order.
-* Split. A tensor larger than ``chunk_bytes`` becomes chunks of exactly ``chunk_bytes``
-  (the last one shorter); ``chunk_bytes`` is a multiple of the alignment, so consecutive
-  chunks stay byte-contiguous.
+* Split. A tensor larger than ``chunk_bytes`` becomes chunks of whole rows (slices along
+  its first dimension, ``t[a:b]``) of at most ``chunk_bytes``, the last one shorter; a
+  chunk's bytes are a multiple of the alignment, so consecutive chunks stay byte-contiguous,
+  and any run of chunks (a shard's part of a tensor) is itself a slice of whole rows with
+  the tensor's number of dimensions. A 1-D tensor is split into runs of elements. A tensor
+  whose smallest aligned group of rows is larger than ``chunk_bytes`` is not split.
 * Shard. The ordered sequence is cut into ``num_shards`` contiguous runs of near-equal
   bytes. Shard ``k+1``'s arena continues where shard ``k``'s ends in the global sequence, so
   when arenas are carved from one block (the default) every tensor, even one split across
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +56,7 @@ class TensorInfo:
     dtype: str
     role: str
     sparse: bool
+    index: int = -1  # position in the model (named_parameters, then named_buffers)
 
     @property
     def itemsize(self) -> int:
@@ -103,15 +108,16 @@ class GraphAnalyzer:
         sparse = _sparse_param_ids(self.model)
         named = list(self.model.named_parameters())
         rank = self._forward_rank([n for n, _ in named])
-        params = [(n, p) for n, p in named if p.requires_grad]
-        params.sort(key=lambda np_: rank[np_[0]], reverse=True)
-        out = [_info(n, p, "param", id(p) in sparse) for n, p in params]
+        params = [(i, n, p) for i, (n, p) in enumerate(named) if p.requires_grad]
+        params.sort(key=lambda inp: rank[inp[1]], reverse=True)
+        out = [_info(n, p, "param", id(p) in sparse, i) for i, n, p in params]
         if self.options.include_buffers:
-            out += [_info(n, b, "buffer", False) for n, b in self.model.named_buffers()]
+            out += [_info(n, b, "buffer", False, len(named) + i)
+                    for i, (n, b) in enumerate(self.model.named_buffers())]
         return out
 
     def plan(self) -> TransferPlan:
-        units = _split(self.tensors(), self.options.chunk_bytes)
+        units = _split(self.tensors(), self.options.chunk_bytes, self.options.alignment)
         sizes = [align_up(u.nbytes, self.options.alignment) for u in units]
         cuts = _cuts(sizes, self.options.num_shards)
         entries = _place(units, sizes, cuts)
@@ -150,26 +156,38 @@ def _sparse_param_ids(model: nn.Module) -> set[int]:
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
 
-def _info(name: str, t: torch.Tensor, role: str, sparse: bool) -> TensorInfo:
+def _info(name: str, t: torch.Tensor, role: str, sparse: bool, index: int) -> TensorInfo:
     dtype = str(t.dtype).removeprefix("torch.")
     if dtype not in ITEMSIZE:
         raise UsageError(f"{name}: dtype {dtype} cannot be planned")
     if sparse and t.dim() < 1:
         raise UsageError(f"{name}: a sparse-gradient parameter needs at least one dimension")
-    return TensorInfo(name, tuple(t.shape), dtype, role, sparse)
+    return TensorInfo(name, tuple(t.shape), dtype, role, sparse, index)
 
 
-def _split(infos: list[TensorInfo], chunk_bytes: int) -> list[_Unit]:
-    """Chunks of ``chunk_bytes`` for dense tensors above it; sparse tensors stay whole."""
+def _split(infos: list[TensorInfo], chunk_bytes: int, alignment: int) -> list[_Unit]:
+    """Chunks of whole rows for dense tensors above ``chunk_bytes``; sparse tensors, and
+    tensors too wide to be cut into aligned groups of rows, stay whole."""
     units = []
     for info in infos:
-        step = chunk_bytes // info.itemsize
-        if info.sparse or info.numel <= step:
+        step = _chunk_numel(info, chunk_bytes, alignment)
+        if info.sparse or info.numel <= step or step == 0:
             units.append(_Unit(info, 0, 0, info.numel))
             continue
         starts = range(0, info.numel, step)
         units += [_Unit(info, i, s, min(step, info.numel - s)) for i, s in enumerate(starts)]
     return units
+
+
+def _chunk_numel(info: TensorInfo, chunk_bytes: int, alignment: int) -> int:
+    """Elements per chunk: the most whole rows within ``chunk_bytes`` whose bytes are a
+    multiple of ``alignment`` (0: not even one such group of rows fits)."""
+    row = numel_of(info.shape[1:]) if len(info.shape) > 1 else 1
+    row_bytes = row * info.itemsize
+    if row_bytes == 0:
+        return 0
+    group = alignment // math.gcd(row_bytes, alignment)  # rows per aligned group
+    return chunk_bytes // (row_bytes * group) * group * row
 
 
 def _cuts(sizes: list[int], num_shards: int) -> list[int]:
@@ -200,7 +218,7 @@ def _place(units: list[_Unit], sizes: list[int], cuts: list[int]) -> list[PlanEn
 def _entry(u: _Unit, shard: int, offset: int) -> PlanEntry:
     kind = "dynamic" if u.info.sparse else "static"
     return PlanEntry(u.info.name, u.chunk, u.start, u.numel, u.info.shape, u.info.dtype,
-                     u.nbytes, kind, shard, "params", offset, u.info.role)
+                     u.nbytes, kind, shard, "params", offset, u.info.role, u.info.index)
 
 
 def _dynamic(entries: list[PlanEntry], opts: PlanOptions) -> list[DynamicEntry]:

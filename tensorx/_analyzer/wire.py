@@ -67,7 +67,7 @@ def _options(value: object) -> PlanOptions:
     return opts
 
 
-_ENTRY_TYPES = (str, int, int, int, list, str, int, str, int, str, int, str)
+_ENTRY_TYPES = (str, int, int, int, list, str, int, str, int, str, int, str, int)
 _DYNAMIC_TYPES = (str, int, int, int, list, str, int, int, bool)
 
 

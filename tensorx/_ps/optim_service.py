@@ -46,8 +46,7 @@ class OptimService:
         if opt is None:
             self._seen[ep] = []
             return {"defaults": {}, "groups": [], "flat": False}
-        groups = optim_state.groups_of(opt, state.param_labels(),
-                                       [s.key for s in state.layout.slots])
+        groups = optim_state.groups_of(opt, state.param_labels(), list(state.param_numels()))
         self._seen[ep] = [g["hp"] for g in groups]
         return {"defaults": hyper.snapshot([opt.defaults])[0], "groups": groups,
                 "flat": state.param_labels() is None}
@@ -98,7 +97,7 @@ class OptimService:
             region.close()
             region = packed.region()
             manifest = packed.manifest(optim_state.groups_of(
-                opt, label_of, [s.key for s in state.layout.slots]))
+                opt, label_of, list(state.param_numels())))
         self._lent[ep] = region
         desc = self.node.export(region, access="r")
         await ep.notify(protocol.encode("state", manifest=manifest, region=desc.to_bytes()),
@@ -121,7 +120,7 @@ class OptimService:
         hps: list[dict[str, Any]] = []
         if opt is not None:
             opt, label_of = self._labelled(state)
-            numels = {s.key: s.numel for s in state.layout.slots}
+            numels = state.param_numels()
             if desc.nbytes > optim_state.bound(numels) + optim_state.ALIGN:
                 raise ProtocolError(f"optimizer state of {desc.nbytes} B is more than "
                                     "this shard's entries can have")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tensorx._ps import parts
+from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
 
@@ -26,9 +27,10 @@ __all__ = ["OptimizerFactory", "SchedulerFactory", "ShardLayout", "ShardState", 
 
 logger = logging.getLogger(__name__)
 
-OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+# factory(params) or factory(named_params=[(name, param), ...]): see tensorx._ps.optim
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: optimizer state over the model's parameters, in model order
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,19 @@ class ShardLayout:
     nbytes: int
     slots: tuple[Slot, ...]
     fingerprint: str
+    params: tuple[ParamSpec, ...] = ()  # what the optimizer sees, in model order
+
+    def param_specs(self) -> tuple[ParamSpec, ...]:
+        """:attr:`params`, or for a layout made without them, one 1-D parameter per slot."""
+        return self.params or tuple(ParamSpec(s.key, s.offset, (s.numel,), s.dtype)
+                                    for s in self.slots)
 
     @classmethod
     def from_plan(cls, plan: Any, shard: int) -> ShardLayout:
         entries = sorted(plan.shard_entries(shard), key=lambda e: e.offset)
         slots = tuple(Slot(entry_key(e), e.offset, e.numel, to_dtype(e.dtype)) for e in entries)
-        return cls(shard, plan.num_shards, plan.arena_bytes(shard), slots, plan.fingerprint)
+        return cls(shard, plan.num_shards, plan.arena_bytes(shard), slots, plan.fingerprint,
+                   param_specs(entries, to_dtype))
 
 
 def entry_key(entry: Any) -> str:
@@ -85,8 +94,9 @@ def _single_dtype(layout: ShardLayout) -> torch.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
-def _entry_splitter(layout: ShardLayout) -> Callable[[MemoryRegion], list[torch.Tensor]]:
-    return lambda region: views(layout, region)
+def _param_splitter(layout: ShardLayout) -> Callable[[MemoryRegion], list[torch.Tensor]]:
+    specs = layout.param_specs()
+    return lambda region: [region.view(p.dtype, p.shape, p.offset) for p in specs]
 
 
 def _flat_splitter(layout: ShardLayout,
@@ -99,12 +109,14 @@ def _flat_splitter(layout: ShardLayout,
 class ShardState:
     """Parameters, one gradient slot per worker, and a real ``torch.optim`` optimizer.
 
-    The optimizer's parameters are views of the arena, and their ``.grad`` views of a
-    worker's slot (one gradient: no copy) or of an accumulator (the average), so momentum,
-    Adam and LR schedulers work unchanged. ``flat=True`` gives the optimizer one flat
-    parameter over the whole arena instead of one per tensor: far fewer kernel launches on a
-    CPU server, and the same result for elementwise optimizers (SGD, momentum, Adam(W),
-    RMSprop, Adagrad), not for per-tensor ones (LAMB, LARS) or per-tensor param groups.
+    The optimizer's parameters are the model's (named, shaped as in the model, in model
+    order; see :mod:`tensorx._ps.optim`) as views of the arena, and their ``.grad`` views of
+    a worker's slot (one gradient: no copy) or of an accumulator (the average), so momentum,
+    Adam, param groups and LR schedulers work unchanged. ``flat=True`` gives the optimizer
+    one flat parameter over the whole arena instead of one per tensor (named ``"flat.0"``,
+    ...): far fewer kernel launches on a CPU server, and the same result for elementwise
+    optimizers (SGD, momentum, Adam(W), RMSprop, Adagrad), not for per-tensor ones (LAMB,
+    LARS) or per-tensor param groups.
     (Large shards get a few flat parameters of at most ``parts.PART_BYTES`` each, so that
     the update can be applied and sent part by part: :meth:`apply_part`.)
     ``shared=True`` puts the parameter arena and the slots in /dev/shm, so that workers on
@@ -126,20 +138,27 @@ class ShardState:
         if flat and dtype is None and layout.slots:
             logger.warning("flat=True needs one dtype in the arena; optimizing per tensor")
         self.flat = dtype is not None
-        split = _flat_splitter(layout, dtype) if dtype is not None else _entry_splitter(layout)
+        split = _flat_splitter(layout, dtype) if dtype is not None else _param_splitter(layout)
         self._split = split
         self.params = [torch.nn.Parameter(v, requires_grad=True)
                        for v in split(self.params_region)]
+        self.names = [f"flat.{k}" for k in range(len(self.params))] if self.flat \
+            else [p.name for p in layout.param_specs()]
         self._acc = split(self._acc_region)
         self._slots = [split(r) for r in self.slot_regions]
         for p, g in zip(self.params, self._acc, strict=True):
             p.grad = g
         # a shard the plan left empty still counts versions, with nothing to optimize
-        self.optimizer = optimizer(self.params) if self.params else None
+        self.optimizer = build_optimizer(optimizer, self.named_parameters()) \
+            if self.params else None
         self.lr_scheduler = lr_scheduler(self.optimizer) \
             if lr_scheduler and self.optimizer is not None else None
         self.verify = verify
         self._checksum: int | None = None
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(model name, parameter) of what the optimizer sees, in model order."""
+        return list(zip(self.names, self.params, strict=True))
 
     def slot_region(self, rank: int) -> MemoryRegion:
         if not 0 <= rank < self.num_workers:
@@ -219,11 +238,16 @@ class ShardState:
         return self._checksum
 
     def param_labels(self) -> dict[int, str] | None:
-        """``id(param)`` -> entry label for the optimizer's parameters; None when flat (a
-        parameter covers several entries)."""
+        """``id(param)`` -> label (:attr:`ParamSpec.label`) of the optimizer's parameters;
+        None when flat (a parameter covers several tensors)."""
         if self.flat:
             return None
-        return {id(p): s.key for p, s in zip(self.params, self.layout.slots, strict=True)}
+        return {id(p): s.label
+                for p, s in zip(self.params, self.layout.param_specs(), strict=True)}
+
+    def param_numels(self) -> dict[str, int]:
+        """Label -> elements of each parameter the (per-tensor) optimizer sees."""
+        return {s.label: s.numel for s in self.layout.param_specs()}
 
     def load_params(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -241,6 +265,7 @@ class ShardState:
             "num_shards": self.layout.num_shards,
             "version": self.version,
             "flat": self.flat,
+            "param_names": list(self.names),
             "params": {s.key: v.detach().clone()
                        for s, v in zip(self.layout.slots, self.views, strict=True)},
             "optimizer": self._optimizer_state(),
@@ -253,6 +278,8 @@ class ShardState:
         if bool(state.get("flat")) != self.flat:
             raise UsageError(f"checkpoint was taken with flat={bool(state.get('flat'))}; "
                              f"this server runs flat={self.flat}")
+        if not self.flat and state.get("param_names") != self.names:
+            raise UsageError("checkpoint's optimizer parameters differ from this shard's")
         self.load_params(state["params"])
         if self.optimizer is not None:
             saved = state["optimizer"]
@@ -304,6 +331,12 @@ def _allocate(nbytes: int, count: int, shared: bool) -> list[MemoryRegion]:
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format") == 1:
+        raise UsageError(
+            f"{path} was written by an older tensorx (checkpoint format 1): its plan chunks "
+            "tensors differently and its optimizer state is per plan entry, so this version "
+            "cannot resume it. Finish that run with the tensorx that wrote it, or start "
+            "without the checkpoint")
     if state.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"{path}: unknown checkpoint format {state.get('format')!r}")
     return state
