@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -194,6 +195,8 @@ class _Owner:
         self.notes: list[bytes] = []
         self.violations: list[str] = []
         self.expect: Callable[[bytes], str | None] | None = None
+        self.warned = _Remember(logging.WARNING)
+        logging.getLogger("tensorx").addHandler(self.warned)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -304,6 +307,10 @@ class _Owner:
     async def do_violations(self) -> list[str]:
         return list(self.violations)
 
+    async def do_warnings(self) -> list[str]:
+        """WARNING (and worse) lines this process's tensorx loggers wrote."""
+        return list(self.warned.lines)
+
     async def do_endpoints(self) -> int:
         return len(self.node.endpoints)
 
@@ -340,6 +347,18 @@ class _Owner:
 
 
 
+class _Remember(logging.Handler):
+    """Keeps the messages of the records it sees (the owner's warnings, for tests)."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.lines) < 1000:
+            self.lines.append(record.getMessage())
+
+
 class FaultyProxy:
     """A TCP proxy on 127.0.0.1 between a client and ``target`` that a test can stall
     (stop forwarding, keep sockets open: a black-holed link) or cut (reset every link)."""
@@ -352,6 +371,7 @@ class FaultyProxy:
         self._links: list[asyncio.StreamWriter] = []
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._allowance: int | None = None  # bytes still let through toward the client
         self.address = ""
 
     async def __aenter__(self) -> FaultyProxy:
@@ -369,7 +389,13 @@ class FaultyProxy:
     def stall(self) -> None:
         self._flowing.clear()
 
+    def stall_after(self, nbytes: int) -> None:
+        """Let ``nbytes`` more bytes through toward the client, then stall (a reply that
+        stops mid-transfer); :meth:`resume` lets the rest through."""
+        self._allowance = nbytes
+
     def resume(self) -> None:
+        self._allowance = None
         self._flowing.set()
 
     def cut(self) -> None:
@@ -380,14 +406,23 @@ class FaultyProxy:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection(self._host, self._port)
         self._links += [writer, up_writer]
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
-                             return_exceptions=True)
+        await asyncio.gather(self._pump(reader, up_writer),
+                             self._pump(up_reader, writer, down=True), return_exceptions=True)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    down: bool = False) -> None:
         try:
             while data := await reader.read(65536):
-                await self._flowing.wait()
-                writer.write(data)
-                await writer.drain()
+                while data:
+                    await self._flowing.wait()
+                    piece = data
+                    if down and self._allowance is not None:
+                        piece = data[:self._allowance]
+                        self._allowance -= len(piece)
+                        if not self._allowance:
+                            self._flowing.clear()
+                    data = data[len(piece):]
+                    writer.write(piece)
+                    await writer.drain()
         finally:
             writer.transport.abort()

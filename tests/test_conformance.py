@@ -268,3 +268,61 @@ async def test_connections_leak_no_fds(transport: str) -> None:
             last = await owner.resources()
         assert last["fds"] <= first["fds"], f"owner fds {first['fds']} -> {last['fds']}"
         assert last["tasks"] <= first["tasks"]
+
+
+UCX_LATE_WRITES = pytest.mark.xfail(
+    reason="UCX lane: a get that timed out or was cancelled still completes into the buffer "
+           "(#16 item 2 holds over tcp; the ucx lane's fix belongs with #16 item 1)",
+    strict=False)
+
+
+async def test_timed_out_read_never_writes_the_buffer_again(
+        transport: str, request: pytest.FixtureRequest) -> None:
+    """#16 item 2: once ``read`` raised, the late reply never lands in the caller's memory,
+    and the endpoint stays usable (the rest of the reply is drained, not a dead reader)."""
+    if transport == "ucx":
+        request.applymarker(UCX_LATE_WRITES)
+    async with session(transport) as (owner, _, ep):
+        desc = await owner.export(64 << 20, seed=31)
+        small = await owner.export(4096, seed=32)
+        timed_out = 0
+        for timeout in (0.001, 0.005, 0.01, 0.02):
+            out = np.zeros(64 << 20, np.uint8)
+            region = tx.MemoryRegion.register(out)
+            try:
+                await ep.read(region, desc, timeout=timeout)
+            except tx.TimeoutError:
+                timed_out += 1
+                before = out.copy()
+                check = np.zeros(4096, np.uint8)  # stream order: after the late reply
+                await ep.read(tx.MemoryRegion.register(check), small, timeout=30)
+                assert np.array_equal(check, pattern(4096, 32))
+                await asyncio.sleep(0.2)
+                assert np.array_equal(out, before), "a timed-out read wrote the buffer later"
+            assert not ep.closed
+        assert timed_out
+
+
+async def test_read_cancelled_mid_transfer_never_writes_the_buffer_again(
+        transport: str, request: pytest.FixtureRequest) -> None:
+    """#16 item 2, deterministic: cancel the read as soon as its first bytes have landed."""
+    if transport == "ucx":
+        request.applymarker(UCX_LATE_WRITES)
+    async with session(transport) as (owner, _, ep):
+        desc = await owner.export(64 << 20, seed=33)
+        small = await owner.export(4096, seed=34)
+        out = np.zeros(64 << 20, np.uint8)
+        task = asyncio.ensure_future(ep.read(tx.MemoryRegion.register(out), desc, timeout=30))
+        for _ in range(1_000_000):  # poll the buffer itself: no event says "bytes landed"
+            if out[:4096].any() or task.done():
+                break
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        before = out.copy()
+        check = np.zeros(4096, np.uint8)
+        await ep.read(tx.MemoryRegion.register(check), small, timeout=30)
+        assert np.array_equal(check, pattern(4096, 34))
+        await asyncio.sleep(0.2)
+        assert np.array_equal(out, before), "a cancelled read wrote the buffer later"

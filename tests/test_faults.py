@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 
@@ -12,7 +13,9 @@ import pytest
 import tensorx as tx
 from tensorx import _auth, _wire
 from tensorx._wire import Kind
-from tensorx.testing import FaultyProxy, raw_socket, recv_frame
+from tensorx.testing import FaultyProxy, OwnerProcess, raw_socket, recv_frame
+
+from .conftest import transports
 
 
 def open_fds() -> int:
@@ -42,6 +45,55 @@ async def test_stalled_link_times_out_then_recovers_and_cut_link_breaks() -> Non
         with pytest.raises(tx.BrokenError):
             await read_until_broken()
         assert await asyncio.wait_for(node.disconnected.get(), 5) is ep
+
+
+async def test_read_whose_reply_stalls_mid_transfer_never_lands_late() -> None:
+    """#16 item 2: the owner's reply stops after 32 KiB; the read times out; when the rest
+    arrives it is dropped (the buffer is not written after the raise) and the endpoint
+    serves the next read."""
+    async with tx.Node(transport="tcp") as owner, FaultyProxy(owner.address) as proxy, \
+            tx.Node(listen=None, transport="tcp") as node:
+        data = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[: 1 << 20]
+        desc = owner.export(data, access="r")
+        ep = await node.connect(proxy.address)
+        out = np.zeros(1 << 20, np.uint8)
+        proxy.stall_after(32 << 10)
+        with pytest.raises(tx.TimeoutError):
+            await ep.read(tx.MemoryRegion.register(out), desc, timeout=0.5)
+        landed = out.copy()
+        assert 0 < np.count_nonzero(landed) < 1 << 20  # it really stopped mid-transfer
+        proxy.resume()
+        check = np.zeros(4096, np.uint8)
+        await ep.read(tx.MemoryRegion.register(check), desc, nbytes=4096, timeout=10)
+        assert np.array_equal(check, data[:4096])  # usable: the late reply was drained
+        assert np.array_equal(out, landed)  # and none of it reached the timed-out buffer
+        assert not ep.closed
+
+
+@pytest.mark.parametrize("transport", transports())
+async def test_clean_closes_are_never_warnings(transport: str,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """#16 item 15: 50 clean ``ep.aclose()`` on either side log no WARNING on either side
+    (the owner process's log is checked through its stderr-free counter of warnings)."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    async with OwnerProcess(transport) as owner, tx.Node(transport=transport) as node:
+        desc = await owner.export(4096)
+        buf = tx.MemoryRegion.allocate(4096)
+        for i in range(50):
+            ep = await node.connect(owner.address)
+            if i % 2:
+                await ep.write(buf, desc)
+            await ep.aclose()
+        for _ in range(10):  # the owner connects to us and closes: we are the server side
+            await owner.connect(node.address)
+            await owner.call("close_endpoints")
+        for _ in range(50):
+            if not node.endpoints and await owner.call("endpoints") == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert await owner.call("warnings") == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == []
 
 
 async def test_connections_that_come_and_go_leak_nothing() -> None:

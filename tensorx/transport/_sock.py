@@ -15,12 +15,13 @@ from tensorx import _wire
 from tensorx._wire import Kind
 from tensorx.errors import BrokenError, UsageError
 
-__all__ = ["BUFFER_BYTES", "IOV_MAX", "FrameReader", "TcpListener", "advance", "open_socket",
-           "tune"]
+__all__ = ["BUFFER_BYTES", "HANDSHAKE_BYTES", "IOV_MAX", "FrameReader", "TcpListener", "advance",
+           "open_socket", "tune"]
 
 logger = logging.getLogger("tensorx.transport.tcp")
 
 BUFFER_BYTES = 256 * 1024
+HANDSHAKE_BYTES = 4096  # what an unauthenticated peer gets (grows only for a larger frame)
 IOV_MAX = 512
 LOWAT_MIN = 256 * 1024
 LOWAT_MAX = 1024 * 1024
@@ -63,13 +64,23 @@ async def open_socket(host: str, port: int) -> socket.socket:
 class FrameReader:
     """Buffered small reads (prefix, header) and unbuffered large reads into caller memory."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, size: int = HANDSHAKE_BYTES) -> None:
         self._sock = sock
         self._loop = asyncio.get_running_loop()
-        self._buf = bytearray(BUFFER_BYTES)
+        self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+
+    def resize(self, size: int) -> None:
+        """Use a buffer of ``size`` bytes from now on (keeps what is buffered): large once
+        the peer has authenticated, none once the connection is closed."""
+        size = max(size, self._end - self._start)
+        data = self._view[self._start:self._end]
+        buf = bytearray(size)
+        buf[:len(data)] = data
+        self._buf, self._view = buf, memoryview(buf)
+        self._start, self._end = 0, len(data)
 
     async def _recv(self, into: memoryview) -> int:
         try:
@@ -81,6 +92,8 @@ class FrameReader:
         return n
 
     async def _fill(self, need: int) -> None:
+        if len(self._buf) < need:  # a frame larger than the buffer (at most MAX_HEADER)
+            self.resize(need)
         if len(self._buf) - self._start < need:
             size = self._end - self._start
             self._buf[:size] = self._buf[self._start:self._end]
@@ -94,25 +107,66 @@ class FrameReader:
         self._start += n
         return data
 
-    async def read_into(self, dest: memoryview) -> None:
-        """Fill ``dest`` exactly: buffered bytes first, then straight from the socket."""
-        have = min(len(dest), self._end - self._start)
-        if have:
-            dest[:have] = self._view[self._start:self._start + have]
-            self._start += have
-        pos = have
+    async def read_into(self, dest: memoryview,
+                        live: Callable[[], bool] = lambda: True) -> bool:
+        """Fill ``dest`` exactly: buffered bytes first, then straight from the socket.
+
+        ``live`` is asked right before every write into ``dest``; once it says False (the
+        op that owns ``dest`` has raised), the rest of the payload is read and dropped and
+        ``dest`` is never touched again. Returns whether ``dest`` was filled."""
+        pos = 0
         lowat = 1
         try:
             while pos < len(dest):
+                if not live():
+                    await self.discard(len(dest) - pos)
+                    return False
+                have = min(len(dest) - pos, self._end - self._start)
+                if have:
+                    dest[pos:pos + have] = self._view[self._start:self._start + have]
+                    self._start += have
+                    pos += have
+                    continue
                 # Large payloads: wake only when a big piece is ready (fewer loop turns).
                 want = min(len(dest) - pos, LOWAT_MAX) if len(dest) - pos >= LOWAT_MIN else 1
                 if want != lowat:
                     self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     lowat = want
-                pos += await self._recv(dest[pos:])
+                pos += await self._recv_now(dest[pos:])
         finally:
             if lowat != 1 and self._sock.fileno() >= 0:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        return True
+
+    async def _recv_now(self, into: memoryview) -> int:
+        """One ``recv_into`` done right here (never by a callback later: the caller has just
+        checked that ``into`` may still be written); 0 after waiting for readability."""
+        try:
+            n = self._sock.recv_into(into)
+        except (BlockingIOError, InterruptedError):
+            await self._readable()
+            return 0
+        except OSError as exc:
+            raise BrokenError(f"connection lost: {exc}") from exc
+        if n == 0:
+            raise BrokenError("peer closed the connection")
+        return n
+
+    async def _readable(self) -> None:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        fd = self._sock.fileno()
+        self._loop.add_reader(fd, _done, fut)
+        try:
+            await fut
+        finally:
+            if self._sock.fileno() == fd:  # closed: the number may belong to another socket
+                self._loop.remove_reader(fd)
+
+    def release(self) -> None:
+        """The connection is over: give the buffer back (reads after this fail)."""
+        self._buf = bytearray()
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
 
     async def discard(self, n: int) -> None:
         while n:
@@ -127,6 +181,11 @@ class FrameReader:
         kind, header_len, payload_len = _wire.decode_prefix(prefix)
         header = _wire.decode_header(kind, await self.read_exact(header_len), payload_len)
         return kind, header, payload_len
+
+
+def _done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def advance(parts: list[Any], sent: int) -> list[Any]:

@@ -85,6 +85,7 @@ class Connection:
         self._tasks: list[asyncio.Task[None]] = []
         self._error: TensorxError | None = None
         self._busy = False
+        self._closing = False  # we said BYE
         self.on_notify: NotifyHandler = lambda conn, payload: None
         self.on_closed: ClosedHandler = lambda conn, exc: None
         self.on_query: QueryHandler = lambda what: {}
@@ -121,25 +122,37 @@ class Connection:
             raise self._error
 
     def _fail(self, exc: TensorxError, graceful: bool = False) -> None:
-        """Mark the connection dead, fail every request in flight, close the socket."""
+        """Mark the connection dead, fail every request in flight, close the socket.
+
+        ``graceful``: the peer said BYE. Once either side has said BYE, whatever ends the
+        connection next (EOF, a reset) is part of a clean close, not a failure."""
         if self._error is not None:
             return
         self._error = exc
         for pending in self._pending.values():
-            if not pending.future.done():
-                pending.future.set_exception(_copy(exc))
+            _set_once(pending.future, _copy(exc))
         self._pending.clear()
         for _, fut in self._sendq:
-            if fut is not None and not fut.done():
-                fut.set_exception(_copy(exc))
+            if fut is not None:
+                _set_once(fut, _copy(exc))
         self._sendq.clear()
         self._wakeup.set()
+        current = asyncio.current_task()
+        for task in self._tasks:  # a task waiting on the socket would wait forever
+            if task is not current:
+                task.cancel()
+        if self.sock.fileno() >= 0:
+            self._loop.remove_reader(self.sock.fileno())
+            self._loop.remove_writer(self.sock.fileno())
         self.sock.close()
-        self.on_closed(self, None if graceful or isinstance(exc, ClosedError) else exc)
+        self._reader.release()
+        clean = graceful or self._closing or isinstance(exc, ClosedError)
+        self.on_closed(self, None if clean else exc)
 
     async def aclose(self) -> None:
         """Say BYE, stop both tasks and close the socket. Idempotent."""
-        if self._error is None and self._tasks:
+        if self._error is None and self._tasks and not self._closing:
+            self._closing = True
             with _suppress():
                 await asyncio.wait_for(self._send_frame(Kind.BYE, {}), 1.0)
         self._fail(ClosedError(f"{self.label}: endpoint closed"))
@@ -208,6 +221,9 @@ class Connection:
                     await self._send_batch()
         except OSError as exc:
             self._fail(BrokenError(f"{self.label}: connection lost: {exc}"))
+        except Exception as exc:  # a bug: close as broken rather than leave a dead writer
+            logger.exception("%s: writer failed", self.label)
+            self._fail(BrokenError(f"{self.label}: internal error: {exc!r}"))
         finally:
             self._busy = False
 
@@ -342,6 +358,9 @@ class Connection:
         except TensorxError as exc:
             self._fail(exc if isinstance(exc, BrokenError | ClosedError)
                        else BrokenError(f"{self.label}: {exc}"))
+        except Exception as exc:  # a bug: close as broken rather than leave a dead reader
+            logger.exception("%s: reader failed", self.label)
+            self._fail(BrokenError(f"{self.label}: internal error: {exc!r}"))
 
     async def _dispatch(self, kind: Kind, header: dict[str, Any], payload_len: int) -> None:
         handler = self._HANDLERS.get(kind)
@@ -396,11 +415,13 @@ class Connection:
             return
         if len(pending.dest) != payload_len:
             await self._reader.discard(payload_len)
-            pending.future.set_exception(ProtocolError(
+            _set_once(pending.future, ProtocolError(
                 f"{self.label}: read of {len(pending.dest)} B answered with {payload_len} B"))
             return
-        await self._reader.read_into(pending.dest)
-        pending.future.set_result(None)
+        # The read may time out or be cancelled while its reply streams in: from then on
+        # the rest is dropped, never written to the caller's memory.
+        if await self._reader.read_into(pending.dest, live=lambda: not pending.future.done()):
+            _set_once(pending.future)
 
     async def _on_ack(self, h: dict[str, Any], payload_len: int) -> None:
         self._resolve(h["req"], None)
