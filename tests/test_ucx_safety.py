@@ -126,3 +126,30 @@ async def test_a_write_in_flight_never_lands_in_a_fresh_region() -> None:
         assert await owner.call("held") == 0
         small = await owner.export(4096, seed=4)
         await _serves_an_honest_peer(owner, small, others=1)
+
+
+async def _write_until_refused(ep: tx.Endpoint, desc: tx.RegionDescriptor) -> None:
+    for _ in range(200):
+        await ep.write(tx.MemoryRegion.register(pattern(4096, 2)), desc)
+        await asyncio.sleep(0.01)
+
+
+async def test_a_peer_that_never_acknowledges_keeps_the_memory_held_until_it_leaves() -> None:
+    """Item 17, bounded: the owner never frees memory a connected UCX peer has not
+    released; once that peer is gone (its UCX endpoint closed) the memory is let go."""
+    async with OwnerProcess("ucx") as owner:
+        desc = tx.RegionDescriptor.from_bytes(await owner.call("export_allocated", 4096, 1))
+        async with tx.Node(listen=None, transport="ucx") as node:
+            ep = await node.connect(owner.address, timeout=20)
+            ep._conn.revoke_ack = lambda region_id: None  # a peer that never acknowledges
+            await ep.write(tx.MemoryRegion.register(pattern(4096, 2)), desc)
+            await owner.call("replace", desc.region_id, 3)
+            with pytest.raises(tx.RegionError):  # the revocation reached us
+                await _write_until_refused(ep, desc)
+            assert await owner.call("held") == 1
+        for _ in range(200):
+            if await owner.call("held") == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await owner.call("held") == 0
+        assert owner.alive

@@ -205,7 +205,8 @@ def _why(info: dict[str, Any]) -> str:
     if info["shared_memory"]:
         paths.append("same-host shared memory (with error_handling=False)")
     if "tcp" in info["devices"]:
-        paths.append("tcp (default, survives peer death)")
+        paths.append("tcp (only with allow_tcp / TENSORX_UCX_TCP=1: no bounds checks, trusted "
+                     "networks only; by default tensorx TCP)")
     if info["gpu"]:
         paths.append("GPU memory")
     return "UCX usable: " + ", ".join(paths)
