@@ -94,11 +94,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if not infos:
             raise UsageError("the server has no optimizer parameters for this model")
         first = infos[0]
-        for s, info in enumerate(infos[1:], 1):
-            if [g["hp"] for g in info["groups"]] != [g["hp"] for g in first["groups"]]:
-                raise UsageError(f"the shards' optimizers differ in their param groups ({s} "
-                                 "vs the first): build the same groups, with the same "
-                                 "hyperparameters, on every shard (empty ones included)")
+        # The same number of groups everywhere; their values may differ for a moment (another
+        # rank's load_state_dict reaching one shard before the other): those of the first
+        # shard are taken, and every shard's answers keep them current.
+        for info in infos[1:]:
+            if len(info["groups"]) != len(first["groups"]):
+                raise UsageError("the shards' optimizers have different numbers of param "
+                                 f"groups ({len(info['groups'])} vs {len(first['groups'])}): "
+                                 "build the same groups on every shard, empty ones included")
         runs = plan_params(self.worker.plan)  # what the shards' optimizers see
         name_of = {e.label: e.name for e in runs}
         self._entries: dict[str, list[Any]] = {}
@@ -156,8 +159,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         changes = self._check_groups()
+        rejoins = self.worker.stats["rejoins"]
         self._call(self.worker.step(changes))
-        self._refresh()
+        if self.worker.stats["rejoins"] == rejoins:
+            self._refresh()
+        # else the step was dropped by a rejoin (Worker reconnect=): the changes stay in
+        # param_groups, differ from what the new server said, and go with the next step
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

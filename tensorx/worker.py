@@ -411,6 +411,9 @@ class Worker:
             msg = await self._expect(shard, "state")
             desc = RegionDescriptor.from_bytes(msg["region"])
             numels = {e.label: e.numel for e in plan_params(self.plan) if e.shard == shard}
+            if desc.nbytes > optim_state.bound(numels) + optim_state.ALIGN:
+                raise ProtocolError(f"shard {shard} lends {desc.nbytes} B of optimizer state, "
+                                    "more than its parameters can have")
             optim_state.check_manifest(msg["manifest"], numels, desc.nbytes)
             region = MemoryRegion.allocate(desc.nbytes)
             try:

@@ -194,7 +194,7 @@ def test_param_groups_mirror_the_server_groups() -> None:
             assert not opt.state
 
 
-def test_lr_set_on_one_rank_reaches_the_next_update() -> None:
+def test_lr_set_on_one_rank_reaches_the_next_update(caplog: pytest.LogCaptureFixture) -> None:
     """Rank 0 alone sets the lr before step 2: that very update uses it (no half-round
     delay), and rank 1 sees it once its step returns. Conflicting changes in one update:
     the lowest rank wins, on every rank."""
@@ -220,6 +220,7 @@ def test_lr_set_on_one_rank_reaches_the_next_update() -> None:
         on_ranks(work)
     close(models[0], local(sgd, data, hook)[0])
     assert seen[0] == seen[1] == [0.1, 0.1, 0.5, 0.5, 0.02, 0.02, 0.02]
+    assert "ranks 0 and 1 set param_groups[0]['lr'] to 0.02 and 0.9" in caplog.text
 
 
 @pytest.mark.parametrize(("transport", "share"), [LINKS[0], LINKS[2]])
@@ -331,3 +332,47 @@ def test_bad_state_manifests_are_protocol_errors() -> None:
         optim_state.check_manifest({**good, "values": {"w": {"step": [1, 2]}}}, numels, 64)
     with pytest.raises(ProtocolError):
         optim_state.check_manifest({**good, "groups": [{"hp": {"lr": 0.1}}]}, numels, 64)
+
+
+def test_a_change_survives_a_rejoin(tmp_path: Path) -> None:
+    """The server restarts (from its checkpoint) under a step that carries a change: the
+    worker rejoins and drops that step, and the change goes with the next one instead of
+    being silently lost."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
+    kw: dict[str, Any] = {"num_workers": 1, "optimizer": sgd, "transport": "tcp",
+                          "checkpoint_dir": tmp_path, "log_every": None}
+    first = ParameterServer("tcp://127.0.0.1:0", **kw)
+    run(first.start())
+    second = ParameterServer(first.address, **kw)
+    model = make_model()
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    try:
+        with RemoteOptimizer(model, first.address, transport="tcp", timeout=10,
+                             reconnect=30) as opt:
+            for _ in range(2):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            run(first.aclose())
+            run(second.start())
+            opt.param_groups[0]["lr"] = 0.5
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            assert opt.worker.stats["rejoins"] == 1
+            assert opt.param_groups[0]["lr"] == 0.5
+            assert second.state is not None and second.state.optimizer is not None
+            assert second.state.optimizer.param_groups[0]["lr"] == 0.1
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            assert second.state.optimizer.param_groups[0]["lr"] == 0.5
+    finally:
+        run(first.aclose())
+        run(second.aclose())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
