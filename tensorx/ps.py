@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tensorx._ps import protocol
 from tensorx._ps.answer import Peer, apply_in_parts, send_params
+from tensorx._ps.grads import GradHook, GradProcessing
 from tensorx._ps.losses import LossWatch
+from tensorx._ps.normx import NormExchange
 from tensorx._ps.optim_service import OptimService
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
@@ -107,6 +109,11 @@ class ParameterServer:
     WARNING). See :mod:`tensorx._ps.losses`; async and bounded modes never wait for a
     departed worker. A departed worker's pushed gradient for the barrier in progress is
     dropped, never applied.
+    ``clip_grad_norm`` (sync mode): clip the averaged gradient to this global 2-norm, over
+    all shards, as ``torch.nn.utils.clip_grad_norm_`` would on one process (the shards
+    exchange their partial sums of squares, see :mod:`tensorx._ps.normx`).
+    ``grad_hook``: ``callable(named_grads)`` run on this shard's averaged gradient before
+    clipping and the step (see :mod:`tensorx._ps.grads`).
     ``node_options``: further :class:`tensorx.Node` options, e.g.
     ``{"ucx_options": {"error_handling": False}}`` or ``{"require": "rdma"}``.
     ``metrics_port``: serve this shard's step timings and endpoint counters for Prometheus
@@ -126,9 +133,15 @@ class ParameterServer:
                  flat: bool = False, share_memory: bool = True,
                  on_worker_loss: str = "wait", worker_loss_timeout: float | None = 30.0,
                  node_options: dict[str, Any] | None = None,
-                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1") -> None:
+                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
+                 clip_grad_norm: float | None = None,
+                 grad_hook: GradHook | None = None) -> None:
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
+        if clip_grad_norm is not None and mode != "sync":
+            raise UsageError(f"clip_grad_norm clips the averaged gradient of a sync update; "
+                             f"in mode={mode!r} each push is applied alone, so clip it on "
+                             "the worker (torch.nn.utils.clip_grad_norm_ before step())")
         if not 0 <= shard < num_shards:
             raise UsageError(f"shard {shard} outside 0..{num_shards - 1}")
         self.mode = mode
@@ -147,6 +160,9 @@ class ParameterServer:
         self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost)
         self.node = Node(listen, transport=transport, token=token, timeout=timeout,
                          insecure=insecure, **(node_options or {}))
+        self._norms = NormExchange(self.node, shard, num_shards, timeout) \
+            if clip_grad_norm is not None and num_shards > 1 else None
+        self.grads = GradProcessing(clip_grad_norm, grad_hook, self._norms)
         self.state: ShardState | None = None
         self._plan: TransferPlan | None = None
         self._plan_bytes = b""
@@ -259,6 +275,8 @@ class ParameterServer:
         try:
             self.checkpoint()
         finally:
+            if self._norms is not None:
+                await self._norms.aclose()
             await self.node.aclose()
             if self.state is not None:
                 self.state.close()
@@ -325,12 +343,17 @@ class ParameterServer:
     async def _pump_notifications(self) -> None:
         while True:
             ep, payload = await self.node.notifications.get()
-            self._events.put_nowait(_Event("msg", ep, payload))
+            # a peer shard's gradient norm is taken here: the service loop may wait for it
+            if self._norms is None or ep in self._peers or not self._norms.take(ep, payload):
+                self._events.put_nowait(_Event("msg", ep, payload))
 
     async def _pump_disconnects(self) -> None:
         while True:
             ep = await self.node.disconnected.get()
-            self._events.put_nowait(_Event("gone", ep))
+            if self._norms is not None and self._norms.owns(ep):
+                self._norms.lost(ep)
+            else:
+                self._events.put_nowait(_Event("gone", ep))
 
     def _post_lost(self, rank: int) -> None:
         self._events.put_nowait(_Event("lost", None, rank=rank))
@@ -397,6 +420,8 @@ class ParameterServer:
     # -- handshake ------------------------------------------------------------------------
     async def _hello(self, ep: Endpoint, msg: dict[str, Any]) -> None:
         protocol.check_hello(msg, self.shard, self.num_shards, self.num_workers)
+        if self._norms is not None:
+            self._norms.learn(msg.get("shards"))
         self._check_plan(msg)
         assert self.state is not None
         rank = msg["rank"]
@@ -508,6 +533,8 @@ class ParameterServer:
         if decision.apply:
             self.stats["barrier_s"] += self.timings.barrier_done()
             t0 = time.perf_counter()
+            if self.grads.active and not await self._process_grads(decision.apply, targets):
+                return
             self.optim.before_update(decision.apply, self.state)
             copies = [p for p in targets if not p.mapped]
             if copies and self.state.num_parts > 1:
@@ -523,6 +550,21 @@ class ParameterServer:
         t0 = time.perf_counter()
         await asyncio.gather(*(self._send_params(p, sending.get(p.rank)) for p in targets))
         self.stats["send_s"] += self.timings.sent(t0, len(targets))
+
+    async def _process_grads(self, ranks: list[int], targets: list[Peer]) -> bool:
+        """Hook and clip the averaged gradient, if asked; False (and the error to the
+        workers) if a peer shard's norm is missing or the hook failed: no update then."""
+        try:
+            await self.grads.run(self.state, ranks)
+        except Exception as exc:
+            logger.error("ps shard %d: update %d not applied: %s", self.shard,
+                         self.version + 1, exc)
+            error = protocol.encode("error", code=type(exc).__name__, msg=str(exc))
+            await asyncio.gather(*(p.ep.notify(error, timeout=self.timeout) for p in targets),
+                                 return_exceptions=True)
+            return False
+        self.stats.update(grad_norm=self.grads.last_norm, norm_exchange_s=self.grads.exchange_s)
+        return True
 
     async def _send_params(self, peer: Peer,
                            sent: list[asyncio.Future[None]] | None = None) -> None:

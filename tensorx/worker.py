@@ -250,7 +250,7 @@ class Worker:
             "hello", proto=protocol.PROTOCOL, rank=self.rank, num_workers=self.num_workers,
             shard=shard, num_shards=self.num_shards, fingerprint=self.plan.fingerprint,
             plan=self.plan.to_bytes(), params=desc.to_bytes(), verify=self.verify,
-            share=self._shared is not None and self._shared.wanted))
+            share=self._shared is not None and self._shared.wanted, shards=self.addresses))
 
     async def aclose(self) -> None:
         """Say goodbye to every shard and close the node. Idempotent."""

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from tensorx.errors import UsageError
+from tensorx._ps import parts, protocol
+from tensorx._ps.normx import NormExchange
+from tensorx._ps.shard import ShardLayout, ShardState, load_checkpoint
+from tensorx.errors import BrokenError, TensorxError, UsageError
+from tensorx.errors import TimeoutError as TxTimeoutError
 from tensorx.graph_analyzer import GraphAnalyzer
+from tensorx.node import Node
+from tensorx.ps import ParameterServer
 
+from .test_ps_cli import PsProcess
 from .test_ps_train import TRANSPORTS, servers, workers
 
 Named = list[tuple[str, nn.Parameter]]
@@ -144,3 +152,193 @@ async def test_an_optimizer_over_other_tensors_is_refused() -> None:
 async def test_an_optimizer_that_leaves_parameters_out_is_refused() -> None:
     with pytest.raises(UsageError, match=r"leaves out .*'\d\.bias'"):
         await train_ps(lambda params: torch.optim.SGD(params[:1], lr=0.1), 1, "tcp")
+
+
+# -- server-side gradient processing ------------------------------------------------------
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5, momentum=0.5)
+
+
+def sgd_named(named: Named) -> torch.optim.Optimizer:
+    return sgd([p for _, p in named])
+
+
+async def train_clipped(transport: str, norms: list[float], **server: Any
+                        ) -> list[torch.Tensor]:
+    models = [make_model(), make_model(seed=5)]
+    async with servers(2, 2, transport, mode="sync", optimizer=sgd, share_memory=False,
+                       clip_grad_norm=0.05, **server) as shards, \
+            workers(models, [s.address for s in shards], transport, share_memory=False,
+                    plan_options=PLAN) as ws:
+        for step in data(10, 2):
+            for w, m, (x, y) in zip(ws, models, step, strict=True):
+                w.zero_grad()
+                loss(m, x, y).backward()
+            await asyncio.gather(*(w.step() for w in ws))
+            assert shards[0].stats["grad_norm"] == shards[1].stats["grad_norm"]
+            norms.append(shards[0].stats["grad_norm"])
+        return [p.detach().clone() for p in models[0].parameters()]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_clip_grad_norm_over_two_shards_equals_single_process(transport: str) -> None:
+    norms: list[float] = []
+    got = await train_clipped(transport, norms)
+    want = train_single(sgd_named, 10, clip=0.05)
+    assert min(norms) > 0.05  # every step was clipped
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, rtol=1e-6, atol=1e-6), (g - w).abs().max()
+
+
+async def test_clip_grad_norm_with_a_flat_server_applied_part_by_part(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parts, "PART_BYTES", 512)  # several parts per shard
+    norms: list[float] = []
+    got = await train_clipped("tcp", norms, flat=True)
+    want = train_single(sgd_named, 10, clip=0.05)
+    assert min(norms) > 0.05
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, rtol=1e-6, atol=1e-6), (g - w).abs().max()
+
+
+async def test_grad_hook_sees_the_averaged_gradient_by_name() -> None:
+    seen: list[list[str]] = []
+
+    def halve_weights(named_grads: list[tuple[str, torch.Tensor]]) -> None:
+        seen.append([n for n, _ in named_grads])
+        for name, grad in named_grads:
+            if name.endswith("weight"):
+                grad.mul_(0.5)
+
+    got = await train_ps(sgd, 6, "tcp", grad_hook=halve_weights)
+    model = make_model()
+    optimizer = sgd(list(model.parameters()))
+    for step in data(6, 2):
+        optimizer.zero_grad()
+        loss(model, torch.cat([x for x, _ in step]), torch.cat([y for _, y in step])).backward()
+        for name, p in model.named_parameters():
+            if name.endswith("weight"):
+                p.grad.mul_(0.5)  # type: ignore[union-attr]
+        optimizer.step()
+    for g, w in zip(got, model.parameters(), strict=True):
+        torch.testing.assert_close(g, w.detach(), rtol=1e-5, atol=1e-6)
+    order = [n for n, _ in make_model().named_parameters()]
+    assert len(seen) == 12  # 6 updates on each of the 2 shards
+    assert all(names == sorted(names, key=order.index) for names in seen)
+
+
+def test_clip_grad_norm_is_for_sync_mode() -> None:
+    for mode in ("async", "bounded"):
+        with pytest.raises(UsageError, match="clip it on the worker"):
+            ParameterServer(num_workers=1, mode=mode, clip_grad_norm=1.0)
+    with pytest.raises(UsageError, match="positive number"):
+        ParameterServer(num_workers=1, clip_grad_norm=0.0)
+
+
+async def test_the_cli_clips_over_two_shards_in_one_process() -> None:
+    ps = PsProcess("--listen", "tcp://127.0.0.1:0", "--workers", "2", "--shards", "2",
+                   "--transport", "tcp", "--optimizer", "sgd:lr=0.5,momentum=0.5",
+                   "--clip-grad-norm", "0.05", "--log-level", "WARNING")
+    try:
+        models = [make_model(), make_model(seed=5)]
+        async with workers(models, ps.addresses(2), "tcp", share_memory=False,
+                           plan_options=PLAN) as ws:
+            for step in data(5, 2):
+                for w, m, (x, y) in zip(ws, models, step, strict=True):
+                    w.zero_grad()
+                    loss(m, x, y).backward()
+                await asyncio.gather(*(w.step() for w in ws))
+    finally:
+        log = ps.stop()
+    assert ps.proc.returncode == 0, log
+    want = train_single(sgd_named, 5, clip=0.05)
+    for g, w in zip(models[0].parameters(), want, strict=True):
+        assert torch.allclose(g.detach(), w, rtol=1e-6, atol=1e-6), (g - w).abs().max()
+
+
+async def test_the_norm_exchange_names_a_silent_or_gone_shard() -> None:
+    async with Node("tcp://127.0.0.1:0", transport="tcp") as a, \
+            Node("tcp://127.0.0.1:0", transport="tcp") as b:
+        ex = [NormExchange(node, k, 2, timeout=1.0) for k, node in enumerate((a, b))]
+        pumps = [asyncio.ensure_future(_pump(node, x)) for node, x in zip((a, b), ex,
+                                                                           strict=True)]
+        try:
+            for x in ex:
+                x.learn([a.address, b.address])
+            totals = await asyncio.gather(ex[0].total(1, [0, 1], 2.0),
+                                          ex[1].total(1, [0, 1], 0.25))
+            assert totals == [2.25, 2.25]
+            with pytest.raises(TxTimeoutError, match=r"no gradient norm for version 2 from "
+                                                     r"shard\(s\) \[1\]"):
+                await ex[0].total(2, [0, 1], 1.0)
+            await ex[1].aclose()
+            await b.aclose()
+            with pytest.raises(BrokenError, match="shard 1"):
+                await ex[0].total(3, [0, 1], 1.0)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await ex[0].aclose()
+
+
+async def _pump(node: Node, exchange: NormExchange) -> None:
+    """What the server's notification and disconnect pumps do for a peer shard."""
+    async def said() -> None:
+        while True:
+            ep, payload = await node.notifications.get()
+            exchange.receive(ep, protocol.decode(payload))
+
+    async def gone() -> None:
+        while True:
+            exchange.lost(await node.disconnected.get())
+
+    await asyncio.gather(said(), gone())
+
+
+async def test_a_failing_hook_fails_the_update_to_the_workers() -> None:
+    def broken(named_grads: list[tuple[str, torch.Tensor]]) -> None:
+        raise ValueError("boom in the hook")
+
+    model = make_model()
+    async with servers(1, 1, "tcp", grad_hook=broken) as shards, \
+            workers([model], [shards[0].address], "tcp") as ws:
+        loss(model, *data(1, 1)[0][0]).backward()
+        with pytest.raises(TensorxError, match="boom in the hook"):
+            await ws[0].step()
+        assert shards[0].version == 0
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+def test_a_checkpoint_of_named_groups_resumes_identically(tmp_path: Path) -> None:
+    """Optimizer state over the named, shaped parameters (two groups, a split tensor)
+    survives a checkpoint: the resumed shard takes the same steps."""
+    plan = GraphAnalyzer(make_model(), num_shards=2, **PLAN).plan()
+    layout = ShardLayout.from_plan(plan, 0)
+    assert not all(spec.whole for spec in layout.params)  # part of 2.weight is here
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(layout.nbytes // 4, generator=gen) for _ in range(6)]
+
+    def step(state: ShardState, g: torch.Tensor) -> None:
+        state.slot_regions[0].view(torch.float32, (g.numel(),)).copy_(g)
+        state.apply([0])
+
+    a = ShardState(layout, 1, decay_by_dim)
+    for g in grads[:3]:
+        step(a, g)
+    a.save(tmp_path / "ck.pt", b"plan")
+    b = ShardState(layout, 1, decay_by_dim)
+    b.load_state_dict(load_checkpoint(tmp_path / "ck.pt"))
+    assert b.version == 3
+    for g in grads[3:]:
+        step(a, g)
+        step(b, g)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_an_old_format_checkpoint_is_refused_clearly(tmp_path: Path) -> None:
+    torch.save({"format": 1, "fingerprint": "txp1-old", "plan": b"old", "version": 3},
+               tmp_path / "old.pt")
+    with pytest.raises(UsageError, match="older tensorx"):
+        load_checkpoint(tmp_path / "old.pt")

@@ -63,6 +63,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flat", action="store_true",
                    help="one flat optimizer parameter per shard (elementwise optimizers only: "
                         "SGD, momentum, Adam(W), RMSprop, Adagrad); faster")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
+                   help="sync mode: clip the averaged gradient to this 2-norm over all shards, "
+                        "as torch.nn.utils.clip_grad_norm_ would on one process")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint here; resume from here")
     p.add_argument("--checkpoint-every", type=int, default=None, help="updates between saves")
     p.add_argument("--on-worker-loss", choices=POLICIES, default="wait",
@@ -184,7 +187,8 @@ async def serve(args: argparse.Namespace) -> None:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         token=args.token, transport=args.transport, insecure=args.insecure,
         log_every=args.log_every or None, flat=args.flat,
-        on_worker_loss=args.on_worker_loss, worker_loss_timeout=args.worker_loss_timeout)
+        on_worker_loss=args.on_worker_loss, worker_loss_timeout=args.worker_loss_timeout,
+        clip_grad_norm=args.clip_grad_norm)
         for s in shards]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -33,7 +33,8 @@ MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
 _OPT_INT = (int, type(None))
 SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # worker -> shard: who I am, what I planned, where my parameter arena is; `share`: I
-    # would map your arenas if you are on my host
+    # would map your arenas if you are on my host; optional `shards`: every shard's address,
+    # in shard order (how shards find each other to exchange gradient norms)
     "hello": {"proto": int, "rank": int, "num_workers": int, "shard": int, "num_shards": int,
               "fingerprint": str, "plan": bytes, "params": bytes, "verify": bool,
               "share": bool},
@@ -67,6 +68,9 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "state_loaded": {"hyper": list},
     # worker -> shard: I am leaving
     "bye": {},
+    # shard -> shard (clip_grad_norm): the sum of squares of my part of the gradient that
+    # makes `version`, averaged over `ranks` (see tensorx._ps.normx)
+    "gnorm": {"shard": int, "version": int, "ranks": list, "sumsq": float},
 }
 # welcome["share"] when the shard offers mapping: its host_id(), the /dev/shm names of its
 # parameter arena and of this worker's gradient slot, and their size

@@ -9,6 +9,7 @@ event at a time), and a worker never sees a half-applied update.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import zlib
 from collections.abc import Callable, Iterable
@@ -155,6 +156,7 @@ class ShardState:
             if lr_scheduler and self.optimizer is not None else None
         self.verify = verify
         self._checksum: int | None = None
+        self._gathered = False  # the gradient memory holds this update's gradient
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(model name, parameter) of what the optimizer sees, in model order."""
@@ -189,11 +191,47 @@ class ShardState:
         view = self.params[k]
         return view.data_ptr() - self.params_region.address, view.numel() * view.element_size()
 
-    def apply(self, ranks: Iterable[int]) -> None:
-        """Average the gradients in ``ranks``' slots and take one optimizer step."""
+    def gather(self, ranks: Iterable[int]) -> None:
+        """Average ``ranks``' gradients into the gradient memory (one rank's: copied), where
+        they may be changed (hook, clipping) before :meth:`apply` or :meth:`apply_part` step
+        with them; the slots are left as the workers wrote them."""
         ranks = list(ranks)
-        grads = self._slots[ranks[0]] if len(ranks) == 1 else [
-            self._average(ranks, i) for i in range(len(self._acc))]
+        with torch.no_grad():
+            for i, acc in enumerate(self._acc):
+                if len(ranks) == 1:
+                    acc.copy_(self._slots[ranks[0]][i])
+                else:
+                    self._average(ranks, i)
+        for p, g in zip(self.params, self._acc, strict=True):
+            p.grad = g
+        self._gathered = True
+
+    def ungather(self) -> None:
+        """Forget a :meth:`gather` whose update will not be made."""
+        self._gathered = False
+
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """(model name, averaged gradient) in model order, after :meth:`gather`."""
+        return list(zip(self.names, self._acc, strict=True))
+
+    def grad_sumsq(self) -> float:
+        """Sum of squares of the gathered gradient, for a global norm: each tensor's 2-norm
+        in its own dtype, squared and summed in float64, as ``clip_grad_norm_`` combines
+        per-tensor norms (and no float64 copy of the gradient)."""
+        with torch.no_grad():
+            return math.fsum(float(torch.linalg.vector_norm(g)) ** 2 for g in self._acc)
+
+    def scale_grads(self, factor: float) -> None:
+        with torch.no_grad():
+            for g in self._acc:
+                g.mul_(factor)
+
+    def apply(self, ranks: Iterable[int]) -> None:
+        """Average the gradients in ``ranks``' slots (unless :meth:`gather` did) and take
+        one optimizer step."""
+        ranks = list(ranks)
+        grads = self._acc if self._gathered else self._slots[ranks[0]] \
+            if len(ranks) == 1 else [self._average(ranks, i) for i in range(len(self._acc))]
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
         if self.optimizer is not None:
@@ -205,7 +243,8 @@ class ShardState:
         :meth:`finish_update`, is the same update as :meth:`apply` for the elementwise
         optimizers ``flat`` is meant for. The other parts' gradients are unset meanwhile, so
         the optimizer skips them. Runs in a worker thread while the event loop sends."""
-        grad = self._slots[ranks[0]][k] if len(ranks) == 1 else self._average(ranks, k)
+        grad = self._acc[k] if self._gathered else self._slots[ranks[0]][k] \
+            if len(ranks) == 1 else self._average(ranks, k)
         for i, p in enumerate(self.params):
             p.grad = grad if i == k else None
         if self.optimizer is not None:
@@ -217,6 +256,7 @@ class ShardState:
             p.grad = g
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        self._gathered = False
         self.version += 1
         self._checksum = None
 
