@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 MAGIC = b"TX"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the client proves the token first (v1 servers proved first)
 PREFIX = struct.Struct("!2sBBIQ")
 MAX_HEADER = 64 * 1024
 MAX_NOTIFY = 16 * 1024 * 1024
@@ -40,9 +40,10 @@ MAX_PAYLOAD = 1 << 40
 
 class Kind(enum.IntEnum):
     HELLO = 1       # client -> server: who I am, my nonce
-    CHALLENGE = 2   # server -> client: who I am, my nonce, my proof
-    AUTH = 3        # client -> server: my proof, my capabilities
-    WELCOME = 4     # server -> client: your proof is good, my capabilities
+    CHALLENGE = 2   # server -> client: who I am, my nonce (no proof: the client proves first)
+    AUTH = 3        # client -> server: my proof
+    WELCOME = 4     # server -> client: your proof is good; my proof, my capabilities
+    CAPS = 5        # client -> server: your proof is good; my capabilities
     WRITE = 10      # payload = data to land in the owner's region
     WRITE_ACK = 11
     READ = 12
@@ -61,9 +62,10 @@ class Kind(enum.IntEnum):
 _INT, _BYTES, _STR, _BOOL, _DICT = int, bytes, str, bool, dict
 SCHEMAS: dict[Kind, dict[str, type]] = {
     Kind.HELLO: {"id": _STR, "nonce": _BYTES},
-    Kind.CHALLENGE: {"id": _STR, "nonce": _BYTES, "proof": _BYTES},
-    Kind.AUTH: {"proof": _BYTES, "caps": _DICT},
-    Kind.WELCOME: {"caps": _DICT},
+    Kind.CHALLENGE: {"id": _STR, "nonce": _BYTES},
+    Kind.AUTH: {"proof": _BYTES},
+    Kind.WELCOME: {"proof": _BYTES, "caps": _DICT},
+    Kind.CAPS: {"caps": _DICT},
     Kind.WRITE: {"req": _INT, "rid": _INT, "ck": _INT, "off": _INT, "n": _INT, "last": _BOOL},
     Kind.WRITE_ACK: {"req": _INT},
     Kind.READ: {"req": _INT, "rid": _INT, "ck": _INT, "off": _INT, "n": _INT},

@@ -18,6 +18,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tensorx import _auth
+from tensorx._queues import LatestQueue, NotificationQueue
+from tensorx._text import printable
 from tensorx.endpoint import DEFAULT, Endpoint
 from tensorx.errors import (
     ClosedError,
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "tcp", "ucx")
 REQUIREMENTS = (None, "ucx", "rdma")
+MAX_DISCONNECTED = 1024  # disconnect events kept for a user who never reads them
 RDMA_LANES = ("rc", "dc", "ud", "ib", "roce", "mlx", "verbs", "efa")
 
 
@@ -46,6 +49,10 @@ def _budget(timeout: float | None) -> Callable[[], float | None]:
         return lambda: None
     deadline = time.monotonic() + timeout
     return lambda: max(0.0, deadline - time.monotonic())
+
+
+def _least(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _is_loopback(host: str) -> bool:
@@ -72,13 +79,24 @@ class Node:
     ``timeout``: default seconds for every wait (``None``: forever).
     ``require``: ``"ucx"`` or ``"rdma"`` (default ``$TENSORX_REQUIRE``): fail instead of
     falling back to a slower transport.
-    ``insecure``: allow listening on a non-loopback address without a token.
+    ``insecure``: allow listening on a non-loopback address without a token (and then use
+    none: only peers that are also ``insecure`` can connect). With no token and not
+    insecure, both sides use this user's per-user secret (see :mod:`tensorx._auth`), so
+    processes of one user on one host need no flags and other users are refused.
+
+    Limits on what peers can make this node hold (each logged when it bites):
+    ``handshake_timeout``: seconds an unauthenticated connection may take to prove the token.
+    ``max_handshakes``: unauthenticated connections at once; past it the oldest is dropped.
+    ``notify_queue``: ``(count, bytes)`` bound of ``notifications``; a connection whose
+    notification does not fit waits (stops reading its peer) until the user takes some.
     """
 
     def __init__(self, listen: str | None = "tcp://127.0.0.1:0", *, transport: str = "auto",
                  token: str | bytes | None = None, timeout: float | None = 30.0,
                  require: str | None = None, ucx_options: dict[str, Any] | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, handshake_timeout: float = 5.0,
+                 max_handshakes: int = 64,
+                 notify_queue: tuple[int, int] = (4096, 64 << 20)) -> None:
         if transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         require = require if require is not None else os.environ.get("TENSORX_REQUIRE") or None
@@ -89,7 +107,12 @@ class Node:
         self.require = require
         self.timeout = timeout
         self._listen = listen
-        self._token = _auth.resolve_token(token)
+        self._given_token = _auth.resolve_token(token)
+        self._token = b""
+        self.handshake_timeout = handshake_timeout
+        self.max_handshakes = max_handshakes
+        self._handshaking: dict[asyncio.Task[Any], str] = {}  # unauthenticated, oldest first
+        self._failures = handshake.FailureLog()
         self._ucx_options = dict(ucx_options or {})
         self._insecure = insecure
         self._exports = ExportTable(self.id)
@@ -100,8 +123,10 @@ class Node:
         # closed regions whose memory peers may still reach: region, peers yet to ack
         self._held: dict[int, tuple[MemoryRegion, set[Endpoint]]] = {}
         self._state = "new"
-        self.notifications: asyncio.Queue[tuple[Endpoint, bytes]] = asyncio.Queue()
-        self.disconnected: asyncio.Queue[Endpoint] = asyncio.Queue()
+        self.notifications: asyncio.Queue[tuple[Endpoint, bytes]] = NotificationQueue(
+            *notify_queue)
+        self.disconnected: asyncio.Queue[Endpoint] = LatestQueue(
+            MAX_DISCONNECTED, f"node {self.id}: disconnected endpoints")
 
     def __repr__(self) -> str:
         return f"<Node {self.id} {self._state} {self.address if self._listener else ''}>"
@@ -111,6 +136,7 @@ class Node:
         if self._state != "new":
             raise UsageError(f"node already {self._state}")
         self._state = "starting"
+        self._token = self._resolve_secret()
         self._factory, self._factory_why = self._make_factory()
         if self._listen is not None:
             scheme, host, port = parse_address(self._listen)
@@ -123,9 +149,15 @@ class Node:
                     self.address if self._listener else "client only", self._factory_why)
         return self
 
+    def _resolve_secret(self) -> bytes:
+        """The token given, else none when insecure, else this user's per-user secret."""
+        if self._given_token or self._insecure:
+            return self._given_token
+        return _auth.user_secret()
+
     def _check_exposure(self, host: str) -> None:
         """Refuse to expose memory beyond this machine without a token (unless insecure)."""
-        if self._token or self._insecure or _is_loopback(host):
+        if self._given_token or self._insecure or _is_loopback(host):
             return
         raise UsageError(f"listening on {host} (not loopback) needs a token: pass token= or "
                          "set TENSORX_TOKEN (or insecure=True to accept any peer)")
@@ -266,22 +298,46 @@ class Node:
             raise
 
     async def _on_accept(self, sock: socket.socket) -> None:
-        peer = "{}:{}".format(*sock.getpeername()[:2])
+        try:
+            peer = "{}:{}".format(*sock.getpeername()[:2])
+        except OSError:  # already gone
+            sock.close()
+            return
         conn = Connection(sock, self._exports, f"{self.id}<-{peer}")
         try:
-            await handshake.accept(conn, self.id, self._token, self._caps(), self.timeout)
+            await self._authenticate(conn, peer)
             await self._finish(conn, f"tcp://{peer}", self.timeout)
         except TensorxError as exc:
-            logger.warning("refused connection from %s: %s", peer, exc)
+            self._failures.failed(peer.rsplit(":", 1)[0], exc)
             conn.abort()
         except BaseException:
             conn.abort()
             raise
 
+    async def _authenticate(self, conn: Connection, peer: str) -> None:
+        """The handshake of an accepted connection: a short deadline, and at most
+        ``max_handshakes`` at once (a new one pushes out the oldest, which a real peer,
+        done in milliseconds, never is)."""
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self._handshaking) >= self.max_handshakes:
+            oldest, who = next(iter(self._handshaking.items()))
+            self._handshaking.pop(oldest)
+            oldest.cancel()
+            self._failures.failed(who.rsplit(":", 1)[0], TimeoutError(
+                f"{self.max_handshakes} unauthenticated connections at once: dropped the "
+                "oldest (raise Node(max_handshakes=) if real peers need more)"))
+        self._handshaking[task] = peer
+        timeout = _least(self.timeout, self.handshake_timeout)
+        try:
+            await handshake.accept(conn, self.id, self._token, self._caps(), timeout)
+        finally:
+            self._handshaking.pop(task, None)
+
     async def _finish(self, conn: Connection, address: str, timeout: float | None) -> Endpoint:
         lane = await self._choose_lane(conn, timeout)
         ep = Endpoint(self, conn, lane, address)
-        conn.on_notify = lambda c, payload: self.notifications.put_nowait((ep, payload))
+        conn.on_notify = lambda c, payload: self.notifications.put((ep, payload))
         conn.on_closed = lambda c, exc: self._on_broken(ep, exc)
         conn.on_query = self._answer
         conn.on_revoke_ack = lambda region_id: self._revoke_acked(ep, region_id)
@@ -289,7 +345,8 @@ class Node:
         self._endpoints.add(ep)
         info = lane.info
         logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s why=%s", self.id,
-                    conn.peer, address, info["transport"], ",".join(info["lanes"]), info["why"])
+                    conn.peer, address, info["transport"], ",".join(info["lanes"]),
+                    printable(info["why"]))
         return ep
 
     async def _choose_lane(self, conn: Connection, timeout: float | None) -> DataLane:
@@ -346,7 +403,7 @@ class Node:
         """The connection ended (peer left or broke, or we closed it): release the data
         lane too (a UCX endpoint would otherwise keep its socket and state forever)."""
         if exc is not None:
-            logger.warning("endpoint to %s broke: %s", ep.peer, exc)
+            logger.warning("endpoint to %s broke: %s", ep.peer, printable(str(exc)))
         ep._lane.peer_gone(str(exc or "the peer closed the endpoint"))
         if ep in self._endpoints:
             self._endpoints.discard(ep)

@@ -34,7 +34,8 @@ from tensorx.errors import TensorxError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
-__all__ = ["GUARD", "FaultyProxy", "OwnerProcess", "digest", "pattern", "raw_socket", "recv_frame"]
+__all__ = ["GUARD", "FaultyProxy", "OwnerProcess", "authenticate", "digest", "pattern",
+           "raw_socket", "recv_frame"]
 
 GUARD = 4096
 GUARD_BYTE = 0xA5
@@ -63,6 +64,24 @@ def recv_frame(sock: socket.socket) -> tuple[_wire.Kind, dict[str, Any]]:
     header = _wire.decode_header(kind, _recv_exact(sock, hlen), plen)
     _recv_exact(sock, plen)
     return kind, header
+
+
+def authenticate(sock: socket.socket, token: bytes, node_id: str = "raw-client",
+                 caps: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The client side of the handshake by hand on a blocking socket (for tests that then
+    misbehave); returns the server's WELCOME header. Raises AssertionError if refused."""
+    from tensorx import _auth
+
+    nonce = _auth.new_nonce()
+    sock.sendall(_wire.encode(_wire.Kind.HELLO, {"id": node_id, "nonce": nonce}))
+    kind, ch = recv_frame(sock)
+    assert kind is _wire.Kind.CHALLENGE, (kind, ch)
+    proof = _auth.make_proof(token, b"client", nonce, ch["nonce"], node_id, ch["id"])
+    sock.sendall(_wire.encode(_wire.Kind.AUTH, {"proof": proof}))
+    kind, welcome = recv_frame(sock)
+    assert kind is _wire.Kind.WELCOME, (kind, welcome)
+    sock.sendall(_wire.encode(_wire.Kind.CAPS, {"caps": caps or {}}))
+    return welcome
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

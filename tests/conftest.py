@@ -1,9 +1,19 @@
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
+
+# Tokenless nodes use the per-user secret: keep the tests' one out of the real home
+# (set before any test runs, so every process the tests start inherits it).
+# A process the tests spawn imports this module again: it keeps the folder it inherited.
+if "TENSORX_SECRET_DIR" not in os.environ:
+    os.environ["TENSORX_SECRET_DIR"] = tempfile.mkdtemp(prefix="tensorx-secret-")
+    atexit.register(shutil.rmtree, os.environ["TENSORX_SECRET_DIR"], True)
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 

@@ -130,7 +130,7 @@ async def test_replayed_handshake_is_refused() -> None:
                 _, ch = recv_frame(first)
                 proof = _auth.make_proof(token, b"client", nonce, ch["nonce"], "me",
                                          ch["id"])  # type: ignore[arg-type]
-                auth = _wire.encode(Kind.AUTH, {"proof": proof, "caps": {}})
+                auth = _wire.encode(Kind.AUTH, {"proof": proof})
                 first.sendall(auth)
                 assert recv_frame(first)[0] is Kind.WELCOME
             with raw_socket(owner.address) as second:  # an eavesdropper replays both messages
@@ -145,16 +145,23 @@ async def test_replayed_handshake_is_refused() -> None:
 
 
 async def test_protocol_version_mismatch_is_explained_to_the_peer() -> None:
+    """A peer of protocol v1 (whose server proved the token first) is told why it is
+    refused; this process speaks v2."""
+    assert _wire.PROTOCOL_VERSION == 2
     async with tx.Node(transport="tcp") as owner:
-        def speak_v2() -> tuple[Kind, dict[str, object]]:
+        def speak_v1() -> tuple[Kind, dict[str, object]]:
             with raw_socket(owner.address) as sock:
-                sock.sendall(_wire.PREFIX.pack(b"TX", 2, Kind.HELLO, 0, 0))
-                return recv_frame(sock)
+                sock.sendall(_wire.PREFIX.pack(b"TX", 1, Kind.HELLO, 0, 0))
+                prefix = sock.recv(_wire.PREFIX.size, socket.MSG_WAITALL)
+                assert _wire.PREFIX.unpack(prefix)[1] == 2  # the refusal is a v2 frame
+                kind, hlen, _ = _wire.PREFIX.unpack(prefix)[2], _wire.PREFIX.unpack(prefix)[3], 0
+                header = _wire.decode_header(Kind(kind), sock.recv(hlen, socket.MSG_WAITALL))
+                return Kind(kind), header
 
-        kind, header = await asyncio.to_thread(speak_v2)
+        kind, header = await asyncio.to_thread(speak_v1)
         assert kind is Kind.ERROR
         assert header["code"] == "protocol"
-        assert "v2" in str(header["msg"])
+        assert "v1" in str(header["msg"]) and "v2" in str(header["msg"])
         async with tx.Node(listen=None, transport="tcp") as node:  # still serving
             await node.connect(owner.address)
 

@@ -45,12 +45,14 @@ def test_write_payload_must_match_its_header() -> None:
 
 
 def test_limits_and_versions() -> None:
-    with pytest.raises(ProtocolError, match="v2"):
-        _wire.decode_prefix(_wire.PREFIX.pack(b"TX", 2, Kind.WRITE, 0, 0))
+    v = _wire.PROTOCOL_VERSION
+    for other in (v - 1, v + 1):
+        with pytest.raises(ProtocolError, match=f"v{other}"):
+            _wire.decode_prefix(_wire.PREFIX.pack(b"TX", other, Kind.WRITE, 0, 0))
     with pytest.raises(ProtocolError, match="exceeds"):
-        _wire.decode_prefix(_wire.PREFIX.pack(b"TX", 1, Kind.NOTIFY, 0, _wire.MAX_NOTIFY + 1))
+        _wire.decode_prefix(_wire.PREFIX.pack(b"TX", v, Kind.NOTIFY, 0, _wire.MAX_NOTIFY + 1))
     with pytest.raises(ProtocolError, match="exceeds"):
-        _wire.decode_prefix(_wire.PREFIX.pack(b"TX", 1, Kind.READ, 0, 1))
+        _wire.decode_prefix(_wire.PREFIX.pack(b"TX", v, Kind.READ, 0, 1))
     with pytest.raises(ProtocolError, match="exceeds"):
         _wire.encode(Kind.NOTIFY, {"x": b"y" * (_wire.MAX_HEADER + 1)})
 

@@ -1,24 +1,32 @@
 """The authenticated handshake on a fresh control connection (both roles).
 
-client -> HELLO{id, nonce}; server -> CHALLENGE{id, nonce, proof}; client checks the proof
-and sends AUTH{proof, caps}; server checks it and answers WELCOME{caps}. Capabilities
-(e.g. a UCX worker address) therefore only reach a peer that proved the token.
+client -> HELLO{id, nonce}; server -> CHALLENGE{id, nonce}; client -> AUTH{proof};
+server checks it and answers WELCOME{proof, caps}; client checks that and sends CAPS{caps}.
+The client proves first and the server proves only to a client that did, so a peer that has
+proved nothing learns nothing that helps guess the token; capabilities (e.g. a UCX worker
+address) only reach a peer that proved it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import re
+import time
 from typing import Any
 
 from tensorx import _auth
+from tensorx._text import printable
 from tensorx._wire import Kind
 from tensorx.errors import AuthError, ProtocolError, TensorxError, TimeoutError
 from tensorx.transport.tcp import Connection
 
-__all__ = ["accept", "initiate"]
+__all__ = ["FailureLog", "accept", "initiate"]
 
 logger = logging.getLogger(__name__)
+
+PEER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 async def initiate(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any],
@@ -40,36 +48,46 @@ async def _within(coro: Any, timeout: float | None, label: str) -> None:
         raise TimeoutError(f"{label}: handshake timed out after {timeout} s") from None
 
 
+def _peer_id(value: str) -> str:
+    if not PEER_ID.fullmatch(value):
+        raise ProtocolError(f"malformed peer id {printable(value)}: expected 1-64 letters, "
+                            "digits or '_.:-'")
+    return value
+
+
 async def _initiate(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any]) -> None:
     nonce = _auth.new_nonce()
     await conn.send_now(Kind.HELLO, {"id": node_id, "nonce": nonce})
     ch = await conn.recv_frame(Kind.CHALLENGE)
-    expected = _auth.make_proof(token, b"server", nonce, ch["nonce"], node_id, ch["id"])
-    if not _auth.verify_proof(expected, ch["proof"]):
+    peer = _peer_id(ch["id"])
+    proof = _auth.make_proof(token, b"client", nonce, ch["nonce"], node_id, peer)
+    await conn.send_now(Kind.AUTH, {"proof": proof})
+    welcome = await conn.recv_frame(Kind.WELCOME)  # an "auth" refusal raises AuthError here
+    expected = _auth.make_proof(token, b"server", nonce, ch["nonce"], node_id, peer)
+    if not _auth.verify_proof(expected, welcome["proof"]):
         raise AuthError(f"{conn.label}: the peer could not prove the shared token "
                         "(different TENSORX_TOKEN / token= on the two sides?)")
-    proof = _auth.make_proof(token, b"client", nonce, ch["nonce"], node_id, ch["id"])
-    await conn.send_now(Kind.AUTH, {"proof": proof, "caps": caps})
-    welcome = await conn.recv_frame(Kind.WELCOME)
-    conn.peer, conn.peer_caps = ch["id"], welcome["caps"]
+    await conn.send_now(Kind.CAPS, {"caps": caps})
+    conn.peer, conn.peer_caps = peer, welcome["caps"]
 
 
 async def _accept(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any]) -> None:
     try:
         hello = await conn.recv_frame(Kind.HELLO)
+        peer = _peer_id(hello["id"])
     except ProtocolError as exc:  # e.g. another protocol version: tell the peer why
         await _refuse(conn, str(exc), "protocol")
         raise
     nonce = _auth.new_nonce()
-    proof = _auth.make_proof(token, b"server", hello["nonce"], nonce, hello["id"], node_id)
-    await conn.send_now(Kind.CHALLENGE, {"id": node_id, "nonce": nonce, "proof": proof})
+    await conn.send_now(Kind.CHALLENGE, {"id": node_id, "nonce": nonce})
     auth = await conn.recv_frame(Kind.AUTH)
-    expected = _auth.make_proof(token, b"client", hello["nonce"], nonce, hello["id"], node_id)
+    expected = _auth.make_proof(token, b"client", hello["nonce"], nonce, peer, node_id)
     if not _auth.verify_proof(expected, auth["proof"]):
         await _refuse(conn, "authentication failed: wrong token", "auth")
-        raise AuthError(f"{conn.label}: peer {hello['id']} failed authentication")
-    await conn.send_now(Kind.WELCOME, {"caps": caps})
-    conn.peer, conn.peer_caps = hello["id"], auth["caps"]
+        raise AuthError(f"{conn.label}: peer {peer} failed authentication (wrong token)")
+    proof = _auth.make_proof(token, b"server", hello["nonce"], nonce, peer, node_id)
+    await conn.send_now(Kind.WELCOME, {"proof": proof, "caps": caps})
+    conn.peer, conn.peer_caps = peer, (await conn.recv_frame(Kind.CAPS))["caps"]
 
 
 async def _refuse(conn: Connection, msg: str, code: str) -> None:
@@ -77,3 +95,32 @@ async def _refuse(conn: Connection, msg: str, code: str) -> None:
         await conn.send_now(Kind.ERROR, {"req": 0, "code": code, "msg": msg})
     except TensorxError:
         logger.debug("%s: could not deliver the refusal", conn.label)
+
+
+class FailureLog:
+    """Refused handshakes, logged per address without flooding: the first at once, then at
+    most one summary line per ``interval`` seconds per address. Bounded: remembers at most
+    ``max_addresses`` addresses (the least recent are forgotten)."""
+
+    def __init__(self, interval: float = 60.0, max_addresses: int = 1024) -> None:
+        self.interval = interval
+        self._max = max_addresses
+        # address -> [failures not yet reported, time of the last line]
+        self._seen: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+
+    def failed(self, address: str, why: BaseException) -> None:
+        now = time.monotonic()
+        entry = self._seen.pop(address, None)
+        if entry is None:
+            logger.warning("refused connection from %s: %s", address, printable(str(why)))
+            entry = [0, now]
+        else:
+            entry[0] += 1
+            if now - entry[1] >= self.interval:
+                logger.warning("refused %d more connection(s) from %s in the last %.0f s "
+                               "(latest: %s)", entry[0], address, now - entry[1],
+                               printable(str(why)))
+                entry = [0, now]
+        self._seen[address] = entry
+        while len(self._seen) > self._max:
+            self._seen.popitem(last=False)

@@ -12,11 +12,12 @@ import collections
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tensorx import _wire
+from tensorx._text import printable
 from tensorx._wire import Kind
 from tensorx.errors import (
     AuthError,
@@ -29,7 +30,14 @@ from tensorx.errors import (
     UsageError,
 )
 from tensorx.memregion import ExportTable
-from tensorx.transport._sock import IOV_MAX, FrameReader, TcpListener, advance, open_socket
+from tensorx.transport._sock import (
+    BUFFER_BYTES,
+    IOV_MAX,
+    FrameReader,
+    TcpListener,
+    advance,
+    open_socket,
+)
 from tensorx.transport.base import DataLane, Op
 
 __all__ = ["Connection", "TcpLane", "TcpListener", "open_socket"]
@@ -37,6 +45,8 @@ __all__ = ["Connection", "TcpLane", "TcpListener", "open_socket"]
 logger = logging.getLogger(__name__)
 
 MAX_IMM = _wire.MAX_HEADER // 2  # a notification small enough to ride in a WRITE header
+MAX_QUEUED_FRAMES = 4096  # answers queued for a peer before we stop reading its requests
+REQUESTS = frozenset({Kind.WRITE, Kind.READ, Kind.VALIDATE, Kind.QUERY})
 ERROR_CODES: dict[str, type[TensorxError]] = {
     "region": RegionError, "protocol": ProtocolError, "auth": AuthError, "usage": UsageError,
 }
@@ -55,7 +65,7 @@ class _Pending:
     dest: memoryview | None = None
 
 
-NotifyHandler = Callable[["Connection", bytes], None]
+NotifyHandler = Callable[["Connection", bytes], Awaitable[None]]
 QueryHandler = Callable[[str], dict[str, Any]]
 ClosedHandler = Callable[["Connection", BaseException | None], None]
 
@@ -79,6 +89,7 @@ class Connection:
         self._sendq: collections.deque[tuple[list[Any], asyncio.Future[None] | None]] = (
             collections.deque())
         self._wakeup = asyncio.Event()
+        self._sent = asyncio.Event()  # set whenever the writer has taken the queue
         self._pending: dict[int, _Pending] = {}
         self._refused: set[int] = set()  # peer's write requests with a refused frame
         self._req_ids = itertools.count(1)
@@ -86,7 +97,7 @@ class Connection:
         self._error: TensorxError | None = None
         self._busy = False
         self._closing = False  # we said BYE
-        self.on_notify: NotifyHandler = lambda conn, payload: None
+        self.on_notify: NotifyHandler = _ignore_notification
         self.on_closed: ClosedHandler = lambda conn, exc: None
         self.on_query: QueryHandler = lambda what: {}
         self.on_revoke: Callable[[int], None] = lambda region_id: None
@@ -103,12 +114,14 @@ class Connection:
     async def recv_frame(self, expect: Kind) -> dict[str, Any]:
         kind, header, payload_len = await self._reader.frame()
         if kind is Kind.ERROR:
-            raise ERROR_CODES.get(header["code"], BrokenError)(header["msg"])
+            raise ERROR_CODES.get(header["code"], BrokenError)(printable(header["msg"]))
         if kind is not expect or payload_len:
             raise ProtocolError(f"expected {expect.name} during handshake, got {kind.name}")
         return header
 
     def start(self) -> None:
+        """The peer has authenticated: serve it (and only now give it a full-size buffer)."""
+        self._reader.resize(BUFFER_BYTES)
         self._tasks = [self._loop.create_task(self._read_loop(), name=f"tx-read {self.label}"),
                        self._loop.create_task(self._write_loop(), name=f"tx-write {self.label}")]
 
@@ -137,6 +150,7 @@ class Connection:
                 _set_once(fut, _copy(exc))
         self._sendq.clear()
         self._wakeup.set()
+        self._sent.set()
         current = asyncio.current_task()
         for task in self._tasks:  # a task waiting on the socket would wait forever
             if task is not current:
@@ -170,6 +184,8 @@ class Connection:
                 task.cancel()
         await asyncio.gather(*(t for t in self._tasks if t is not current),
                              return_exceptions=True)
+        if current not in self._tasks:  # a cancelled task's traceback keeps its frames
+            self._tasks = []
 
     # -- sending ------------------------------------------------------------------------
     def _enqueue(self, parts: list[Any], done: asyncio.Future[None] | None = None) -> None:
@@ -237,6 +253,7 @@ class Connection:
             parts.extend(frame)
             if fut is not None:
                 done.append(fut)
+        self._sent.set()
         while parts:
             parts = self._send_some(parts)
             if parts:
@@ -366,6 +383,11 @@ class Connection:
         handler = self._HANDLERS.get(kind)
         if handler is None:
             raise ProtocolError(f"unexpected {kind.name} frame after the handshake")
+        if kind in REQUESTS and len(self._sendq) >= MAX_QUEUED_FRAMES:
+            # A peer that asks without reading our answers: stop reading its requests
+            # until the answers drain (TCP then holds it back), instead of queueing more.
+            self._sent.clear()
+            await self._sent.wait()
         await handler(self, header, payload_len)
 
     async def _on_write(self, h: dict[str, Any], payload_len: int) -> None:
@@ -387,7 +409,7 @@ class Connection:
                 return
             self._send_frame(Kind.WRITE_ACK, {"req": h["req"]})
             if imm is not None:
-                self.on_notify(self, imm)
+                await self.on_notify(self, imm)
 
     def _note_refused(self, req: int, last: bool) -> None:
         """Remember a write with a refused frame until its last frame (so that a
@@ -430,7 +452,8 @@ class Connection:
         self._resolve(h["req"], (h["n"], h["access"]))
 
     async def _on_error(self, h: dict[str, Any], payload_len: int) -> None:
-        exc = ERROR_CODES.get(h["code"], BrokenError)(f"{self.label}: peer says: {h['msg']}")
+        exc = ERROR_CODES.get(h["code"], BrokenError)(
+            f"{self.label}: peer says: {printable(h['msg'])}")
         if h["req"] == 0:
             raise BrokenError(str(exc)) from exc
         pending = self._pending.get(h["req"])
@@ -440,7 +463,7 @@ class Connection:
     async def _on_notify(self, h: dict[str, Any], payload_len: int) -> None:
         payload = bytearray(payload_len)
         await self._reader.read_into(memoryview(payload))
-        self.on_notify(self, bytes(payload))
+        await self.on_notify(self, bytes(payload))  # waits (we stop reading) while full
 
     async def _on_validate(self, h: dict[str, Any], payload_len: int) -> None:
         try:
@@ -483,6 +506,10 @@ class Connection:
     def _reply_error(self, req: int, exc: TensorxError) -> None:
         logger.info("%s: refused request %d: %s", self.label, req, exc)
         self._send_frame(Kind.ERROR, {"req": req, "code": error_code(exc), "msg": str(exc)})
+
+
+async def _ignore_notification(conn: Connection, payload: bytes) -> None:
+    return None
 
 
 def _set_once(fut: asyncio.Future[Any], exc: BaseException | None = None) -> None:

@@ -1,0 +1,26 @@
+"""Peer-supplied text made safe to log. Pure."""
+
+from __future__ import annotations
+
+__all__ = ["printable"]
+
+LIMIT = 200
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(value: object, limit: int = LIMIT) -> str:
+    """``value`` as one line of printable ASCII: newlines, escape sequences and every other
+    control or non-ASCII character are escaped (``\\n``, ``\\x1b``, ``\\u2028``) and it is
+    cut at ``limit`` characters, so a peer can neither forge nor flood log lines.
+    Idempotent: text that went through it once comes out unchanged."""
+    text = value if isinstance(value, str) else repr(value)
+    out = "".join(c if " " <= c <= "~" else _escape(c) for c in text[:limit + 1])
+    return out if len(text) <= limit else out[:limit] + f"...({len(text) - limit} more)"
+
+
+def _escape(c: str) -> str:
+    if c in _NAMED:
+        return _NAMED[c]
+    code = ord(c)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
+        else f"\\U{code:08x}"
