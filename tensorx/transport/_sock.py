@@ -119,8 +119,7 @@ class FrameReader:
         try:
             while pos < len(dest):
                 if not live():
-                    await self.discard(len(dest) - pos)
-                    return False
+                    break
                 have = min(len(dest) - pos, self._end - self._start)
                 if have:
                     dest[pos:pos + have] = self._view[self._start:self._start + have]
@@ -136,6 +135,9 @@ class FrameReader:
         finally:
             if lowat != 1 and self._sock.fileno() >= 0:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        if pos < len(dest):  # abandoned (with the low-water mark back at 1 byte)
+            await self.discard(len(dest) - pos)
+            return False
         return True
 
     async def _recv_now(self, into: memoryview) -> int:
