@@ -79,7 +79,9 @@ def shard_metrics(servers: tuple[ParameterServer, ...]) -> Iterator[Any]:
     counters = {key: CounterMetricFamily(f"tensorx_ps_{key}", doc, labels=shard) for key, doc in
                 (("updates", "Optimizer updates applied"), ("pushes", "Gradient pushes received"),
                  ("sparse_rows", "Sparse gradient rows received"),
-                 ("worker_losses", "Workers declared lost (away past worker_loss_timeout)"))}
+                 ("worker_losses", "Workers declared lost (away past worker_loss_timeout)"),
+                 ("nonfinite", "Pushed gradients holding NaN or Inf (never applied, see "
+                  "on_nonfinite)"))}
     version = GaugeMetricFamily("tensorx_ps_version", "Parameter version (updates since "
                                 "the start, checkpoints included)", labels=shard)
     hists = {key: _histogram(f"tensorx_ps_{key}_seconds", doc, shard) for key, doc in

@@ -14,6 +14,7 @@ __all__ = [
     "ClosedError",
     "PlanMismatchError",
     "ProtocolError",
+    "RankTakenError",
     "RegionError",
     "TensorxError",
     "TimeoutError",
@@ -60,3 +61,8 @@ class TransportUnavailableError(TensorxError):
 
 class PlanMismatchError(UsageError):
     """Two processes planned different tensors; the message names the first difference."""
+
+
+class RankTakenError(UsageError):
+    """A live worker already holds this rank on the parameter server (two workers launched
+    with the same rank); the rank passes to another connection only once its holder is gone."""

@@ -34,10 +34,12 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tensorx._ps import protocol
+from tensorx._ps.admission import PROBE_S, holder_alive, rank_taken
 from tensorx._ps.answer import Peer, apply_in_parts, send_params
 from tensorx._ps.grads import GradHook, GradProcessing
 from tensorx._ps.losses import LossWatch
 from tensorx._ps.normx import NormExchange
+from tensorx._ps.nonfinite import NonFiniteGuard
 from tensorx._ps.optim_service import OptimService
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
@@ -114,6 +116,9 @@ class ParameterServer:
     exchange their partial sums of squares, see :mod:`tensorx._ps.normx`).
     ``grad_hook``: ``callable(named_grads)`` run on this shard's averaged gradient before
     clipping and the step (see :mod:`tensorx._ps.grads`).
+    ``on_nonfinite`` (``"skip"``, the default, or ``"refuse"``): what to do with a pushed
+    gradient that holds NaN or Inf (never applied; logged with its rank, counted in
+    ``stats["nonfinite"]``); see :mod:`tensorx._ps.nonfinite`.
     ``node_options``: further :class:`tensorx.Node` options, e.g.
     ``{"ucx_options": {"error_handling": False}}`` or ``{"require": "rdma"}``.
     ``metrics_port``: serve this shard's step timings and endpoint counters for Prometheus
@@ -132,6 +137,7 @@ class ParameterServer:
                  insecure: bool = False, log_every: float | None = 60.0,
                  flat: bool = False, share_memory: bool = True,
                  on_worker_loss: str = "wait", worker_loss_timeout: float | None = 30.0,
+                 on_nonfinite: str = "skip",
                  node_options: dict[str, Any] | None = None,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
                  clip_grad_norm: float | None = None,
@@ -158,6 +164,7 @@ class ParameterServer:
         self._lr_scheduler = lr_scheduler
         self.scheduler = Scheduler(mode, num_workers, staleness)
         self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost)
+        self.nonfinite = NonFiniteGuard(shard, on_nonfinite)
         self.node = Node(listen, transport=transport, token=token, timeout=timeout,
                          insecure=insecure, **(node_options or {}))
         self._norms = NormExchange(self.node, shard, num_shards, timeout) \
@@ -177,10 +184,11 @@ class ParameterServer:
         self._stopped = asyncio.Event()
         self._closed = False
         self._initialised = False  # parameters came from rank 0 or a checkpoint
+        self._resumed = False      # ... from a checkpoint: the plan is never released
         self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "max_gap": 0,
                                       "max_version_lag": 0, "apply_s": 0.0,
                                       "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,
-                                      "worker_losses": 0}
+                                      "worker_losses": 0, "nonfinite": 0}
         self.timings = ShardTimings(sync=mode == "sync")
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
@@ -306,7 +314,7 @@ class ParameterServer:
         self._adopt_plan(bytes(saved["plan"]))
         assert self.state is not None
         self.state.load_state_dict(saved)
-        self._initialised = True
+        self._initialised = self._resumed = True
         logger.info("ps shard %d resumed from %s at version %d", self.shard, path,
                     self.state.version)
 
@@ -320,13 +328,41 @@ class ParameterServer:
         layout = ShardLayout.from_plan(plan, self.shard)
         # the optimizer factory runs here: if it raises (a foreign optimizer is a
         # UsageError), the plan is not adopted and the next hello tries again
-        self.state = ShardState(layout, self.num_workers, self._optimizer, self._lr_scheduler,
-                                flat=self.flat,
-                                shared=self.share_memory and self.mode == "sync")
+        try:
+            state = ShardState(layout, self.num_workers, self._optimizer,
+                               self._lr_scheduler, flat=self.flat,
+                               shared=self.share_memory and self.mode == "sync")
+        except (OSError, MemoryError, RuntimeError, OverflowError) as exc:
+            raise UsageError(f"cannot build this shard's state for the plan ({layout.nbytes} B "
+                             f"per arena, {self.num_workers + 2} arenas): {exc}") from exc
+        try:
+            sparse = SparseReceiver(plan, self.shard, self.num_workers) \
+                if dynamic_path_ok(plan) and plan.header_bytes(self.shard) else None
+        except BaseException:
+            state.close()
+            raise
+        self.state, self._sparse = state, sparse
         self._plan, self._plan_bytes = plan, plan_bytes
-        if dynamic_path_ok(plan) and plan.header_bytes(self.shard):
-            self._sparse = SparseReceiver(plan, self.shard, self.num_workers)
         return plan
+
+    def _release_plan_if_idle(self) -> None:
+        """No worker left before the first update: forget the plan, so that the next hello
+        sets it (a worker of another model that said hello and left must not lock it)."""
+        if self._peers or self._plan is None or self._resumed or self.version:
+            return
+        logger.info("ps shard %d: every worker left before the first update; plan %s "
+                    "released (the next hello sets it)", self.shard, self._plan.fingerprint)
+        state, sparse = self.state, self._sparse
+        self._plan, self._plan_bytes, self.state, self._sparse = None, b"", None, None
+        self._initialised = False
+        self._slot_descs.clear()
+        self._header_descs.clear()
+        for rank in range(self.num_workers):
+            self.losses.back(rank)  # a fresh shard waits for its first workers silently
+        if state is not None:
+            state.close()
+        if sparse is not None:
+            sparse.close()
 
     # -- event loop -----------------------------------------------------------------------
     async def _report(self, every: float) -> None:
@@ -420,13 +456,31 @@ class ParameterServer:
     # -- handshake ------------------------------------------------------------------------
     async def _hello(self, ep: Endpoint, msg: dict[str, Any]) -> None:
         protocol.check_hello(msg, self.shard, self.num_shards, self.num_workers)
+        if ep in self._peers:
+            raise ProtocolError("a second hello on one connection")
+        await self._claim(msg["rank"])
         if self._norms is not None:
             self._norms.learn(msg.get("shards"))
         self._check_plan(msg)
+        try:
+            await self._admit(ep, msg)
+        except BaseException:
+            if ep in self._peers:  # undo the admission; _refuse still answers on ep
+                await self._leave(ep, "refused at hello", close=False)
+            self._release_plan_if_idle()
+            raise
+
+    async def _claim(self, rank: int) -> None:
+        """Take ``rank`` from a holder that is gone; RankTakenError while it is alive."""
+        for old in [e for e, p in self._peers.items() if p.rank == rank]:
+            probe = PROBE_S if self.timeout is None else min(PROBE_S, self.timeout)
+            if await holder_alive(old, probe):
+                raise rank_taken(rank, old)
+            await self._leave(old, "gone (a new connection claims its rank)")
+
+    async def _admit(self, ep: Endpoint, msg: dict[str, Any]) -> None:
         assert self.state is not None
         rank = msg["rank"]
-        for old in [e for e, p in self._peers.items() if p.rank == rank]:
-            await self._leave(old, "replaced by a new connection")
         peer = Peer(rank, ep, RegionDescriptor.from_bytes(msg["params"]))
         self._peers[ep] = peer
         self.state.verify = self.state.verify or msg["verify"]
@@ -528,6 +582,10 @@ class ParameterServer:
     async def _act(self, decision: Decision) -> None:
         assert self.state is not None
         by_rank = {p.rank: p for p in self._peers.values()}
+        if decision.apply:
+            decision = await self._drop_nonfinite(decision, by_rank)
+            if self.state is None:
+                return  # the refused rank was the last one: the plan was released
         targets = [by_rank[r] for r in decision.release if r in by_rank]
         sending: dict[int, list[asyncio.Future[None]]] = {}
         if decision.apply:
@@ -565,6 +623,20 @@ class ParameterServer:
             return False
         self.stats.update(grad_norm=self.grads.last_norm, norm_exchange_s=self.grads.exchange_s)
         return True
+    async def _drop_nonfinite(self, decision: Decision, by_rank: dict[int, Peer]) -> Decision:
+        """Leave out gradients holding NaN or Inf, per ``on_nonfinite``."""
+        assert self.state is not None
+        steps = {r: p.step for r, p in by_rank.items()}
+        bad = self.nonfinite.check(self.state, decision.apply, steps)
+        if not bad:
+            return decision
+        self.stats["nonfinite"] = self.nonfinite.count
+        if self.nonfinite.policy == "refuse":
+            for rank in bad:
+                if rank in by_rank:
+                    await self._refuse(by_rank[rank].ep,
+                                       self.nonfinite.error(rank, steps[rank]))
+        return self.nonfinite.decide(decision, bad)
 
     async def _send_params(self, peer: Peer,
                            sent: list[asyncio.Future[None]] | None = None) -> None:
@@ -578,7 +650,7 @@ class ParameterServer:
             logger.warning("ps shard %d: lost rank %d: %s", self.shard, peer.rank, exc)
             self._events.put_nowait(_Event("gone", peer.ep))
 
-    async def _leave(self, ep: Endpoint, why: str) -> None:
+    async def _leave(self, ep: Endpoint, why: str, close: bool = True) -> None:
         peer = self._peers.pop(ep, None)
         self.optim.forget(ep, None if peer is None else peer.rank)
         if peer is None:
@@ -588,12 +660,14 @@ class ParameterServer:
         self._waiting = [p for p in self._waiting if p.ep is not ep]
         rank = peer.rank
         self._log_departure(rank, why)
-        with contextlib.suppress(TensorxError):
-            await ep.aclose()
+        if close:
+            with contextlib.suppress(TensorxError):
+                await ep.aclose()
         self._retire_slot(rank)
         if self.mode == "sync":
             self.losses.gone(rank)
         await self._act(self.scheduler.leave(rank))
+        self._release_plan_if_idle()
 
     def _log_departure(self, rank: int, why: str) -> None:
         dropped = " (its gradient for this step is dropped)" \

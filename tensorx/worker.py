@@ -41,6 +41,7 @@ from tensorx.errors import (
     ClosedError,
     PlanMismatchError,
     ProtocolError,
+    RankTakenError,
     RegionError,
     TensorxError,
     TimeoutError,
@@ -54,8 +55,8 @@ __all__ = ["Worker", "ps_addresses"]
 logger = logging.getLogger(__name__)
 
 _ERRORS: dict[str, type[TensorxError]] = {
-    cls.__name__: cls for cls in (PlanMismatchError, UsageError, ProtocolError, AuthError,
-                                  RegionError, BrokenError)
+    cls.__name__: cls for cls in (PlanMismatchError, RankTakenError, UsageError, ProtocolError,
+                                  AuthError, RegionError, BrokenError)
 }
 _GONE: dict[str, Any] = {"t": "_gone"}
 BACKOFF_FIRST = 0.1  # seconds before the second rejoin attempt; doubles up to BACKOFF_CAP

@@ -104,6 +104,7 @@ async def test_ps_and_worker_timings_scraped_over_http() -> None:
     assert value(got, "tensorx_ps_updates_total", **shard) == steps
     assert value(got, "tensorx_ps_pushes_total", **shard) == 2 * steps
     assert value(got, "tensorx_ps_worker_losses_total", **shard) == 0
+    assert value(got, "tensorx_ps_nonfinite_total", **shard) == 0
     assert value(got, "tensorx_ps_version", **shard) == steps
     for name in ("apply", "barrier_wait", "send"):  # one update releases both: one send
         check_histogram(got, f"tensorx_ps_{name}_seconds", steps, **shard)

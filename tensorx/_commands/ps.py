@@ -75,6 +75,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                         "either way")
     p.add_argument("--worker-loss-timeout", type=_seconds_or_none, default=30.0,
                    help="seconds (default 30; 'none': wait silently forever)")
+    p.add_argument("--on-nonfinite", choices=("skip", "refuse"), default="skip",
+                   help="a pushed gradient holding NaN or Inf is never applied: skip that "
+                        "step's update (skip) or refuse the push and disconnect its worker "
+                        "(refuse); one WARNING naming the rank either way")
     p.add_argument("--token", default=None, help="shared secret (default $TENSORX_TOKEN)")
     p.add_argument("--insecure", action="store_true",
                    help="listen beyond loopback without a token (trusted networks only)")
@@ -188,7 +192,7 @@ async def serve(args: argparse.Namespace) -> None:
         token=args.token, transport=args.transport, insecure=args.insecure,
         log_every=args.log_every or None, flat=args.flat,
         on_worker_loss=args.on_worker_loss, worker_loss_timeout=args.worker_loss_timeout,
-        clip_grad_norm=args.clip_grad_norm)
+        clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite)
         for s in shards]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

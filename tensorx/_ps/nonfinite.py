@@ -1,0 +1,93 @@
+"""Gradients holding NaN or Inf: found before they reach the optimizer, never applied.
+
+One rank's NaN, averaged in, would make every parameter NaN on every worker for good. So
+before each update the shard checks the gradient slots it is about to apply. The check is
+one sum per slot (per tensor when the arena mixes dtypes), accumulated in at least float32:
+a sum is finite only if every term is, so nothing non-finite passes; a finite gradient so
+large that its sum overflows is flagged too, and such a step would not be worth applying.
+It reads each slot once, with no allocation (see ``benchmarks/ps_round.py`` for its cost
+next to a round's).
+
+``on_nonfinite`` says what then, with one WARNING naming the rank and its step, and the
+``nonfinite`` counter in :attr:`ParameterServer.stats` (and Prometheus):
+
+* ``"skip"`` (default): no update for this step. Sync: the whole barrier is skipped (as
+  ``torch.cuda.amp.GradScaler`` skips a step with an overflow) and every worker gets the
+  parameters unchanged; async/bounded: that push applies nothing and its sender gets the
+  current parameters.
+* ``"refuse"``: the offending push is refused: that worker's step raises
+  :class:`~tensorx.errors.UsageError` naming its rank and it is disconnected (in sync mode
+  the barrier then treats it as a departed worker, see ``on_worker_loss``); the other ranks'
+  gradients are averaged and applied as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tensorx._ps.schedule import Decision
+from tensorx._ps.shard import views
+from tensorx.errors import UsageError
+
+__all__ = ["POLICIES", "NonFiniteGuard", "finite"]
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("skip", "refuse")
+
+
+def finite(state: Any, rank: int) -> bool:
+    """Is every value in ``rank``'s gradient slot finite?"""
+    layout = state.layout
+    region = state.slot_region(rank)
+    dtypes = {s.dtype for s in layout.slots}
+    if len(dtypes) == 1:
+        (dtype,) = dtypes
+        if not dtype.is_floating_point:
+            return True
+        size = torch.empty((), dtype=dtype).element_size()
+        tensors = [region.view(dtype, (layout.nbytes // size,))]  # padding is zero or ours
+    else:
+        tensors = [v for v in views(layout, region) if v.is_floating_point()]
+    with torch.no_grad():
+        for t in tensors:
+            acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+            if not torch.isfinite(t.sum(dtype=acc)):
+                return False
+    return True
+
+
+class NonFiniteGuard:
+    """The ``on_nonfinite`` policy of one shard, and its count."""
+
+    def __init__(self, shard: int, policy: str) -> None:
+        if policy not in POLICIES:
+            raise UsageError(f"on_nonfinite must be one of {POLICIES}, got {policy!r}")
+        self.shard = shard
+        self.policy = policy
+        self.count = 0
+
+    def check(self, state: Any, ranks: list[int], steps: dict[int, int]) -> list[int]:
+        """The ranks among ``ranks`` whose gradient is not finite (logged and counted)."""
+        bad = [r for r in ranks if not finite(state, r)]
+        for r in bad:
+            self.count += 1
+            logger.warning("ps shard %d: rank %d pushed a gradient with NaN or Inf (its step "
+                           "%d); %s (on_nonfinite=%r)", self.shard, r, steps.get(r, -1),
+                           "not applied, no update for this step" if self.policy == "skip"
+                           else "push refused, the worker is disconnected", self.policy)
+        return bad
+
+    def decide(self, decision: Decision, bad: list[int]) -> Decision:
+        """What remains of ``decision`` once ``bad`` ranks' gradients are left out."""
+        if self.policy == "skip":
+            return Decision(apply=[], release=decision.release)
+        return Decision(apply=[r for r in decision.apply if r not in bad],
+                        release=[r for r in decision.release if r not in bad])
+
+    def error(self, rank: int, step: int) -> UsageError:
+        return UsageError(f"rank {rank}'s gradient of step {step} holds NaN or Inf; push "
+                          "refused (on_nonfinite='refuse')")

@@ -1,0 +1,144 @@
+"""Who may join a shard (issue 16, items 7 and 9): one live holder per rank, and a plan
+adopted only once its state is built and its worker admitted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tensorx import GraphAnalyzer, MemoryRegion, Node
+from tensorx._ps import protocol
+from tensorx.errors import RankTakenError
+from tensorx.ps import ParameterServer
+from tensorx.worker import Worker
+
+from .conftest import transports
+
+TRANSPORTS = transports()
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(hidden: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+
+
+async def train(w: Worker, model: nn.Module, steps: int) -> None:
+    gen = torch.Generator().manual_seed(w.rank)
+    for _ in range(steps):
+        w.zero_grad()
+        model(torch.randn(4, 8, generator=gen)).square().mean().backward()
+        await w.step()
+
+
+# -- item 9: two workers with one rank ------------------------------------------------------
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_second_live_claimant_of_a_rank_is_refused(transport: str) -> None:
+    """Both with reconnect: before, each hello evicted the other (over 1,100 times in 4 s)."""
+    kw: dict[str, Any] = {"num_workers": 2, "transport": transport, "reconnect": 5.0,
+                          "timeout": 20, "share_memory": False}
+    async with ParameterServer(num_workers=2, mode="async", transport=transport) as ps:
+        holder_model = make_model()
+        async with Worker(holder_model, ps.address, rank=0, **kw) as holder:
+            await train(holder, holder_model, 2)
+            rival = Worker(make_model(), ps.address, rank=0, **kw)
+            with pytest.raises(RankTakenError, match="rank 0 is taken"):
+                await rival.start()
+            await train(holder, holder_model, 3)  # the holder never noticed
+            assert holder.stats["rejoins"] == 0
+            assert holder.steps == 5
+            assert ps.stats["updates"] == 5
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_rank_passes_on_once_its_holder_is_gone(transport: str) -> None:
+    """A holder whose connections drop without a goodbye (as in a crash) is gone: a new
+    connection with its rank is admitted, whether or not the shard has noticed yet."""
+    kw: dict[str, Any] = {"num_workers": 2, "transport": transport, "timeout": 20,
+                          "share_memory": False}
+    async with ParameterServer(num_workers=2, mode="async", transport=transport) as ps:
+        old_model = make_model()
+        old = Worker(old_model, ps.address, rank=0, **kw)
+        await old.start()
+        try:
+            await train(old, old_model, 2)
+            for ep in old._eps:
+                ep.abort()  # no bye, at once
+            new_model = make_model()
+            async with Worker(new_model, ps.address, rank=0, **kw) as new:
+                await train(new, new_model, 2)
+        finally:
+            await old.aclose()
+        assert ps.stats["updates"] == 4
+
+
+# -- item 7: the first hello must not lock the plan ---------------------------------------
+async def raw_hello(address: str, transport: str, plan: Any, rank: int) -> dict[str, Any]:
+    """A hello from a plain node (what a worker sends), and the shard's answer."""
+    async with Node(None, transport=transport, timeout=20) as node:
+        region = MemoryRegion.allocate(4096)
+        try:
+            desc = node.export(region)
+            ep = await node.connect(address)
+            await ep.notify(protocol.encode(
+                "hello", proto=protocol.PROTOCOL, rank=rank, num_workers=2, shard=0,
+                num_shards=1, fingerprint=plan.fingerprint, plan=plan.to_bytes(),
+                params=desc.to_bytes(), verify=False, share=False))
+            _, payload = await asyncio.wait_for(node.notifications.get(), 30)
+            return protocol.decode(payload)
+        finally:
+            region.close()
+
+
+async def honest_pair(address: str, transport: str, steps: int = 3) -> None:
+    models = [make_model(), make_model()]
+    ws = [Worker(m, address, rank=r, num_workers=2, transport=transport, timeout=20,
+                 share_memory=False) for r, m in enumerate(models)]
+    try:
+        await asyncio.gather(*(w.start() for w in ws))
+        await asyncio.gather(*(train(w, m, steps) for w, m in zip(ws, models, strict=True)))
+    finally:
+        await asyncio.gather(*(w.aclose() for w in ws), return_exceptions=True)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_plan_too_big_to_allocate_is_refused_and_not_adopted(transport: str) -> None:
+    """Before: no answer at all, and every honest worker then got PlanMismatchError."""
+    huge = GraphAnalyzer(nn.Linear(1 << 18, 1 << 18, bias=False, device="meta")).plan()
+    assert huge.total_bytes >= 1 << 38  # 256 GiB per arena: more than this host has
+    async with ParameterServer(num_workers=2, mode="sync", transport=transport) as ps:
+        answer = await raw_hello(ps.address, transport, huge, rank=0)
+        assert answer["t"] == "error"
+        assert answer["code"] == "UsageError"
+        assert "cannot build this shard's state" in answer["msg"]
+        await honest_pair(ps.address, transport)
+        assert ps.stats["updates"] == 3
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("rank", [0, 1])
+async def test_a_worker_of_another_model_that_leaves_does_not_lock_the_plan(
+        transport: str, rank: int) -> None:
+    async with ParameterServer(num_workers=2, mode="sync", transport=transport) as ps:
+        stranger = Worker(make_model(hidden=17), ps.address, rank=rank, num_workers=2,
+                          transport=transport, timeout=3, share_memory=False)
+        if rank == 0:  # says hello, seeds the parameters, leaves
+            await stranger.start()
+            await stranger.aclose()
+        else:  # says hello, waits for a rank 0 that never comes, leaves
+            with pytest.raises(TimeoutError, match="welcome"):
+                await stranger.start()
+        await honest_pair(ps.address, transport)
+        assert ps.stats["updates"] == 3
