@@ -38,8 +38,8 @@ from tensorx._ps.admission import PROBE_S, holder_alive, rank_taken
 from tensorx._ps.answer import Peer, apply_in_parts, send_params
 from tensorx._ps.grads import GradHook, GradProcessing
 from tensorx._ps.losses import LossWatch
-from tensorx._ps.normx import NormExchange
 from tensorx._ps.nonfinite import NonFiniteGuard
+from tensorx._ps.normx import NormExchange
 from tensorx._ps.optim_service import OptimService
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
@@ -116,6 +116,12 @@ class ParameterServer:
     exchange their partial sums of squares, see :mod:`tensorx._ps.normx`).
     ``grad_hook``: ``callable(named_grads)`` run on this shard's averaged gradient before
     clipping and the step (see :mod:`tensorx._ps.grads`).
+    ``send_timeout`` (seconds, default 10; None: no limit): how long writing a worker its
+    parameters (or its welcome, or an error) may take. A worker that misses it (stopped,
+    hung, or on a link too slow for it) is dropped at once, its connection aborted, and
+    treated as departed: async and bounded modes go on without it, sync mode per
+    ``on_worker_loss``; with ``reconnect`` it rejoins when it can. So a stopped worker
+    holds the others up for at most this long, once.
     ``on_nonfinite`` (``"skip"``, the default, or ``"refuse"``): what to do with a pushed
     gradient that holds NaN or Inf (never applied; logged with its rank, counted in
     ``stats["nonfinite"]``); see :mod:`tensorx._ps.nonfinite`.
@@ -137,7 +143,7 @@ class ParameterServer:
                  insecure: bool = False, log_every: float | None = 60.0,
                  flat: bool = False, share_memory: bool = True,
                  on_worker_loss: str = "wait", worker_loss_timeout: float | None = 30.0,
-                 on_nonfinite: str = "skip",
+                 on_nonfinite: str = "skip", send_timeout: float | None = 10.0,
                  node_options: dict[str, Any] | None = None,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
                  clip_grad_norm: float | None = None,
@@ -155,6 +161,9 @@ class ParameterServer:
         self.shard = shard
         self.num_shards = num_shards
         self.timeout = timeout
+        if send_timeout is not None and not send_timeout > 0:
+            raise UsageError(f"send_timeout must be > 0 seconds or None, got {send_timeout!r}")
+        self.send_timeout = send_timeout
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.log_every = log_every
@@ -439,7 +448,7 @@ class ParameterServer:
         logger.warning("ps shard %d refused %s: %s", self.shard, ep.peer, exc)
         with contextlib.suppress(TensorxError):
             await ep.notify(protocol.encode("error", code=type(exc).__name__, msg=str(exc)),
-                            timeout=self.timeout)
+                            timeout=self.send_timeout)
         if ep in self._peers:
             await self._leave(ep, f"refused ({type(exc).__name__})")
 
@@ -545,10 +554,9 @@ class ParameterServer:
                 headers=self._header_descs[peer.rank], version=self.state.version,
                 mode=self.mode, checksum=self.state.checksum(),
                 share=self._share_offer(peer), optim=self.optim.welcome(peer.ep, self.state)),
-                timeout=self.timeout)
+                timeout=self.send_timeout)
         except TensorxError as exc:
-            logger.warning("ps shard %d: lost rank %d at welcome: %s", self.shard, peer.rank, exc)
-            self._events.put_nowait(_Event("gone", peer.ep))
+            self._drop(peer, "at welcome", exc)
 
     # -- steps ----------------------------------------------------------------------------
     async def _push(self, ep: Endpoint, msg: dict[str, Any]) -> None:
@@ -597,7 +605,7 @@ class ParameterServer:
             copies = [p for p in targets if not p.mapped]
             if copies and self.state.num_parts > 1:
                 sending = await apply_in_parts(self.state, decision.apply, copies,
-                                               self.timeout)
+                                               self.send_timeout)
             else:
                 self.state.apply(decision.apply)
             self.stats["apply_s"] += self.timings.apply.since(t0)
@@ -645,10 +653,18 @@ class ParameterServer:
                               checksum=self.state.checksum(),
                               hyper=self.optim.answer(peer.ep, self.state))
         try:
-            await send_params(self.state, peer, msg, sent, self.timeout)
+            await send_params(self.state, peer, msg, sent, self.send_timeout)
         except TensorxError as exc:
-            logger.warning("ps shard %d: lost rank %d: %s", self.shard, peer.rank, exc)
-            self._events.put_nowait(_Event("gone", peer.ep))
+            self._drop(peer, "", exc)
+
+    def _drop(self, peer: Peer, when: str, exc: TensorxError) -> None:
+        """A send to ``peer`` failed or missed ``send_timeout``: abort its connection at
+        once (nothing of it may still read the arena, which the next update changes) and
+        let the loop handle it as a departure."""
+        logger.warning("ps shard %d: lost rank %d%s: %s", self.shard, peer.rank,
+                       f" {when}" if when else "", exc)
+        peer.ep.abort()
+        self._events.put_nowait(_Event("gone", peer.ep))
 
     async def _leave(self, ep: Endpoint, why: str, close: bool = True) -> None:
         peer = self._peers.pop(ep, None)

@@ -157,3 +157,17 @@ def test_worker_loss_flags() -> None:
                 ["--worker-loss-timeout", "soon"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["--workers", "2", *bad])
+
+
+def test_send_timeout_and_nonfinite_flags() -> None:
+    parser = argparse.ArgumentParser()
+    _arguments(parser)
+    args = parser.parse_args(["--workers", "2"])
+    assert (args.send_timeout, args.on_nonfinite) == (10.0, "skip")
+    args = parser.parse_args(["--workers", "2", "--send-timeout", "2.5",
+                              "--on-nonfinite", "refuse"])
+    assert (args.send_timeout, args.on_nonfinite) == (2.5, "refuse")
+    assert parser.parse_args(["--workers", "2", "--send-timeout", "none"]).send_timeout is None
+    for bad in (["--send-timeout", "-1"], ["--on-nonfinite", "ignore"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--workers", "2", *bad])

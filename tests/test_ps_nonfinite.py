@@ -80,10 +80,10 @@ async def test_nonfinite_gradient_is_skipped_logged_and_counted(
             before, version = snapshot(models[0]), ps.version
             with caplog.at_level(logging.WARNING, logger="tensorx"):
                 await step(1, bad=1)
+            assert all(all_finite(m) for m in models)
             assert ps.stats["nonfinite"] == 1
             assert any("rank 1 pushed a gradient with NaN or Inf" in r.getMessage()
                        for r in caplog.records)
-            assert all(all_finite(m) for m in models)
             if mode == "sync":  # the whole step was skipped
                 assert ps.version == version
                 assert all(torch.equal(a, b) for a, b in
@@ -114,10 +114,11 @@ async def test_refuse_policy_fails_the_offending_worker_only(transport: str) -> 
             ok, refused = await asyncio.gather(*(w.step() for w in ws),
                                                return_exceptions=True)
             assert ok is None
+            assert all_finite(models[0])
             assert isinstance(refused, UsageError)
             assert "rank 1's gradient of step 0 holds NaN or Inf" in str(refused)
-            assert ps.version == 1  # rank 0's gradient alone
             assert all_finite(models[0])
+            assert ps.version == 1  # rank 0's gradient alone
             for n in range(1, 3):  # rank 1 is gone; the barrier goes on without it
                 ws[0].zero_grad()
                 backward(models[0], n)

@@ -75,6 +75,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                         "either way")
     p.add_argument("--worker-loss-timeout", type=_seconds_or_none, default=30.0,
                    help="seconds (default 30; 'none': wait silently forever)")
+    p.add_argument("--send-timeout", type=_seconds_or_none, default=10.0,
+                   help="seconds a worker may take to receive its parameters (default 10; "
+                        "'none': no limit); one that takes longer (stopped, hung) is dropped "
+                        "and rejoins if it can, so it holds the others up at most this long")
     p.add_argument("--on-nonfinite", choices=("skip", "refuse"), default="skip",
                    help="a pushed gradient holding NaN or Inf is never applied: skip that "
                         "step's update (skip) or refuse the push and disconnect its worker "
@@ -192,7 +196,8 @@ async def serve(args: argparse.Namespace) -> None:
         token=args.token, transport=args.transport, insecure=args.insecure,
         log_every=args.log_every or None, flat=args.flat,
         on_worker_loss=args.on_worker_loss, worker_loss_timeout=args.worker_loss_timeout,
-        clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite)
+        clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite,
+        send_timeout=args.send_timeout)
         for s in shards]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
