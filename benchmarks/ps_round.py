@@ -156,6 +156,56 @@ def check_mapping(pairs: dict[str, Pair], placement: Placement) -> None:
             raise RuntimeError(f"{ALL[k].label} mapped the PS's memory in {placement.name}")
 
 
+# -- the guards' costs, next to a round ------------------------------------------------------
+def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
+    """What two guards cost per round on this model's shapes, timed here in this process,
+    as a share of the tensorx rounds measured above in the same run: the shard's non-finite
+    check of a pushed gradient (every mode), and a mapped worker's check for edits in place
+    before it reads a pull (same host: its copy-on-write pages, found in pagemap)."""
+    import torch
+
+    from tensorx._ps.nonfinite import finite
+    from tensorx._ps.shard import ShardLayout, ShardState
+    from tensorx.graph_analyzer import GraphAnalyzer
+    from tensorx.memregion import MemoryRegion
+
+    plan = GraphAnalyzer(common.ShapeModel(common.MODELS[model]())).plan()
+    state = ShardState(ShardLayout.from_plan(plan, 0), 1,
+                       lambda p: torch.optim.SGD(p, lr=common.LR), shared=True)
+    try:
+        check = _median_s(lambda: finite(state, 0))
+        edits = None
+        if state.params_region.shared_name is not None:
+            mapped = MemoryRegion.attach(state.params_region.shared_name,
+                                         state.params_region.nbytes, private=True)
+            mapped.view(torch.uint8).sum()  # the model has read every page
+            edits = _median_s(mapped.drop_own_writes)
+            mapped.close()
+    finally:
+        state.close()
+    out = []
+    for r in rows:
+        if r["model"] == model and r["key"].startswith("tensorx"):
+            line = (f"- {MODEL_LABELS[model]}, {r['placement']}, {r['system']} "
+                    f"({r['median_s'] * 1e3:.1f} ms/round): non-finite check "
+                    f"{check * 1e3:.2f} ms = {check / r['median_s']:.1%} of a round")
+            if r["mapped"] and edits is not None:
+                line += (f"; edit-in-place check {edits * 1e3:.2f} ms = "
+                         f"{edits / r['median_s']:.1%}")
+            out.append(line)
+    return out
+
+
+def _median_s(fn: Any, n: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 # -- placements ------------------------------------------------------------------------------
 @contextlib.contextmanager
 def placement(name: str) -> Iterator[Placement | None]:
@@ -273,6 +323,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print()
     print(table(rows))
     print("\n".join(targets(rows)))
+    print("\nGuards, per round (timed in this process):")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        print("\n".join(guard_costs(model, rows)))
     plot(rows, args.plot or args.out / "ps_round.png")
     return rows
 

@@ -19,6 +19,9 @@ import re
 import secrets
 import stat
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from tensorx.errors import RegionError, UsageError
 
@@ -94,9 +97,11 @@ def unmap(mm: mmap.mmap) -> None:
         mm.close()
 
 
-def attach(name: str, nbytes: int) -> mmap.mmap:
+def attach(name: str, nbytes: int, private: bool = False) -> mmap.mmap:
     """Map ``nbytes`` of the file a peer created as ``name``, after checking that it is one
-    of ours: a tensorx name, a regular file, owned by this uid, private to it, big enough."""
+    of ours: a tensorx name, a regular file, owned by this uid, private to it, big enough.
+    ``private``: copy-on-write (``MAP_PRIVATE``): we see the file's pages as its owner
+    writes them, but what we write stays ours (see :func:`drop_own_writes`)."""
     if not isinstance(name, str) or NAME.fullmatch(name) is None:
         raise UsageError(f"{name!r} is not a tensorx shared-memory name (tensorx-<pid>-<hex>)")
     if not isinstance(nbytes, int) or nbytes < 0:
@@ -111,11 +116,51 @@ def attach(name: str, nbytes: int) -> mmap.mmap:
         raise RegionError(f"cannot open shared memory {path}: {exc}") from exc
     try:
         _check(path, os.fstat(fd), nbytes)
-        return mmap.mmap(fd, max(nbytes, 1))
+        flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+        return mmap.mmap(fd, max(nbytes, 1), flags=flags)
     except OSError as exc:
         raise RegionError(f"cannot map shared memory {path}: {exc}") from exc
     finally:
         os.close(fd)
+
+
+PAGEMAP_PRESENT = 1 << 63
+PAGEMAP_FILE = 1 << 61  # a file (or shared) page: not one we copied on write
+
+
+def drop_own_writes(mm: mmap.mmap, address: int, nbytes: int) -> int:
+    """Of a ``private=True`` mapping at ``address``, forget the pages this process wrote
+    (``MADV_DONTNEED``: the next access sees the file again). Returns how many there were,
+    found in /proc/self/pagemap (one 8-byte entry per page, no page is touched); -1 when
+    pagemap cannot be read, and then every page is dropped."""
+    if not nbytes:
+        return 0
+    page = mmap.PAGESIZE
+    first, count = address // page, -(-(address % page + nbytes) // page)
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            f.seek(first * 8)
+            raw = f.read(count * 8)
+    except OSError:
+        raw = b""
+    if len(raw) != count * 8:
+        mm.madvise(mmap.MADV_DONTNEED)
+        return -1
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    own = (entries & np.uint64(PAGEMAP_PRESENT | PAGEMAP_FILE)) == np.uint64(PAGEMAP_PRESENT)
+    pages = np.flatnonzero(own)
+    base = first * page - address  # the mapping starts page-aligned: 0
+    for start, stop in _runs(pages):
+        mm.madvise(mmap.MADV_DONTNEED, base + start * page, (stop - start) * page)
+    return int(pages.size)
+
+
+def _runs(pages: Any) -> list[tuple[int, int]]:
+    """Consecutive runs [start, stop) in a sorted array of page numbers."""
+    if not len(pages):
+        return []
+    cuts = np.flatnonzero(np.diff(pages) != 1) + 1
+    return [(int(run[0]), int(run[-1]) + 1) for run in np.split(pages, cuts)]
 
 
 def _check(path: str, st: os.stat_result, nbytes: int) -> None:

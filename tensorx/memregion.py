@@ -116,6 +116,7 @@ class MemoryRegion:
         self._shm: _shm.ShmFile | None = None  # set when this process created the file
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._pins = 0  # ops in flight that address this memory by raw pointer
+        self._private = False  # attached copy-on-write (attach(private=True))
         self._unmap_deferred = False
 
     # -- construction -------------------------------------------------------------------
@@ -167,16 +168,28 @@ class MemoryRegion:
         return cls._over_mmap(mmap.mmap(-1, max(nbytes, 1)), nbytes)
 
     @classmethod
-    def attach(cls, name: str, nbytes: int) -> MemoryRegion:
+    def attach(cls, name: str, nbytes: int, *, private: bool = False) -> MemoryRegion:
         """Map the first ``nbytes`` of another process's ``allocate(shared=True)`` region.
 
         Refused (RegionError, UsageError for a malformed name) unless ``name`` is a tensorx
         shared-memory file owned by this uid, private to it and at least ``nbytes`` long.
         Closing the attached region only unmaps it; its creator owns the file.
+        ``private=True`` maps it copy-on-write: the creator's writes show, ours stay ours
+        until :meth:`drop_own_writes`.
         """
-        region = cls._over_mmap(_shm.attach(name, nbytes), nbytes)
+        region = cls._over_mmap(_shm.attach(name, nbytes, private), nbytes)
         region.shared_name = name
+        region._private = private
         return region
+
+    def drop_own_writes(self) -> int:
+        """Of a region attached with ``private=True``: forget what this process wrote, so
+        that it reads the creator's memory again. Returns the pages it had written (-1:
+        unknown, all were dropped)."""
+        self._check_open()
+        if not self._private:
+            raise UsageError("drop_own_writes() is for regions attached with private=True")
+        return _shm.drop_own_writes(self._obj, self.address, self.nbytes)
 
     @classmethod
     def _over_mmap(cls, mm: mmap.mmap, nbytes: int) -> MemoryRegion:

@@ -52,6 +52,7 @@ from tensorx._ps.shard import (
     checkpoint_path,
     load_checkpoint,
 )
+from tensorx._ps.sharing import Sharing
 from tensorx._ps.sparse import SparseReceiver, dynamic_path_ok
 from tensorx._ps.stats import ShardTimings
 from tensorx.endpoint import Endpoint
@@ -61,7 +62,7 @@ from tensorx.errors import (
     TensorxError,
     UsageError,
 )
-from tensorx.memregion import RegionDescriptor, host_id
+from tensorx.memregion import RegionDescriptor
 from tensorx.node import Node
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ class ParameterServer:
         self._slot_descs: dict[int, RegionDescriptor] = {}
         self._header_descs: dict[int, bytes] = {}
         self._sparse: SparseReceiver | None = None
+        self.sharing = Sharing(shard, mode, share_memory)  # same-host mapping offers
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -497,7 +499,7 @@ class ParameterServer:
             self._slot_descs[rank] = self.node.export(self.state.slot_region(rank), access="w")
             self._header_descs[rank] = b"" if self._sparse is None else self.node.export(
                 self._sparse.headers[rank], access="w").to_bytes()
-        peer.offered = self._offer(rank, msg["share"])
+        peer.offered = self.sharing.offer(self.state, rank, msg["share"])
         self.scheduler.join(rank)
         away = self.losses.back(rank)
         logger.info("ps shard %d: worker rank %d joined from %s%s", self.shard, rank, ep.peer,
@@ -511,29 +513,6 @@ class ParameterServer:
             await asyncio.gather(*(self._welcome(p) for p in waiting))
         else:
             self._waiting.append(peer)
-
-    def _offer(self, rank: int, asked: bool) -> bool:
-        """Offer ``rank`` our arenas to map? Loud about why not when it asked."""
-        assert self.state is not None
-        why = ("the worker did not ask" if not asked
-               else "share_memory=False" if not self.share_memory
-               else f"mode={self.mode} updates the arena while workers compute"
-               if self.mode != "sync"
-               else "the arenas are not in shared memory"
-               if not self.state.shared or self.state.slot_region(rank).shared_name is None
-               else "")
-        if why and asked:
-            logger.info("ps shard %d: not offering rank %d to map the arenas: %s",
-                        self.shard, rank, why)
-        return not why
-
-    def _share_offer(self, peer: Peer) -> dict[str, Any]:
-        assert self.state is not None
-        if not peer.offered:
-            return {}
-        return {"host": host_id(), "params": self.state.params_region.shared_name,
-                "slot": self.state.slot_region(peer.rank).shared_name,
-                "nbytes": self.state.layout.nbytes}
 
     def _check_plan(self, msg: dict[str, Any]) -> None:
         if self._plan is None:
@@ -553,7 +532,8 @@ class ParameterServer:
                 "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
                 headers=self._header_descs[peer.rank], version=self.state.version,
                 mode=self.mode, checksum=self.state.checksum(),
-                share=self._share_offer(peer), optim=self.optim.welcome(peer.ep, self.state)),
+                share=self.sharing.offer_message(self.state, peer),
+                optim=self.optim.welcome(peer.ep, self.state)),
                 timeout=self.send_timeout)
         except TensorxError as exc:
             self._drop(peer, "at welcome", exc)
@@ -565,7 +545,7 @@ class ParameterServer:
             return  # the last words of a connection that has left: never applied
         if peer is None or self.state is None or not self._initialised:
             raise ProtocolError("push before a completed handshake")
-        self._check_mapped(peer, msg["mapped"])
+        self.sharing.check_mapped(peer, msg["mapped"])
         self.optim.pushed(peer.rank, msg["hyper"], self.state)
         peer.step = msg["step"]
         self.stats["pushes"] += 1
@@ -577,15 +557,6 @@ class ParameterServer:
             self.stats["sparse_rows"] += await self._sparse.receive(
                 ep, peer.rank, self.state.slot_region(peer.rank), self.timeout)
         await self._act(self.scheduler.push(peer.rank))
-
-    def _check_mapped(self, peer: Peer, mapped: bool) -> None:
-        if mapped and not peer.offered:
-            raise ProtocolError(f"rank {peer.rank} says it mapped this shard's arenas, "
-                                "which were not offered to it")
-        if mapped and not peer.mapped:
-            logger.info("ps shard %d: rank %d mapped shard %d's arenas (same host, zero-copy)",
-                        self.shard, peer.rank, self.shard)
-        peer.mapped = mapped
 
     async def _act(self, decision: Decision) -> None:
         assert self.state is not None

@@ -380,6 +380,8 @@ class Worker:
         return region
 
     def _accept_params(self, shard: int, msg: dict[str, Any]) -> None:
+        if self._shared is not None and self._shared.mapped[shard]:
+            self._shared.refresh(shard)  # an edit in place is dropped, as a copy would
         self.version[shard] = msg["version"]
         if msg.get("hyper"):
             self._heard(shard, msg["hyper"])

@@ -29,11 +29,14 @@ from .models import cnn, sparse_embedding
 from .test_ps_train import (
     ADAM,
     SGD_MOMENTUM,
+    TRANSPORTS,
     backward,
     batches,
     make_model,
     reference,
+    servers,
     train_single,
+    workers,
 )
 
 pytestmark = pytest.mark.skipif(not host_id(), reason="no usable /dev/shm")
@@ -291,3 +294,58 @@ async def test_rejoin_maps_the_restarted_servers_arenas(tmp_path: Path) -> None:
             assert w.mapped == [True] and w.stats["rejoins"] == 1
             assert second.state is not None and second.version == 2
             assert shm_files(model.parameters()) == {second.state.params_region.shared_name}
+
+
+# -- a mapped worker that edits its weights in place (issue 16, item 10) -------------------
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("share", [True, False], ids=["mapped", "copied"])
+async def test_an_edit_in_place_stays_the_workers_own(transport: str, share: bool) -> None:
+    """Before: a mapped worker's edit changed the server's and every worker's parameters,
+    while on the copy path it was discarded at the next pull. Now both paths discard it."""
+    models = [make_model(), make_model(seed=99)]
+    async with servers(1, 2, transport, mode="sync", optimizer=SGD_MOMENTUM) as (ps,), \
+            workers(models, [ps.address], transport, share_memory=share) as ws:
+        for step in batches(2, 2):
+            for w, m, (x, y) in zip(ws, models, step, strict=True):
+                w.zero_grad()
+                backward(m, x, y)
+            await asyncio.gather(*(w.step() for w in ws))
+        assert [w.mapped for w in ws] == [[share], [share]]
+        assert ps.state is not None
+        server = [v.clone() for v in ps.state.views]
+        with torch.no_grad():
+            for p in models[0].parameters():
+                p.fill_(7.0)  # the edit, in place
+        assert all(torch.equal(a, b) for a, b in zip(server, ps.state.views, strict=True))
+        assert not any(bool((p == 7.0).all()) for p in models[1].parameters())
+        for w, m, (x, y) in zip(ws, models, batches(1, 2)[0], strict=True):
+            w.zero_grad()
+            backward(m, x, y)
+        await asyncio.gather(*(w.step() for w in ws))
+        assert all(torch.equal(a, b) for a, b in
+                   zip(models[0].parameters(), models[1].parameters(), strict=True))
+        assert not any(bool((p == 7.0).all()) for p in models[0].parameters())
+
+
+def test_a_private_attach_sees_the_owner_and_keeps_its_own_writes_until_dropped() -> None:
+    owner = MemoryRegion.allocate(8 * 4096, shared=True)
+    try:
+        assert owner.shared_name is not None
+        mine = MemoryRegion.attach(owner.shared_name, owner.nbytes, private=True)
+        try:
+            theirs, ours = owner.view(torch.uint8), mine.view(torch.uint8)
+            theirs.fill_(1)
+            assert bool((ours == 1).all())  # the owner's writes show
+            assert mine.drop_own_writes() == 0
+            ours[5 * 4096] = 9  # an edit in place: copy-on-write, one page
+            assert int(theirs[5 * 4096]) == 1  # never reaches the owner
+            theirs.fill_(2)
+            assert int(ours[5 * 4096]) == 9 and int(ours[0]) == 2
+            assert mine.drop_own_writes() in (1, -1)  # -1: pagemap unreadable, all dropped
+            assert bool((ours == 2).all())
+        finally:
+            mine.close()
+        with pytest.raises(UsageError, match="private=True"):
+            owner.drop_own_writes()
+    finally:
+        owner.close()

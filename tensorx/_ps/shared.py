@@ -54,6 +54,7 @@ class SharedArenas:
         self.obstacle = "share_memory=False" if not enabled else plan_obstacle(plan, device)
         self.mapped = [False] * plan.num_shards
         self._attached: dict[int, tuple[MemoryRegion, MemoryRegion]] = {}
+        self._warned = False  # about an edit in place
 
     @property
     def wanted(self) -> bool:
@@ -117,12 +118,27 @@ class SharedArenas:
         nbytes = self.plan.arena_bytes(shard)
         if offer["nbytes"] != nbytes:
             raise _NotMapped(f"the server offers {offer['nbytes']} B, the plan needs {nbytes} B")
-        params = MemoryRegion.attach(offer["params"], nbytes)
+        # copy-on-write: an edit of the model in place stays ours (see refresh)
+        params = MemoryRegion.attach(offer["params"], nbytes, private=True)
         try:
             return params, MemoryRegion.attach(offer["slot"], nbytes)
         except BaseException:
             params.close()
             raise
+
+
+    def refresh(self, shard: int) -> None:
+        """Before reading a pull from a mapped shard: drop what this process wrote into the
+        parameters in place (copy-on-write pages), so the model holds the shard's update,
+        exactly as a copied pull would overwrite such an edit. The shard and the other
+        workers never saw it."""
+        edited = self._attached[shard][0].drop_own_writes()
+        if edited and not self._warned:
+            self._warned = True
+            logger.warning("worker rank %d: the model's parameters were edited in place "
+                           "(%s of shard %d's arena); the edit is dropped at this pull, as "
+                           "on the copy path, and never reached the server", self.rank,
+                           "some pages" if edited < 0 else f"{edited} page(s)", shard)
 
 
 class _NotMapped(Exception):

@@ -1,0 +1,61 @@
+"""A shard's offers to workers on its host to map its arenas (sync mode).
+
+A worker on the shard's host may map its gradient slot (autograd writes straight into it:
+a push copies nothing) and the parameter arena (the shard's update is there for it to read:
+a pull copies nothing). The worker maps the parameter arena copy-on-write
+(:mod:`tensorx._ps.shared`), so an edit it makes in place never reaches the shard or any
+other worker, and is dropped at its next pull, as on the copy path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tensorx._ps.answer import Peer
+from tensorx.errors import ProtocolError
+from tensorx.memregion import host_id
+
+__all__ = ["Sharing"]
+
+logger = logging.getLogger(__name__)
+
+
+class Sharing:
+    """One shard's offers to map its arenas (same host, sync mode)."""
+
+    def __init__(self, shard: int, mode: str, enabled: bool) -> None:
+        self.shard = shard
+        self.mode = mode
+        self.enabled = enabled
+
+    def offer(self, state: Any, rank: int, asked: bool) -> bool:
+        """Offer ``rank`` our arenas to map? Loud about why not when it asked."""
+        why = ("the worker did not ask" if not asked
+               else "share_memory=False" if not self.enabled
+               else f"mode={self.mode} updates the arena while workers compute"
+               if self.mode != "sync"
+               else "the arenas are not in shared memory"
+               if not state.shared or state.slot_region(rank).shared_name is None
+               else "")
+        if why and asked:
+            logger.info("ps shard %d: not offering rank %d to map the arenas: %s",
+                        self.shard, rank, why)
+        return not why
+
+    def offer_message(self, state: Any, peer: Peer) -> dict[str, Any]:
+        """The welcome's ``share`` field: {} or the names and size of what to map."""
+        if not peer.offered:
+            return {}
+        return {"host": host_id(), "params": state.params_region.shared_name,
+                "slot": state.slot_region(peer.rank).shared_name, "nbytes": state.layout.nbytes}
+
+    def check_mapped(self, peer: Peer, mapped: bool) -> None:
+        """A push says whether its sender mapped our arenas: believe it only if offered."""
+        if mapped and not peer.offered:
+            raise ProtocolError(f"rank {peer.rank} says it mapped this shard's arenas, "
+                                "which were not offered to it")
+        if mapped and not peer.mapped:
+            logger.info("ps shard %d: rank %d mapped shard %d's arenas (same host, zero-copy)",
+                        self.shard, peer.rank, self.shard)
+        peer.mapped = mapped
