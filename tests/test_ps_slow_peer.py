@@ -30,17 +30,19 @@ from .conftest import transports
 
 TRANSPORTS = transports()
 SEND_TIMEOUT = 1.0
-HEALTHY_STEPS = 10
+HEALTHY_STEPS = 5
 PROGRESS_BOUND = 15.0  # seconds for HEALTHY_STEPS while the victim is stopped (before: 30+)
 
 
 def make_model() -> nn.Module:
+    """32 MB of parameters: more than loopback's socket buffers hold, so the shard's answer
+    cannot reach a stopped worker, however late the stop comes after its push."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    return nn.Sequential(nn.Linear(2048, 4096), nn.Tanh(), nn.Linear(4096, 8))
 
 
 def backward(model: nn.Module, seed: int) -> None:
-    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(seed))
     model(x).square().mean().backward()
 
 
