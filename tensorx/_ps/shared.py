@@ -132,13 +132,13 @@ class SharedArenas:
         parameters in place (copy-on-write pages), so the model holds the shard's update,
         exactly as a copied pull would overwrite such an edit. The shard and the other
         workers never saw it."""
-        edited = self._attached[shard][0].drop_own_writes()
-        if edited and not self._warned:
+        edited = self._attached[shard][0].drop_own_writes()  # -1: unknown, all dropped
+        if edited > 0 and not self._warned:
             self._warned = True
             logger.warning("worker rank %d: the model's parameters were edited in place "
                            "(%s of shard %d's arena); the edit is dropped at this pull, as "
                            "on the copy path, and never reached the server", self.rank,
-                           "some pages" if edited < 0 else f"{edited} page(s)", shard)
+                           f"{edited} page(s)", shard)
 
 
 class _NotMapped(Exception):
