@@ -152,14 +152,36 @@ class Worker:
         if dynamic:
             self._sparse = SparseSender(self.binding, self.model, self.node)
         try:
-            await self._handshake()
+            await self._handshake(await self._first_connect())
         except BaseException:
             await self.aclose()
             raise
         return self
 
-    async def _handshake(self) -> None:
-        self._eps = await self._connect_all()
+    async def _first_connect(self) -> list[Endpoint]:
+        """Connect to every shard, waiting for shards that do not listen yet (processes
+        start in any order), with backoff, for up to ``timeout`` seconds; one INFO line."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        delay, attempt = BACKOFF_FIRST, 1
+        while True:
+            try:
+                return await self._connect_all()
+            except BrokenError as exc:  # nothing listens there yet (refused, unreachable)
+                left = float("inf") if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise BrokenError(f"worker rank {self.rank}: no ps shard of "
+                                      f"{self.addresses} answered within {self.timeout:g} s "
+                                      f"({attempt} attempts): {exc}") from exc
+                if attempt == 1:
+                    logger.info("worker rank %d: waiting for the ps shard(s) at %s (%s); "
+                                "retrying with backoff for up to %s", self.rank, self.addresses,
+                                exc, "ever (timeout=None)" if self.timeout is None
+                                else f"{self.timeout:g} s")
+                await asyncio.sleep(min(left, delay * random.uniform(0.5, 1.0)))
+                delay, attempt = min(2 * delay, BACKOFF_CAP), attempt + 1
+
+    async def _handshake(self, eps: list[Endpoint] | None = None) -> None:
+        self._eps = eps if eps is not None else await self._connect_all()
         self._inbox = [asyncio.Queue() for _ in self._eps]
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._dispatch()),
