@@ -68,9 +68,11 @@ from tensorx.node import Node
 if TYPE_CHECKING:
     from tensorx.graph_analyzer import TransferPlan
 
-__all__ = ["ParameterServer", "launcher_store"]
+__all__ = ["UNTIL", "ParameterServer", "launcher_store"]
 
 logger = logging.getLogger(__name__)
+
+UNTIL = (None, "workers_done")  # what serve() may wait for besides stop()
 
 
 class _Event(NamedTuple):
@@ -111,7 +113,10 @@ class ParameterServer:
     WARNING) or complete barriers with the ranks still connected until it rejoins (one
     WARNING). See :mod:`tensorx._ps.losses`; async and bounded modes never wait for a
     departed worker. A departed worker's pushed gradient for the barrier in progress is
-    dropped, never applied.
+    dropped, never applied. A worker that *said goodbye* (``aclose()``) is finished, not
+    lost: sync barriers go on without it at once (uneven step counts just work: the last
+    rounds average over the ranks still training) until it joins again. A worker held at
+    the barrier by an absent rank is told which and why, and its TimeoutError says so.
     ``clip_grad_norm`` (sync mode): clip the averaged gradient to this global 2-norm, over
     all shards, as ``torch.nn.utils.clip_grad_norm_`` would on one process (the shards
     exchange their partial sums of squares, see :mod:`tensorx._ps.normx`).
@@ -185,6 +190,8 @@ class ParameterServer:
         self._plan_bytes = b""
         self._peers: dict[Endpoint, Peer] = {}
         self._waiting: list[Peer] = []    # said hello before the parameters were initialised
+        self._finished: set[int] = set()  # ranks that said goodbye (until they join again)
+        self._until: str | None = None     # serve(until=...)
         self._slot_descs: dict[int, RegionDescriptor] = {}
         self._header_descs: dict[int, bytes] = {}
         self._sparse: SparseReceiver | None = None
@@ -259,10 +266,19 @@ class ParameterServer:
     def version(self) -> int:
         return self.state.version if self.state is not None else 0
 
-    async def serve(self) -> None:
-        """Serve until :meth:`stop` (or SIGTERM in the CLI); then checkpoint and close."""
+    async def serve(self, until: str | None = None) -> None:
+        """Serve until :meth:`stop` (or SIGTERM in the CLI); then checkpoint and close.
+
+        ``until="workers_done"``: also return once every rank ``0..num_workers-1`` has said
+        goodbye (a worker's ``aclose()``, leaving its ``async with`` block, closing a
+        :class:`~tensorx.worker.RemoteOptimizer`). A worker that crashed has not: the
+        server keeps waiting for it to rejoin."""
+        if until not in UNTIL:
+            raise UsageError(f"until must be one of {UNTIL}, got {until!r}")
+        self._until = until
         if not self._tasks:
             await self.start()
+        self._check_done()
         try:
             await self._stopped.wait()
         finally:
@@ -440,7 +456,7 @@ class ParameterServer:
         elif kind == "push":
             await self._push(ep, msg)
         elif kind == "bye":
-            await self._leave(ep, "left")
+            await self._goodbye(ep)
         elif kind in ("state_get", "state_done", "state_put"):
             await self._optim_request(ep, kind, msg)
         else:
@@ -501,6 +517,7 @@ class ParameterServer:
                 self._sparse.headers[rank], access="w").to_bytes()
         peer.offered = self.sharing.offer(self.state, rank, msg["share"])
         self.scheduler.join(rank)
+        self._finished.discard(rank)
         away = self.losses.back(rank)
         logger.info("ps shard %d: worker rank %d joined from %s%s", self.shard, rank, ep.peer,
                     "" if away is None else f" (back after {away:.1f} s; fresh gradient slot)")
@@ -557,6 +574,8 @@ class ParameterServer:
             self.stats["sparse_rows"] += await self._sparse.receive(
                 ep, peer.rank, self.state.slot_region(peer.rank), self.timeout)
         await self._act(self.scheduler.push(peer.rank))
+        if self.mode == "sync" and peer.rank in self.scheduler.pending:
+            await self._tell_waiting([peer])
 
     async def _act(self, decision: Decision) -> None:
         assert self.state is not None
@@ -651,19 +670,53 @@ class ParameterServer:
             with contextlib.suppress(TensorxError):
                 await ep.aclose()
         self._retire_slot(rank)
-        if self.mode == "sync":
+        finished = rank in self._finished
+        if self.mode == "sync" and not finished:
             self.losses.gone(rank)
         await self._act(self.scheduler.leave(rank))
+        if self.mode == "sync" and finished:
+            # a rank that said goodbye pushes no more: later barriers go on without it
+            await self._act(self.scheduler.excuse(rank))
+        elif self.mode == "sync":
+            held = [p for p in self._peers.values() if p.rank in self.scheduler.pending]
+            await self._tell_waiting(held)
         self._release_plan_if_idle()
+
+    async def _goodbye(self, ep: Endpoint) -> None:
+        peer = self._peers.get(ep)
+        if peer is not None:
+            self._finished.add(peer.rank)
+        await self._leave(ep, "finished (said goodbye)")
+        self._check_done()
+
+    def _check_done(self) -> None:
+        if self._until == "workers_done" and len(self._finished) == self.num_workers:
+            if not self._stopped.is_set():
+                logger.info("ps shard %d: every worker said goodbye; stopping", self.shard)
+            self._stopped.set()
+
+    async def _tell_waiting(self, held: list[Peer]) -> None:
+        """Tell ranks held at the sync barrier which absent ranks it waits for and why, so
+        that a worker that gives up names the cause, not just a timeout."""
+        connected = self._connected()
+        away = [r for r in self.scheduler.waiting_for() if r not in connected]
+        if not away or not held:
+            return
+        note = protocol.encode("waiting", why=self.losses.explain(away))
+        for peer in held:
+            with contextlib.suppress(TensorxError):
+                await peer.ep.notify(note, timeout=self.timeout)
 
     def _log_departure(self, rank: int, why: str) -> None:
         dropped = " (its gradient for this step is dropped)" \
             if rank in self.scheduler.pending else ""
         waits = ""
-        if self.mode == "sync" and self.losses.timeout is not None:
+        if rank in self._finished:
+            waits = "; sync barriers no longer wait for it" if self.mode == "sync" else ""
+        elif self.mode == "sync" and self.losses.timeout is not None:
             waits = (f"; the sync barrier waits for it up to {self.losses.timeout:g} s, then "
                      f"on_worker_loss={self.losses.policy!r}")
-        level = logging.INFO if why == "left" else logging.WARNING
+        level = logging.INFO if why.startswith("finished") else logging.WARNING
         logger.log(level, "ps shard %d: worker rank %d %s%s%s", self.shard, rank, why,
                    dropped, waits)
 

@@ -123,6 +123,7 @@ class Worker:
         self._pusher: BucketPusher | None = None
         self._sparse: SparseSender | None = None
         self._inbox: list[asyncio.Queue[dict[str, Any]]] = []
+        self._notes: dict[int, str] = {}  # shard -> why its sync barrier holds us (latest)
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self.stats: dict[str, float] = {"push_s": 0.0, "wait_s": 0.0, "steps": 0,
@@ -477,9 +478,12 @@ class Worker:
         try:
             msg = await asyncio.wait_for(self._inbox[shard].get(), self.timeout)
         except asyncio.TimeoutError:
+            note = self._notes.get(shard)
             raise TimeoutError(f"ps shard {shard} ({self.addresses[shard]}) sent no {kind!r} "
-                               f"within {self.timeout} s") from None
+                               f"within {self.timeout} s"
+                               + (f": {note}" if note else "")) from None
         if msg["t"] == kind:
+            self._notes.pop(shard, None)
             return msg
         if msg["t"] == "error":
             raise _ERRORS.get(msg["code"], TensorxError)(f"ps shard {shard}: {msg['msg']}")
@@ -495,10 +499,19 @@ class Worker:
             if shard is None:
                 continue
             try:
-                self._inbox[shard].put_nowait(protocol.decode(payload))
+                msg = protocol.decode(payload)
+                if msg["t"] == "waiting":
+                    self._held(shard, msg["why"])
+                else:
+                    self._inbox[shard].put_nowait(msg)
             except ProtocolError as exc:
                 logger.warning("bad message from ps shard %d: %s", shard, exc)
                 self._inbox[shard].put_nowait(_GONE)
+
+    def _held(self, shard: int, why: str) -> None:
+        if self._notes.get(shard) != why:
+            logger.info("worker rank %d: ps shard %d holds our step: %r", self.rank, shard, why)
+        self._notes[shard] = why
 
     async def _watch_disconnects(self) -> None:
         shard_of = {ep: s for s, ep in enumerate(self._eps)}

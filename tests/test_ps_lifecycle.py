@@ -6,17 +6,19 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
-from tensorx.errors import BrokenError
+from tensorx.errors import BrokenError, TimeoutError
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
 from .conftest import transports
-from .test_ps_train import backward, batches, make_model
+from .test_ps_cli import PsProcess
+from .test_ps_train import SGD_MOMENTUM, backward, batches, make_model
 
 TRANSPORTS = transports()
 
@@ -42,6 +44,33 @@ async def logged(caplog: pytest.LogCaptureFixture, text: str, within: float = 30
     while not any(text in r.getMessage() for r in caplog.records):
         assert time.monotonic() < deadline, f"never logged {text!r}"
         await asyncio.sleep(0.02)
+
+
+# PS correctness runs copy bytes over each transport too (share_memory=False)
+VARIANTS = [pytest.param("tcp", True, id="tcp-shared"), pytest.param("tcp", False, id="tcp"),
+            pytest.param(TRANSPORTS[1].values[0], False, id="ucx",  # type: ignore[union-attr]
+                         marks=TRANSPORTS[1].marks)]  # type: ignore[union-attr]
+
+
+async def train(worker: Worker, model: torch.nn.Module,
+                data: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for x, y in data:
+        worker.zero_grad()
+        backward(model, x, y)
+        await worker.step()
+
+
+def uneven_reference(short: int, data: list[list[tuple[torch.Tensor, ...]]]
+                     ) -> list[torch.Tensor]:
+    """One process: both ranks' batches while both train, then rank 1's alone."""
+    model = make_model()
+    opt = SGD_MOMENTUM(list(model.parameters()))  # type: ignore[arg-type]
+    for i, step in enumerate(data):
+        opt.zero_grad()
+        used = step if i < short else step[1:]
+        backward(model, torch.cat([x for x, _ in used]), torch.cat([y for _, y in used]))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -75,3 +104,94 @@ async def test_the_first_join_gives_up_after_the_timeout() -> None:
     worker = Worker(make_model(), f"tcp://127.0.0.1:{port}", transport="tcp", timeout=0.5)
     with pytest.raises(BrokenError, match=r"no ps shard .* answered within 0.5 s"):
         await worker.start()
+
+
+@pytest.mark.parametrize(("transport", "share"), VARIANTS)
+async def test_sync_goes_on_without_a_rank_that_finished(
+        transport: str, share: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Uneven step counts: rank 0 has 2 batches, rank 1 has 5. Rank 0 says goodbye; rank 1
+    is not held at the barrier (no timeout) and its last rounds are its gradient alone."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    data = batches(5, 2)
+    models = [make_model(), make_model(seed=5)]
+    async with ParameterServer(num_workers=2, optimizer=SGD_MOMENTUM, transport=transport,
+                               share_memory=share) as ps:
+        ws = [Worker(m, ps.address, rank=r, num_workers=2, transport=transport, timeout=20.0,
+                     share_memory=share) for r, m in enumerate(models)]
+        await asyncio.gather(*(w.start() for w in ws))
+
+        async def rank0() -> None:
+            await train(ws[0], models[0], [s[0] for s in data[:2]])
+            await ws[0].aclose()
+
+        async def rank1() -> None:
+            try:
+                await train(ws[1], models[1], [s[1] for s in data])
+            finally:
+                await ws[1].aclose()
+
+        await asyncio.gather(rank0(), rank1())
+        assert ps.version == 5
+    for got, want in zip(models[1].parameters(), uneven_reference(2, data), strict=True):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    (left,) = [r for r in caplog.records if "rank 0 finished" in r.getMessage()]
+    assert left.levelno == logging.INFO and "no longer wait for it" in left.getMessage()
+
+
+async def test_a_worker_held_by_a_departed_rank_is_told_which_and_why(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1 vanishes without a goodbye (its node closes, as in a crash): rank 0's step
+    waits per on_worker_loss='wait', and its TimeoutError names rank 1 and the policy."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    models = [make_model(), make_model()]
+    async with ParameterServer(num_workers=2, transport="tcp", worker_loss_timeout=60) as ps:
+        ws = [Worker(m, ps.address, rank=r, num_workers=2, transport="tcp", timeout=3.0)
+              for r, m in enumerate(models)]
+        await asyncio.gather(*(w.start() for w in ws))
+        try:
+            await ws[1].node.aclose()  # gone without saying goodbye
+            await logged(caplog, "worker rank 1 disconnected")
+            with pytest.raises(TimeoutError, match=r"waits for rank 1 disconnected; .*"
+                               r"on_worker_loss='wait'"):
+                await train(ws[0], models[0], [batches(1, 1)[0][0]])
+        finally:
+            await asyncio.gather(*(w.aclose() for w in ws))
+    assert any("holds our step" in r.getMessage() for r in caplog.records)
+
+
+async def test_serve_until_workers_done_checkpoints_and_returns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tensorx")
+    data = batches(3, 2)
+    models = [make_model(), make_model()]
+    ps = await ParameterServer(num_workers=2, transport="tcp", checkpoint_dir=tmp_path).start()
+    serving = asyncio.ensure_future(ps.serve(until="workers_done"))
+    ws = [Worker(m, ps.address, rank=r, num_workers=2, transport="tcp")
+          for r, m in enumerate(models)]
+    await asyncio.gather(*(w.start() for w in ws))
+    await asyncio.gather(*(train(w, m, [s[r] for s in data])
+                           for r, (w, m) in enumerate(zip(ws, models, strict=True))))
+    await ws[0].aclose()
+    await logged(caplog, "worker rank 0 finished")
+    assert not serving.done()  # rank 1 has not said goodbye yet
+    await ws[1].aclose()
+    await asyncio.wait_for(serving, 30)
+    saved = torch.load(tmp_path / "ps-shard0-of1.pt", weights_only=True)
+    assert saved["version"] == 3
+
+
+async def test_cli_exit_when_done_exits_0_with_a_checkpoint(tmp_path: Path) -> None:
+    ps = PsProcess("--listen", "tcp://127.0.0.1:0", "--workers", "1", "--transport", "tcp",
+                   "--checkpoint-dir", str(tmp_path), "--exit-when-done")
+    try:
+        (address,) = ps.addresses(1)
+        model = make_model()
+        async with Worker(model, address, transport="tcp") as w:
+            await train(w, model, [s[0] for s in batches(2, 1)])
+        returncode = await asyncio.to_thread(ps.proc.wait, 30)
+    finally:
+        log = ps.stop()
+    assert returncode == 0, log
+    assert "every worker said goodbye" in log
+    saved = torch.load(tmp_path / "ps-shard0-of1.pt", weights_only=True)
+    assert saved["version"] == 2

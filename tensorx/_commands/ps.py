@@ -68,6 +68,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                         "as torch.nn.utils.clip_grad_norm_ would on one process")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint here; resume from here")
     p.add_argument("--checkpoint-every", type=int, default=None, help="updates between saves")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="checkpoint and exit 0 once every worker has said goodbye (closed "
+                        "its Worker or RemoteOptimizer); a crashed worker has not")
     p.add_argument("--on-worker-loss", choices=POLICIES, default="wait",
                    help="sync mode, once a worker has been disconnected --worker-loss-timeout "
                         "seconds: keep waiting for it to rejoin (wait) or complete barriers "
@@ -204,7 +207,8 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, _stop_all, servers, sig)
     exporter = _serve_metrics(servers, args.metrics_port, args.metrics_addr)
     try:
-        await _start_and_serve(servers, args.rendezvous)
+        await _start_and_serve(servers, args.rendezvous,
+                               "workers_done" if args.exit_when_done else None)
     finally:
         if exporter is not None:
             from tensorx.metrics import stop_prometheus
@@ -213,14 +217,15 @@ async def serve(args: argparse.Namespace) -> None:
     logger.info("stopped cleanly")
 
 
-async def _start_and_serve(servers: Sequence[Any], rendezvous: bool) -> None:
+async def _start_and_serve(servers: Sequence[Any], rendezvous: bool,
+                           until: str | None) -> None:
     for server in servers:
         await server.start()
         print(f"tensorx ps shard {server.shard}/{server.num_shards} listening on "
               f"{server.address}", flush=True)
     loop = asyncio.get_running_loop()
     store = await loop.run_in_executor(None, _publish, servers) if rendezvous else None
-    await asyncio.gather(*(server.serve() for server in servers))
+    await asyncio.gather(*(server.serve(until=until) for server in servers))
     del store  # the store may be hosted here (rank 0 without an agent): keep it up till now
 
 

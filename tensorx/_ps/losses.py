@@ -1,7 +1,8 @@
 """Workers that went away while a sync barrier needs them: how long to wait, then what.
 
-A sync barrier waits for every rank. When a worker's connection drops (killed, crashed, cut
-off, or it left), the shard drops whatever that rank had pushed for the barrier in progress
+A sync barrier waits for every rank. A rank that said goodbye (its worker closed) is
+finished: the barrier stops waiting for it at once, no timer, until it joins again. When a
+worker's connection drops without a goodbye (killed, crashed, cut off), the shard drops whatever that rank had pushed for the barrier in progress
 and starts a timer of ``worker_loss_timeout`` seconds on its event loop (``loop.call_later``:
 nothing polls). If the rank has not joined again when the timer fires, it is *lost* and the
 ``on_worker_loss`` policy decides, with one log line (a WARNING while other workers are
@@ -82,6 +83,20 @@ class LossWatch:
         self._expired.discard(rank)  # an event already queued for it is stale now
         since = self._gone.pop(rank, None)
         return None if since is None else time.monotonic() - since
+
+    def explain(self, ranks: list[int]) -> str:
+        """Why a sync barrier waits for ``ranks`` (absent ones), for the held workers."""
+        parts = [f"rank {r} " + ("disconnected" if r in self._gone else "has not joined yet")
+                 for r in ranks]
+        if self.timeout is None:
+            then = "it waits for them without a time limit (worker_loss_timeout=None)"
+        elif self.policy == "wait":
+            then = (f"it waits for them to rejoin (on_worker_loss='wait', "
+                    f"worker_loss_timeout={self.timeout:g} s)")
+        else:
+            then = (f"it goes on without a disconnected rank {self.timeout:g} s after it "
+                    "left (on_worker_loss='continue')")
+        return f"the sync barrier waits for {', '.join(parts)}; {then}"
 
     def declare(self, rank: int, scheduler: Scheduler, connected: list[int]) -> Decision:
         """``rank``'s timer ran out (unless it came back meanwhile): log, apply the policy."""

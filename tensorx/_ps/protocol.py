@@ -66,7 +66,10 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "state_put": {"manifest": dict, "region": bytes},
     # shard -> worker: loaded; `hyper`: the groups' hyperparameters now
     "state_loaded": {"hyper": list},
-    # worker -> shard: I am leaving
+    # shard -> worker, while your push waits at the sync barrier for absent ranks: which
+    # ones and why (named in the worker's error if it gives up waiting)
+    "waiting": {"why": str},
+    # worker -> shard: I am leaving (finished: sync barriers go on without me)
     "bye": {},
     # shard -> shard (clip_grad_norm): the sum of squares of my part of the gradient that
     # makes `version`, averaged over `ranks` (see tensorx._ps.normx)
