@@ -2,11 +2,12 @@
 
 A sync barrier waits for every rank. A rank that said goodbye (its worker closed) is
 finished: the barrier stops waiting for it at once, no timer, until it joins again. When a
-worker's connection drops without a goodbye (killed, crashed, cut off), the shard drops whatever that rank had pushed for the barrier in progress
-and starts a timer of ``worker_loss_timeout`` seconds on its event loop (``loop.call_later``:
-nothing polls). If the rank has not joined again when the timer fires, it is *lost* and the
-``on_worker_loss`` policy decides, with one log line (a WARNING while other workers are
-connected and therefore held up; INFO when nobody is):
+worker's connection drops without a goodbye (killed, crashed, cut off), the shard drops
+whatever that rank had pushed for the barrier in progress and starts a timer of
+``worker_loss_timeout`` seconds on its event loop (``loop.call_later``: nothing polls). If
+the rank has not joined again when the timer fires, it is *lost* and the ``on_worker_loss``
+policy decides, with one log line (a WARNING while other workers are connected and therefore
+held up; INFO when nobody is):
 
 * ``"wait"`` (default): keep waiting for it; a restarted worker with the same rank
   re-handshakes and the barrier completes with its push.
