@@ -81,7 +81,9 @@ def shard_metrics(servers: tuple[ParameterServer, ...]) -> Iterator[Any]:
                  ("sparse_rows", "Sparse gradient rows received"),
                  ("worker_losses", "Workers declared lost (away past worker_loss_timeout)"),
                  ("nonfinite", "Pushed gradients holding NaN or Inf (never applied, see "
-                  "on_nonfinite)"))}
+                  "on_nonfinite)"),
+                 ("checkpoint_failures", "Checkpoints that failed to write (the previous one "
+                  "stays)"))}
     version = GaugeMetricFamily("tensorx_ps_version", "Parameter version (updates since "
                                 "the start, checkpoints included)", labels=shard)
     hists = {key: _histogram(f"tensorx_ps_{key}_seconds", doc, shard) for key, doc in

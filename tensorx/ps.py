@@ -90,6 +90,16 @@ def _default_optimizer(params: list[Any]) -> Any:
     return torch.optim.SGD(params, lr=0.1)
 
 
+def _check_counts(*, checkpoint_every: int | None, checkpoint_keep: int,
+                  log_every: float | None) -> None:
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise UsageError(f"checkpoint_every must be >= 1 update or None, got {checkpoint_every}")
+    if checkpoint_keep < 1:
+        raise UsageError(f"checkpoint_keep must be >= 1, got {checkpoint_keep}")
+    if log_every is not None and not log_every >= 0:
+        raise UsageError(f"log_every must be >= 0 seconds or None, got {log_every}")
+
+
 class ParameterServer:
     """One parameter-server shard. ``async with ParameterServer(...) as ps: await ps.serve()``.
 
@@ -97,7 +107,10 @@ class ParameterServer:
     ``optimizer``: ``lambda params: torch.optim.X(params, ...)``, called once on tensors that
     view the shard's arena; ``lr_scheduler``: ``lambda opt: ...``, stepped after each update.
     Initial parameters come from the checkpoint in ``checkpoint_dir`` when there is one, else
-    from worker rank 0. ``checkpoint_every``: also checkpoint every N updates.
+    from worker rank 0. ``checkpoint_every``: also checkpoint every N updates;
+    ``checkpoint_keep``: checkpoints kept (a damaged newest one falls back to the one before;
+    see :mod:`tensorx._ps.checkpoint` for durability and permissions). A checkpoint that
+    fails (disk full) is logged and counted; training goes on.
     ``token`` (default ``$TENSORX_TOKEN``) is required to listen beyond loopback, unless
     ``insecure=True``. ``log_every``: seconds between throughput log lines (None: never).
     ``flat``: the optimizer sees a few flat parameters per shard (parts of at most 16 MiB)
@@ -144,7 +157,8 @@ class ParameterServer:
                  lr_scheduler: SchedulerFactory | None = None, staleness: int = 0,
                  shard: int = 0, num_shards: int = 1,
                  checkpoint_dir: str | os.PathLike[str] | None = None,
-                 checkpoint_every: int | None = None, token: str | bytes | None = None,
+                 checkpoint_every: int | None = None, checkpoint_keep: int = 2,
+                 token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 30.0,
                  insecure: bool = False, log_every: float | None = 60.0,
                  flat: bool = False, share_memory: bool = True,
@@ -162,6 +176,8 @@ class ParameterServer:
                              "the worker (torch.nn.utils.clip_grad_norm_ before step())")
         if not 0 <= shard < num_shards:
             raise UsageError(f"shard {shard} outside 0..{num_shards - 1}")
+        _check_counts(checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
+                      log_every=log_every)
         self.mode = mode
         self.num_workers = num_workers
         self.shard = shard
@@ -172,6 +188,8 @@ class ParameterServer:
         self.send_timeout = send_timeout
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
+        self.checkpoint_keep = checkpoint_keep
+        self._saved_version: int | None = None  # the version the newest checkpoint holds
         self.log_every = log_every
         self.flat = flat
         self.share_memory = share_memory
@@ -206,7 +224,8 @@ class ParameterServer:
         self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "max_gap": 0,
                                       "max_version_lag": 0, "apply_s": 0.0,
                                       "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,
-                                      "worker_losses": 0, "nonfinite": 0}
+                                      "worker_losses": 0, "nonfinite": 0,
+                                      "checkpoint_failures": 0}
         self.timings = ShardTimings(sync=mode == "sync")
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
@@ -325,23 +344,38 @@ class ParameterServer:
         await self.aclose()
 
     # -- checkpoints ----------------------------------------------------------------------
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> bool:
+        """Checkpoint now (when a directory was given); whether one was written. A failure
+        (disk full, ...) is an ERROR line and counts in ``stats["checkpoint_failures"]``;
+        training goes on and the previous checkpoints stay as they were."""
         if self.checkpoint_dir is None or self.state is None:
-            return
+            return False
+        if self.state.version == self._saved_version:
+            return False  # nothing new: the one there stays, and so does the one before it
         path = checkpoint_path(self.checkpoint_dir, self.shard, self.num_shards)
-        self.state.save(path, self._plan_bytes)
+        try:
+            self.state.save(path, self._plan_bytes, self.checkpoint_keep)
+        except (OSError, RuntimeError, UsageError) as exc:
+            self.stats["checkpoint_failures"] += 1
+            logger.error("ps shard %d: checkpoint of version %d to %s failed, the previous "
+                         "one stays: %s: %s", self.shard, self.state.version, path,
+                         type(exc).__name__, exc)
+            return False
+        self._saved_version = self.state.version
+        return True
 
     def _restore(self) -> None:
         if self.checkpoint_dir is None:
             return
         path = checkpoint_path(self.checkpoint_dir, self.shard, self.num_shards)
-        if not path.exists():
+        saved = load_checkpoint(path, self.checkpoint_keep)
+        if saved is None:
             return
-        saved = load_checkpoint(path)
         self._adopt_plan(bytes(saved["plan"]))
         assert self.state is not None
         self.state.load_state_dict(saved)
         self._initialised = self._resumed = True
+        self._saved_version = self.state.version
         logger.info("ps shard %d resumed from %s at version %d", self.shard, path,
                     self.state.version)
 
@@ -458,6 +492,7 @@ class ParameterServer:
         elif kind == "bye":
             await self._goodbye(ep)
         elif kind in ("state_get", "state_done", "state_put"):
+            self._saved_version = None  # a loaded optimizer state is worth a checkpoint
             await self._optim_request(ep, kind, msg)
         else:
             raise ProtocolError(f"unexpected {kind!r} message from a worker")

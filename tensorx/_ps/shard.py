@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import parts
+from tensorx._ps import checkpoint, parts
 from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
@@ -340,12 +339,12 @@ class ShardState:
         state = self.optimizer.state_dict()
         return parts.merge_state(state, self._part_sizes()) if self.flat else state
 
-    def save(self, path: Path, plan_bytes: bytes) -> None:
-        """Write atomically: a crash mid-save leaves the previous checkpoint intact."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(self.state_dict(plan_bytes), tmp)
-        os.replace(tmp, path)
+    def save(self, path: Path, plan_bytes: bytes, keep: int = checkpoint.KEEP) -> None:
+        """Write durably and atomically, keeping ``keep`` generations (see
+        :mod:`tensorx._ps.checkpoint`): a crash or a full disk mid-save raises and leaves the
+        previous checkpoints intact."""
+        state = self.state_dict(plan_bytes)
+        checkpoint.save(path, lambda file: torch.save(state, file), keep)
         logger.info("checkpointed shard %d at version %d to %s",
                     self.layout.shard, self.version, path)
 
@@ -369,8 +368,12 @@ def _allocate(nbytes: int, count: int, shared: bool) -> list[MemoryRegion]:
     return [MemoryRegion.allocate(nbytes) for _ in range(count)]
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+def read_checkpoint(path: Path) -> Any:
+    """One checkpoint file's contents (tensors and literals only: no pickle); UsageError for
+    a readable file this version cannot resume (an older format)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        return state  # not ours at all: reported as damaged
     if state.get("format") == 1:
         raise UsageError(
             f"{path} was written by an older tensorx (checkpoint format 1): its plan chunks "
@@ -382,5 +385,10 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def checkpoint_path(directory: str | os.PathLike[str], shard: int, num_shards: int) -> Path:
-    return Path(directory) / f"ps-shard{shard}-of{num_shards}.pt"
+def load_checkpoint(path: Path, keep: int = checkpoint.KEEP) -> dict[str, Any] | None:
+    """The newest usable checkpoint at ``path`` or an older generation (None: none exists);
+    UsageError when each one there is damaged or another user could have planted it."""
+    return checkpoint.load(path, read_checkpoint, keep)
+
+
+checkpoint_path = checkpoint.path_for
