@@ -55,7 +55,7 @@ def train(ps: str, rank: int, workers: int, transport: str, epochs: int) -> floa
 def start_server(transport: str) -> tuple[subprocess.Popen[str], str]:
     """``tensorx ps`` in a child process; its first stdout line names the address."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorx._commands.ps", "--listen", "tcp://127.0.0.1:0",
+        [sys.executable, "-m", "tensorx", "ps", "--listen", "tcp://127.0.0.1:0",
          "--workers", "1", "--optimizer", "sgd:lr=0.05,momentum=0.9",
          "--transport", transport, "--log-level", "WARNING"],
         stdout=subprocess.PIPE, text=True)

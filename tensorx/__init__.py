@@ -39,13 +39,16 @@ _LAZY = {
     "ParameterServer": "tensorx.ps",
     "RemoteOptimizer": "tensorx.remote_optimizer",
     "Worker": "tensorx.worker",
+    # launchers (torchrun): the store the shards publish their addresses in, and the lookup
+    "launcher_store": "tensorx.ps",
+    "ps_addresses": "tensorx.worker",
 }
 
 if TYPE_CHECKING:
     from tensorx.graph_analyzer import GraphAnalyzer, PlanEntry, TransferPlan
-    from tensorx.ps import ParameterServer
+    from tensorx.ps import ParameterServer, launcher_store
     from tensorx.remote_optimizer import RemoteOptimizer
-    from tensorx.worker import Worker
+    from tensorx.worker import Worker, ps_addresses
 
 
 def __getattr__(name: str) -> Any:
@@ -78,4 +81,6 @@ __all__ = [
     "UsageError",
     "Worker",
     "__version__",
+    "launcher_store",
+    "ps_addresses",
 ]

@@ -27,7 +27,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from tensorx._ps.losses import POLICIES
@@ -43,18 +43,20 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "ps", help="run parameter-server shards",
         description=__doc__.splitlines()[0] if __doc__ else None)
-    _arguments(parser)
+    _arguments(one_line_errors(parser))
     parser.set_defaults(func=run)
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="tcp://0.0.0.0:7000",
+    p.add_argument("--listen", type=_listen, default="tcp://0.0.0.0:7000",
                    help="address of shard 0; shard i listens on PORT+i (port 0: any)")
-    p.add_argument("--workers", type=int, required=True, help="number of workers (ranks)")
+    p.add_argument("--workers", type=_count(1), required=True,
+                   help="number of workers (ranks)")
     p.add_argument("--mode", choices=("sync", "async", "bounded"), default="sync")
-    p.add_argument("--staleness", type=int, default=1, help="bounded mode: max steps ahead")
-    p.add_argument("--shards", type=int, default=1, help="total number of shards")
-    p.add_argument("--shard", type=int, default=None, help="run only this shard")
+    p.add_argument("--staleness", type=_count(0), default=1,
+                   help="bounded mode: max steps ahead")
+    p.add_argument("--shards", type=_count(1), default=1, help="total number of shards")
+    p.add_argument("--shard", type=_count(0), default=None, help="run only this shard")
     p.add_argument("--optimizer", default="sgd:lr=0.1",
                    help='torch.optim class and arguments, e.g. "adam:lr=1e-3"')
     p.add_argument("--lr-scheduler", default=None,
@@ -67,7 +69,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="sync mode: clip the averaged gradient to this 2-norm over all shards, "
                         "as torch.nn.utils.clip_grad_norm_ would on one process")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint here; resume from here")
-    p.add_argument("--checkpoint-every", type=int, default=None, help="updates between saves")
+    p.add_argument("--checkpoint-every", type=_count(1), default=None,
+                   help="updates between saves")
+    p.add_argument("--checkpoint-keep", type=_count(1), default=2,
+                   help="checkpoints kept; a damaged newest one falls back to the one before "
+                        "(default 2)")
     p.add_argument("--exit-when-done", action="store_true",
                    help="checkpoint and exit 0 once every worker has said goodbye (closed "
                         "its Worker or RemoteOptimizer); a crashed worker has not")
@@ -93,13 +99,55 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rendezvous", action="store_true",
                    help="publish addresses in the torchrun TCPStore")
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-every", type=float, default=60.0,
+    p.add_argument("--share-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="sync mode: let workers on this host map the arenas (zero-copy); "
+                        "--no-share-memory always copies, as across hosts")
+    p.add_argument("--log-every", type=_seconds, default=60.0,
                    help="seconds between throughput log lines (0: never)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on this port (0: any free port; "
                         "default: off)")
     p.add_argument("--metrics-addr", default="127.0.0.1",
                    help="address the metrics port listens on (0.0.0.0: every interface)")
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
+        return value
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _count(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"port {value} outside 0..65535")
+    return value
+
+
+def _listen(text: str) -> str:
+    """tcp://HOST:PORT or ucx://HOST:PORT (or HOST:PORT), checked now."""
+    try:
+        parts = urlsplit(text if "://" in text else f"tcp://{text}")
+        port = parts.port
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad address {text!r}: {exc}") from None
+    if parts.scheme not in ("tcp", "ucx") or not parts.hostname or port is None:
+        raise argparse.ArgumentTypeError(f"bad address {text!r}: expected tcp://HOST:PORT")
+    return text
+
+
+def _seconds(text: str) -> float:
+    value = _seconds_or_none(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
 
 
 def _seconds_or_none(text: str) -> float | None:
@@ -129,7 +177,10 @@ def parse_optimizer(spec: str) -> Callable[[list[Any]], Any]:
     if cls is None:
         raise UsageError(f"unknown optimizer {name!r}; one of {', '.join(sorted(classes))}")
     kwargs = _literal_kwargs(rest)
-    cls([torch.zeros(1, requires_grad=True)], **kwargs)  # fail now on a bad argument
+    try:  # fail now on a bad argument, not in the middle of the first handshake
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"optimizer {spec!r}: {exc}") from None
     return lambda params: cls(params, **kwargs)
 
 
@@ -148,6 +199,10 @@ def parse_lr_scheduler(spec: str | None) -> Callable[[Any], Any] | None:
     if cls is None:
         raise UsageError(f"unknown lr scheduler {name!r}; one of {', '.join(sorted(classes))}")
     kwargs = _literal_kwargs(rest)
+    try:  # fail now on a bad argument, on a throwaway optimizer
+        cls(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), **kwargs)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise UsageError(f"lr scheduler {spec!r}: {exc}") from None
     return lambda opt: cls(opt, **kwargs)
 
 
@@ -174,12 +229,36 @@ def shard_listen(listen: str, shard: int) -> str:
     return f"{parts.scheme}://{host}:{port + shard if port else 0}"
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A bad argument is one line on stderr (what and why) and exit status 2."""
+    def error(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def check(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone; UsageError naming the argument."""
+    if args.shard is not None and args.shard >= args.shards:
+        raise UsageError(f"--shard {args.shard} outside 0..{args.shards - 1} "
+                         f"(--shards {args.shards})")
+    port = urlsplit(args.listen if "://" in args.listen else f"tcp://{args.listen}").port
+    if port and port + args.shards - 1 > 65535:
+        raise UsageError(f"--listen port {port} + {args.shards} shards runs past 65535")
+    if args.log_level.upper() not in logging.getLevelNamesMapping():
+        raise UsageError(f"--log-level {args.log_level!r}: not a logging level")
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("tensorx").setLevel(args.log_level.upper())  # a service logs by default
     try:
+        check(args)
+        logging.getLogger("tensorx").setLevel(args.log_level.upper())  # a service logs
         asyncio.run(serve(args))
+    except UsageError as exc:
+        print(f"tensorx ps: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except TensorxError as exc:
         logger.error("%s: %s", type(exc).__name__, exc)
         return 2
@@ -191,11 +270,13 @@ async def serve(args: argparse.Namespace) -> None:
 
     shards = range(args.shards) if args.shard is None else [args.shard]
     optimizer = parse_optimizer(args.optimizer)
+    lr_scheduler = parse_lr_scheduler(args.lr_scheduler)
     servers = [ParameterServer(
         shard_listen(args.listen, s), num_workers=args.workers, mode=args.mode,
         staleness=args.staleness, optimizer=optimizer, shard=s, num_shards=args.shards,
-        lr_scheduler=parse_lr_scheduler(args.lr_scheduler),
+        lr_scheduler=lr_scheduler,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        checkpoint_keep=args.checkpoint_keep, share_memory=args.share_memory,
         token=args.token, transport=args.transport, insecure=args.insecure,
         log_every=args.log_every or None, flat=args.flat,
         on_worker_loss=args.on_worker_loss, worker_loss_timeout=args.worker_loss_timeout,
@@ -208,7 +289,7 @@ async def serve(args: argparse.Namespace) -> None:
     exporter = _serve_metrics(servers, args.metrics_port, args.metrics_addr)
     try:
         await _start_and_serve(servers, args.rendezvous,
-                               "workers_done" if args.exit_when_done else None)
+                               "workers_done" if args.exit_when_done else None, args.listen)
     finally:
         if exporter is not None:
             from tensorx.metrics import stop_prometheus
@@ -218,11 +299,15 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 async def _start_and_serve(servers: Sequence[Any], rendezvous: bool,
-                           until: str | None) -> None:
+                           until: str | None, listen: str) -> None:
     for server in servers:
         await server.start()
-        print(f"tensorx ps shard {server.shard}/{server.num_shards} listening on "
-              f"{server.address}", flush=True)
+        # the address in the scheme asked for (workers may use either); the data transport
+        # the node chose is named beside it (and logged by the node)
+        scheme, _, rest = server.address.partition("://")
+        asked = listen.partition("://")[0] if "://" in listen else "tcp"
+        print(f"tensorx ps shard {server.shard}/{server.num_shards} (data over {scheme}) "
+              f"listening on {asked}://{rest}", flush=True)
     loop = asyncio.get_running_loop()
     store = await loop.run_in_executor(None, _publish, servers) if rendezvous else None
     await asyncio.gather(*(server.serve(until=until) for server in servers))
@@ -258,7 +343,7 @@ def _publish(servers: Sequence[Any]) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorx ps", description=__doc__)
-    _arguments(parser)
+    _arguments(one_line_errors(parser))
     return run(parser.parse_args(argv))
 
 

@@ -23,7 +23,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -141,16 +141,41 @@ def _build(target: Path, include: Path, lib: Path) -> Path:
                    extra_compile_args=["-O2", "-pthread"])
     logger.info("building the UCX RMA binding into %s (once per UCX version)", target)
     with tempfile.TemporaryDirectory(prefix="tensorx-ucp-") as tmp:
+        output = Path(tmp) / "compiler.log"
         try:
-            with contextlib.redirect_stdout(sys.stderr):
+            with _fds_to(output):
                 built = Path(ffi.compile(tmpdir=tmp, verbose=False))
         except Exception as exc:
+            said = output.read_text(errors="replace").strip()
+            logger.error("compiling the UCX binding failed; the compiler said:\n%s", said)
             raise TransportUnavailableError(
                 f"cannot compile the UCX binding (is a C compiler installed?): {exc}") from exc
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("the compiler said: %s", output.read_text(errors="replace"))
         final = target / built.name
         shutil.copy2(built, target / (built.name + ".tmp"))
         os.replace(target / (built.name + ".tmp"), final)
     return final
+
+
+@contextlib.contextmanager
+def _fds_to(path: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr (the compiler's, a child, writes to the fds,
+    not to sys.stderr) to ``path`` meanwhile: a first run shows no pages of C warnings."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(path, "wb") as sink:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def _import_from(path: Path) -> ModuleType:
