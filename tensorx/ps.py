@@ -33,9 +33,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tensorx._ps import protocol
+from tensorx._ps import observe, protocol
 from tensorx._ps.admission import PROBE_S, holder_alive, rank_taken
 from tensorx._ps.answer import Peer, apply_in_parts, send_params
+from tensorx._ps.checkpoint import check_schedule
 from tensorx._ps.grads import GradHook, GradProcessing
 from tensorx._ps.losses import LossWatch
 from tensorx._ps.nonfinite import NonFiniteGuard
@@ -88,16 +89,6 @@ def _default_optimizer(params: list[Any]) -> Any:
     import torch
 
     return torch.optim.SGD(params, lr=0.1)
-
-
-def _check_counts(*, checkpoint_every: int | None, checkpoint_keep: int,
-                  log_every: float | None) -> None:
-    if checkpoint_every is not None and checkpoint_every < 1:
-        raise UsageError(f"checkpoint_every must be >= 1 update or None, got {checkpoint_every}")
-    if checkpoint_keep < 1:
-        raise UsageError(f"checkpoint_keep must be >= 1, got {checkpoint_keep}")
-    if log_every is not None and not log_every >= 0:
-        raise UsageError(f"log_every must be >= 0 seconds or None, got {log_every}")
 
 
 class ParameterServer:
@@ -176,8 +167,9 @@ class ParameterServer:
                              "the worker (torch.nn.utils.clip_grad_norm_ before step())")
         if not 0 <= shard < num_shards:
             raise UsageError(f"shard {shard} outside 0..{num_shards - 1}")
-        _check_counts(checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
-                      log_every=log_every)
+        check_schedule(checkpoint_every, checkpoint_keep)
+        if log_every is not None and not log_every >= 0:
+            raise UsageError(f"log_every must be >= 0 seconds or None, got {log_every}")
         self.mode = mode
         self.num_workers = num_workers
         self.shard = shard
@@ -239,7 +231,10 @@ class ParameterServer:
         await self.node.start()
         try:
             self._restore()
-            self._start_metrics()
+            self._metrics = observe.start_exporter(self.metrics_port, self.metrics_addr,
+                                                   self.node, self)
+            if self._metrics is not None:
+                self.metrics_port = self._metrics.server_port
         except BaseException:
             await self.node.aclose()
             raise
@@ -248,7 +243,8 @@ class ParameterServer:
                        loop.create_task(self._pump_disconnects()),
                        loop.create_task(self._run())]
         if self.log_every:
-            self._tasks.append(loop.create_task(self._report(self.log_every)))
+            self._tasks.append(loop.create_task(
+                observe.report(self, self.log_every, lambda: len(self._peers))))
         if self._initialised and self.mode == "sync":
             # resumed from a checkpoint: every rank is expected back, and one that does not
             # come back is a loss like any other (a fresh server waits for its first workers)
@@ -257,25 +253,6 @@ class ParameterServer:
         logger.info("ps shard %d/%d listening on %s: mode=%s workers=%d", self.shard,
                     self.num_shards, self.node.address, self.mode, self.num_workers)
         return self
-
-    def _start_metrics(self) -> None:
-        if self.metrics_port is None:
-            return
-        from tensorx.metrics import serve_prometheus
-
-        self._metrics = serve_prometheus(self.metrics_port, self.node, servers=[self],
-                                         addr=self.metrics_addr)
-        self.metrics_port = self._metrics.server_port
-        logger.info("ps shard %d: metrics on http://%s:%d/metrics", self.shard,
-                    self.metrics_addr, self.metrics_port)
-
-    async def _stop_metrics(self) -> None:
-        if self._metrics is None:
-            return
-        from tensorx.metrics import stop_prometheus
-
-        server, self._metrics = self._metrics, None
-        await asyncio.to_thread(stop_prometheus, server)  # bounded: 5 s at most
 
     @property
     def address(self) -> str:
@@ -325,7 +302,8 @@ class ParameterServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._stop_metrics()
+        exporter, self._metrics = self._metrics, None
+        await observe.stop_exporter(exporter)
         try:
             self.checkpoint()
         finally:
@@ -426,17 +404,6 @@ class ParameterServer:
             sparse.close()
 
     # -- event loop -----------------------------------------------------------------------
-    async def _report(self, every: float) -> None:
-        last, t0 = 0, time.monotonic()
-        while True:
-            await asyncio.sleep(every)
-            now, updates = time.monotonic(), self.stats["updates"]
-            if updates != last:
-                logger.info("ps shard %d: version %d, %.1f updates/s, %d worker(s); %s",
-                            self.shard, self.version, (updates - last) / (now - t0),
-                            len(self._peers), self.timings.summary())
-            last, t0 = updates, now
-
     async def _pump_notifications(self) -> None:
         while True:
             ep, payload = await self.node.notifications.get()
@@ -743,17 +710,9 @@ class ParameterServer:
                 await peer.ep.notify(note, timeout=self.timeout)
 
     def _log_departure(self, rank: int, why: str) -> None:
-        dropped = " (its gradient for this step is dropped)" \
-            if rank in self.scheduler.pending else ""
-        waits = ""
-        if rank in self._finished:
-            waits = "; sync barriers no longer wait for it" if self.mode == "sync" else ""
-        elif self.mode == "sync" and self.losses.timeout is not None:
-            waits = (f"; the sync barrier waits for it up to {self.losses.timeout:g} s, then "
-                     f"on_worker_loss={self.losses.policy!r}")
-        level = logging.INFO if why.startswith("finished") else logging.WARNING
-        logger.log(level, "ps shard %d: worker rank %d %s%s%s", self.shard, rank, why,
-                   dropped, waits)
+        level, text = self.losses.departure(rank, why, rank in self.scheduler.pending,
+                                            rank in self._finished, self.mode == "sync")
+        logger.log(level, "ps shard %d: worker rank %d %s", self.shard, rank, text)
 
     def _retire_slot(self, rank: int) -> None:
         """Give ``rank`` fresh gradient memory. The old slot is closed: its descriptor is

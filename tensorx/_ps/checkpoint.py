@@ -28,12 +28,20 @@ from typing import IO, Any
 
 from tensorx.errors import UsageError
 
-__all__ = ["KEEP", "load", "path_for", "prepare_dir", "save"]
+__all__ = ["KEEP", "check_schedule", "load", "path_for", "prepare_dir", "save"]
 
 logger = logging.getLogger(__name__)
 
 KEEP = 2  # checkpoints kept by default: the newest and the one before it
 _REQUIRED = {"plan": bytes, "version": int, "params": dict}
+
+
+def check_schedule(every: int | None, keep: int) -> None:
+    """``checkpoint_every`` (updates, or None) and ``checkpoint_keep`` make sense."""
+    if every is not None and every < 1:
+        raise UsageError(f"checkpoint_every must be >= 1 update or None, got {every}")
+    if keep < 1:
+        raise UsageError(f"checkpoint_keep must be >= 1, got {keep}")
 
 
 def path_for(directory: str | os.PathLike[str], shard: int, num_shards: int) -> Path:

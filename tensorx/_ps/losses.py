@@ -85,6 +85,18 @@ class LossWatch:
         since = self._gone.pop(rank, None)
         return None if since is None else time.monotonic() - since
 
+    def departure(self, rank: int, why: str, dropped: bool, finished: bool,
+                  sync: bool) -> tuple[int, str]:
+        """The log level and text for ``rank`` leaving (``why``): finished (it said goodbye,
+        INFO) or gone (WARNING), and what the sync barrier does about it."""
+        text = why + (" (its gradient for this step is dropped)" if dropped else "")
+        if finished:
+            return logging.INFO, text + ("; sync barriers no longer wait for it" if sync else "")
+        if sync and self.timeout is not None:
+            text += (f"; the sync barrier waits for it up to {self.timeout:g} s, then "
+                     f"on_worker_loss={self.policy!r}")
+        return logging.WARNING, text
+
     def explain(self, ranks: list[int]) -> str:
         """Why a sync barrier waits for ``ranks`` (absent ones), for the held workers."""
         parts = [f"rank {r} " + ("disconnected" if r in self._gone else "has not joined yet")
