@@ -161,7 +161,9 @@ def _build(target: Path, include: Path, lib: Path) -> Path:
 @contextlib.contextmanager
 def _fds_to(path: Path) -> Iterator[None]:
     """Send this process's stdout and stderr (the compiler's, a child, writes to the fds,
-    not to sys.stderr) to ``path`` meanwhile: a first run shows no pages of C warnings."""
+    not to sys.stderr) to ``path`` meanwhile: a first run shows no pages of C warnings.
+    Whatever else the process writes during the build lands there too: shown on failure,
+    logged at DEBUG otherwise."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
