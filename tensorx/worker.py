@@ -195,7 +195,8 @@ class Worker:
         if self._pusher is None:
             self._pusher = BucketPusher(make_buckets(self.plan, self._bucket_bytes),
                                         self.model, self._write_bucket,
-                                        asyncio.get_running_loop(), self._overlap)
+                                        asyncio.get_running_loop(), self._overlap,
+                                        self._bucket_fingerprint, f"worker rank {self.rank}")
         self.mode = welcomes[0]["mode"]
         self.optim = [protocol.optim_info(w) for w in welcomes]
         self.hyper = [hyper_snapshot([g["hp"] for g in o["groups"]]) for o in self.optim]
@@ -337,6 +338,14 @@ class Worker:
     def _bucket_op(self, bucket: Bucket) -> tuple[Any, ...]:
         return (self._region(bucket.shard, "grads"), self._slots[bucket.shard], bucket.offset,
                 bucket.offset, bucket.nbytes)
+
+    def _bucket_fingerprint(self, bucket: Bucket) -> int | None:
+        """CRC-32 of a bucket's gradient bytes; None where an edit reaches the shard
+        anyway (its arena is mapped) or the bytes are not in host memory."""
+        region = self._region(bucket.shard, "grads")
+        if self._mapped(bucket.shard) or region.device != "cpu":
+            return None
+        return zlib.crc32(region.buffer()[bucket.offset:bucket.offset + bucket.nbytes])
 
     async def _write_bucket(self, bucket: Bucket) -> None:
         if self._mapped(bucket.shard):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -155,3 +156,45 @@ def test_server_and_worker_pass_node_options_on() -> None:
     assert worker.node.require == "ucx"
     with pytest.raises(TypeError):
         ParameterServer(num_workers=1, node_options={"no_such_option": 1})
+
+
+@pytest.mark.parametrize("share_memory", [False, True])
+def test_an_edit_between_backward_and_step_reaches_the_server(
+        share_memory: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """torch's habit: clip_grad_norm_ between backward() and step(). With overlap on (the
+    default) buckets left during backward; the edit must still reach the server, as it
+    would a local optimizer, and the trainer is told what keeps the overlap."""
+    def sgd(p: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=0.1)
+
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 64, generator=gen), torch.randint(0, 10, (8,), generator=gen))
+            for _ in range(6)]
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer | RemoteOptimizer) -> None:
+        for x, y in data:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            norm = nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            assert norm > 0.05  # it really clips
+            opt.step()
+
+    with caplog.at_level(logging.WARNING, logger="tensorx._ps.buckets"), \
+            server_thread(num_workers=1, optimizer=sgd) as ps:
+        model = WithUnused()
+        with RemoteOptimizer(model, ps=ps.address, transport="tcp", bucket_bytes=2048,
+                             share_memory=share_memory) as remote:
+            train(model, remote)
+            mapped = all(remote.worker.mapped)
+            pusher = remote.worker._pusher
+            assert pusher is not None
+    assert mapped == share_memory
+    want = WithUnused()
+    train(want, sgd(list(want.parameters())))
+    for (name, g), w in zip(model.named_parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    warned = [r for r in caplog.records if "changed after backward()" in r.getMessage()]
+    # copied: the edit is found in the first step, written again, and overlap turned off;
+    # mapped: autograd and clip_grad_norm_ wrote the shard's own slot, nothing to find
+    assert len(warned) == (0 if share_memory else 1)
+    assert (pusher.edited_after_send > 0) == (not share_memory)

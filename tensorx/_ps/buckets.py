@@ -7,21 +7,34 @@ done, while backward is still running (truly in parallel when the worker's loop 
 another thread, as under :class:`tensorx.worker.RemoteOptimizer`). At ``step`` whatever was
 not written yet (unused parameters, gradients accumulated over several backward passes) is
 written before the push notification, which is therefore still ordered after every byte.
+
+A bucket written early no longer sees what the trainer does to its gradient between
+``backward()`` and ``step()`` (``clip_grad_norm_``, manual scaling). For the first
+:data:`WATCH_STEPS` steps each early bucket is fingerprinted as it leaves and again at
+``step``; a bucket that changed is written again, overlap is turned off for good (the
+edit is evidently part of the loop) and one WARNING says why and what keeps the overlap.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Bucket", "BucketPusher", "make_buckets", "merge_adjacent"]
+__all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent"]
+
+logger = logging.getLogger(__name__)
 
 Write = Callable[["Bucket"], Coroutine[Any, Any, None]]
+# A bucket's bytes as they are now, or None where an edit would reach the shard anyway
+# (a mapped arena) or cannot be read from the host (GPU memory).
+Fingerprint = Callable[["Bucket"], "int | None"]
+WATCH_STEPS = 3  # steps during which early buckets are checked for later in-place edits
 
 
 @dataclass(frozen=True)
@@ -78,8 +91,14 @@ class BucketPusher:
     """Tracks which parameters autograd finished and writes complete buckets early."""
 
     def __init__(self, buckets: list[Bucket], model: torch.nn.Module, write: Write,
-                 loop: asyncio.AbstractEventLoop, overlap: bool) -> None:
+                 loop: asyncio.AbstractEventLoop, overlap: bool,
+                 fingerprint: Fingerprint | None = None, who: str = "worker") -> None:
         self.buckets = buckets
+        self._fingerprint = fingerprint
+        self._sent_as: dict[int, int] = {}  # bucket -> fingerprint when it left
+        self._watch = WATCH_STEPS if fingerprint is not None else 0
+        self._who = who
+        self.edited_after_send = 0  # buckets written again: instrumentation
         self._write = write
         self._loop = loop
         self._of: dict[str, list[int]] = {}
@@ -113,6 +132,10 @@ class BucketPusher:
         for b in self._of[name]:
             if b not in self._written and self.buckets[b].names <= self._fired:
                 self._written.add(b)
+                if self._watch:
+                    mark = self._fingerprint(self.buckets[b])  # type: ignore[misc]
+                    if mark is not None:
+                        self._sent_as[b] = mark
                 self._start(self.buckets[b])
 
     def _start(self, bucket: Bucket) -> None:
@@ -139,19 +162,42 @@ class BucketPusher:
             await asyncio.gather(*(asyncio.wrap_future(f)
                                    if isinstance(f, concurrent.futures.Future) else f
                                    for f in inflight))
+            self._dirty.update(self._edited())
             rest = [i for i in range(len(self.buckets))
                     if i not in self._written or i in self._dirty]
             return merge_adjacent(self.buckets, rest)
         finally:
-            self._fired.clear()
-            self._written.clear()
-            self._dirty.clear()
+            self.reset()
+
+    def _edited(self) -> list[int]:
+        """Early buckets whose bytes changed after they left (watched steps only); on the
+        first, overlap is turned off and the trainer told why."""
+        if not self._sent_as:
+            return []
+        self._watch -= 1
+        edited = [b for b, mark in self._sent_as.items()
+                  if b not in self._dirty and self._fingerprint(self.buckets[b]) != mark]  # type: ignore[misc]
+        if edited:
+            self.edited_after_send += len(edited)
+            names = sorted(set().union(*(self.buckets[b].names for b in edited)))
+            logger.warning(
+                "%s: gradients of %s changed after backward() had already sent them "
+                "(an edit between backward() and step(), e.g. clip_grad_norm_ or scaling); "
+                "with overlap such edits never reach the server, so tensorx wrote them "
+                "again and turns overlap off. To keep the overlap, clip on the server "
+                "(ParameterServer(clip_grad_norm=...), tensorx ps --clip-grad-norm); "
+                "overlap=False silences this", self._who,
+                ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
+            self._watch = 0
+            self.close()
+        return edited
 
     def reset(self) -> None:
         """Forget this step's progress (``zero_grad``): nothing pending stays valid."""
         self._fired.clear()
         self._written.clear()
         self._dirty.clear()
+        self._sent_as.clear()
 
     def close(self) -> None:
         for hook in self._hooks:
