@@ -270,18 +270,10 @@ async def test_connections_leak_no_fds(transport: str) -> None:
         assert last["tasks"] <= first["tasks"]
 
 
-UCX_LATE_WRITES = pytest.mark.xfail(
-    reason="UCX lane: a get that timed out or was cancelled still completes into the buffer "
-           "(#16 item 2 holds over tcp; the ucx lane's fix belongs with #16 item 1)",
-    strict=False)
-
-
 async def test_timed_out_read_never_writes_the_buffer_again(
-        transport: str, request: pytest.FixtureRequest) -> None:
+        transport: str) -> None:
     """#16 item 2: once ``read`` raised, the late reply never lands in the caller's memory,
     and the endpoint stays usable (the rest of the reply is drained, not a dead reader)."""
-    if transport == "ucx":
-        request.applymarker(UCX_LATE_WRITES)
     async with session(transport) as (owner, _, ep):
         desc = await owner.export(64 << 20, seed=31)
         small = await owner.export(4096, seed=32)
@@ -304,10 +296,8 @@ async def test_timed_out_read_never_writes_the_buffer_again(
 
 
 async def test_read_cancelled_mid_transfer_never_writes_the_buffer_again(
-        transport: str, request: pytest.FixtureRequest) -> None:
+        transport: str) -> None:
     """#16 item 2, deterministic: cancel the read as soon as its first bytes have landed."""
-    if transport == "ucx":
-        request.applymarker(UCX_LATE_WRITES)
     async with session(transport) as (owner, _, ep):
         desc = await owner.export(64 << 20, seed=33)
         small = await owner.export(4096, seed=34)

@@ -33,6 +33,8 @@ __all__ = ["ORPHANS", "UcxLane", "remaining"]
 logger = logging.getLogger("tensorx.transport.ucx")
 
 CLOSE_TIMEOUT = 2.0
+# How long a read that raised may wait for UCX to give up its request (see _stop_late_reply)
+LATE_REPLY_BOUND = 2.0
 ORPHANS: list[Any] = []  # waits still owned by UCX after a timeout or cancellation
 
 
@@ -48,10 +50,10 @@ class UcxLane(DataLane):
         self._lib = factory._lib
         self.peer = peer
         self._address = factory._ffi.from_buffer(address)  # UCP reads it in ucp_ep_create
-        self._peer_state = factory._ffi.new("tx_peer_t *")
-        factory._peer_states.append(self._peer_state)
-        self._peer_state.efd = factory._efd
+        self._peer_state = self._new_peer_state()
         self._ep = 0
+        self._reopen = False  # the endpoint was force-closed to stop a late reply: reconnect
+        self._epoch = 0  # endpoints force-closed so far
         self._rkeys: dict[tuple[str, int, int], int] = {}
         self._closed = False
         self._gone = False  # closed because the connection to the peer ended
@@ -68,6 +70,12 @@ class UcxLane(DataLane):
         return {"transport": "ucx", "lanes": list(self.lanes), "why": self.why,
                 "roles": {k: list(v) for k, v in self.roles.items()},
                 "error_handling": self._f.error_handling}
+
+    def _new_peer_state(self) -> Any:
+        state = self._f._ffi.new("tx_peer_t *")
+        self._f._peer_states.append(state)  # UCX's error callback may still write the old one
+        state.efd = self._f._efd
+        return state
 
     async def _connect(self, timeout: float) -> None:
         ep = self._f._ffi.new("uintptr_t *")
@@ -146,10 +154,17 @@ class UcxLane(DataLane):
         await self._run(list(ops), put=True, timeout=timeout)
 
     async def flush(self, *, timeout: float | None) -> None:
-        self._check_usable()
-        w = self._f._new_wait()
-        st = self._lib.tx_flush(self._ep, w)
-        await self._finish(w, st, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for retry in (True, False):
+            self._check_usable()
+            await self._reconnect(remaining(deadline))
+            w, epoch = self._f._new_wait(), self._epoch
+            st = self._lib.tx_flush(self._ep, w)
+            try:
+                await self._finish(w, st, remaining(deadline), epoch=epoch, retry=retry)
+                return
+            except _Superseded:
+                continue
 
     async def aclose(self) -> None:
         if self._closed:
@@ -186,10 +201,22 @@ class UcxLane(DataLane):
     # -- internals -----------------------------------------------------------------------
     async def _run(self, ops: list[Op], *, put: bool, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
+        for retry in (True, False):
+            try:
+                await self._run_once(ops, put, deadline, retry)
+                break
+            except _Superseded:  # the endpoint was force-closed under it: issue again
+                continue
+        self.stats["ops"] += len(ops)
+        self.stats["bytes"] += sum(op.nbytes for op in ops)
+
+    async def _run_once(self, ops: list[Op], put: bool, deadline: float | None,
+                        retry: bool) -> None:
         self._check_usable()
+        await self._reconnect(remaining(deadline))
         plan = [self._plan(op) for op in ops if op.nbytes]
         regions = [op.local for op in ops if op.nbytes]
-        w = self._f._new_wait()
+        w, epoch = self._f._new_wait(), self._epoch
         for region in regions:
             region._pin()  # closed meanwhile, its memory stays until UCX is done with it
         try:
@@ -199,11 +226,73 @@ class UcxLane(DataLane):
                 _forget(self._lib, w)
                 raise
             small = sum(p[1] for p in plan) < self._f.inline_bytes
-            await self._finish(w, st, remaining(deadline), inline=small)
+            try:
+                await self._finish(w, st, remaining(deadline), inline=small, epoch=epoch,
+                                   retry=retry)
+            except _Superseded:
+                raise
+            except BaseException:  # timed out, cancelled, broken: UCX may still own the get
+                if not put and w.pending:
+                    self._stop_late_reply(w)
+                raise
         finally:
             self._f._hold_until_done(w, regions)
-        self.stats["ops"] += len(ops)
-        self.stats["bytes"] += sum(op.nbytes for op in ops)
+
+    def _stop_late_reply(self, w: Any) -> None:
+        """A read raised while UCX still owns its gets: before the error reaches the
+        caller, make sure they can never write the caller's memory again.
+
+        With UCX error handling the endpoint is force-closed: UCX completes every
+        outstanding request with ``UCS_ERR_CANCELED`` inside the call (under the worker
+        lock, so no progress pass is mid-copy), and the next op opens a new endpoint to the
+        same worker. Without it a force close is undefined behaviour, but shared-memory
+        gets need nothing from the owner (cma copies even from a stopped process): progress
+        until they are done, which takes the transfer's time at memory bandwidth. A request
+        still pending after :data:`LATE_REPLY_BOUND` breaks the lane for good; its memory
+        stays pinned until UCX lets go of it (the one exposure left, logged)."""
+        if self._f.error_handling and self._ep:
+            self._epoch += 1  # ops of other callers cancelled with it are issued again
+            self._release_rkeys()  # rkeys belong to the endpoint
+            ep, self._ep = self._ep, 0
+            self._peer_state = self._new_peer_state()  # a failure of the old one is no news
+            closing = self._f._new_wait()
+            st = self._lib.tx_ep_close(ep, 1, closing)
+            if st < 0 and st != _ucp.UCS_ERR_CANCELED:
+                logger.debug("force-closing the endpoint to %s: %s", self.peer,
+                             self._f._ucp.status_string(st))
+            _forget(self._lib, closing)
+            self._reopen = True
+        end = time.monotonic() + LATE_REPLY_BOUND
+        while w.pending and time.monotonic() < end:
+            if self._f.driver:  # it copies; progressing here too contends for the worker
+                self._lib.tx_signal(self._f.worker_handle)
+                time.sleep(0.0002)
+            else:
+                self._lib.tx_progress(self._f.worker_handle, 16, w)
+        if w.pending:
+            self._broken = self._broken or "a read that raised could not be stopped"
+            logger.warning("ucx lane to %s: a read that raised is still owned by UCX after "
+                           "%s s; the lane is closed and its memory stays pinned until UCX "
+                           "completes it", self.peer, LATE_REPLY_BOUND)
+            self._reopen = False
+            self._gone = True  # later ops: BrokenError, not ClosedError
+            self.abort()
+
+    async def _reconnect(self, timeout: float | None) -> None:
+        """Open a new endpoint where :meth:`_stop_late_reply` force-closed the old one."""
+        if not self._reopen:
+            return
+        self._reopen = False
+        budget = CLOSE_TIMEOUT if timeout is None else min(timeout, CLOSE_TIMEOUT)
+        try:
+            await self._connect(budget)
+        except BaseException as exc:
+            self._broken = self._broken or f"cannot reconnect: {exc}"
+            self._gone = True
+            self.abort()
+            if isinstance(exc, Exception):
+                raise BrokenError(f"the UCX lane to {self.peer} is broken: {exc}") from exc
+            raise
 
     def _plan(self, op: Op) -> tuple[int, int, int, int, int]:
         """(local address, nbytes, remote address, rkey, local memh), checked."""
@@ -225,14 +314,21 @@ class UcxLane(DataLane):
                     return int(st)
         return int(self._lib.tx_flush(ep, w))
 
-    async def _finish(self, w: Any, st: int, timeout: float | None, *,
-                      inline: bool = True) -> None:
+    async def _finish(self, w: Any, st: int, timeout: float | None, *, inline: bool = True,
+                      epoch: int = -1, retry: bool = False) -> None:
         try:
             await self._f._complete(w, timeout, inline=inline, lane=self)
         except TimeoutError:
             self._check_usable()
             raise
         status = int(w.status) or (st if st < 0 else 0)
+        if status == _ucp.UCS_ERR_CANCELED and epoch != self._epoch and not self._closed \
+                and self._broken is None:
+            # another op's read raised and force-closed the endpoint under this one
+            if retry:
+                raise _Superseded
+            raise BrokenError(f"UCX operation to {self.peer} was cancelled twice by "
+                              "endpoint resets (reads that timed out); the lane is usable")
         if status:
             raise self._error(status)
 
@@ -297,6 +393,10 @@ class UcxLane(DataLane):
         if self._broken is None:
             self._broken = text
         return BrokenError(f"UCX operation to {self.peer} failed: {text}")
+
+
+class _Superseded(Exception):
+    """An op's endpoint was force-closed under it (another read raised): issue it again."""
 
 
 def _check_op(op: Op) -> None:
