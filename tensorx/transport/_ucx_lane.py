@@ -50,7 +50,9 @@ class UcxLane(DataLane):
         self._lib = factory._lib
         self.peer = peer
         self._address = factory._ffi.from_buffer(address)  # UCP reads it in ucp_ep_create
-        self._peer_state = self._new_peer_state()
+        self._peer_state = factory._ffi.new("tx_peer_t *")
+        factory._peer_states.append(self._peer_state)
+        self._peer_state.efd = factory._efd
         self._ep = 0
         self._reopen = False  # the endpoint was force-closed to stop a late reply: reconnect
         self._epoch = 0  # endpoints force-closed so far
@@ -70,12 +72,6 @@ class UcxLane(DataLane):
         return {"transport": "ucx", "lanes": list(self.lanes), "why": self.why,
                 "roles": {k: list(v) for k, v in self.roles.items()},
                 "error_handling": self._f.error_handling}
-
-    def _new_peer_state(self) -> Any:
-        state = self._f._ffi.new("tx_peer_t *")
-        self._f._peer_states.append(state)  # UCX's error callback may still write the old one
-        state.efd = self._f._efd
-        return state
 
     async def _connect(self, timeout: float) -> None:
         ep = self._f._ffi.new("uintptr_t *")
@@ -254,9 +250,10 @@ class UcxLane(DataLane):
             self._epoch += 1  # ops of other callers cancelled with it are issued again
             self._release_rkeys()  # rkeys belong to the endpoint
             ep, self._ep = self._ep, 0
-            self._peer_state = self._new_peer_state()  # a failure of the old one is no news
             closing = self._f._new_wait()
             st = self._lib.tx_ep_close(ep, 1, closing)
+            self._peer_state.failed = 0  # the closed endpoint's failure is no news
+            self._peer_state.status = 0
             if st < 0 and st != _ucp.UCS_ERR_CANCELED:
                 logger.debug("force-closing the endpoint to %s: %s", self.peer,
                              self._f._ucp.status_string(st))
