@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -40,10 +42,11 @@ async def _usable_or_broken(lane: UcxLane, peer: Owner) -> str:
     return "usable"
 
 
-async def _untouched_later(lane: UcxLane, peer: Owner, out: np.ndarray) -> None:
-    """``out`` as the raise left it stays so: checked after another read over the lane and
-    a pause far longer than the rest of a 64 MiB reply takes to arrive."""
-    before = out.copy()
+async def _untouched_later(lane: UcxLane, peer: Owner, out: np.ndarray,
+                           before: np.ndarray | None = None) -> None:
+    """``out`` as the raise left it (``before``) stays so: checked after another read over
+    the lane and a pause far longer than the rest of a 64 MiB reply takes to arrive."""
+    before = out.copy() if before is None else before
     assert await _usable_or_broken(lane, peer) == "usable"
     await asyncio.sleep(0.5)
     assert np.array_equal(out, before), "a get that raised wrote the buffer later"
@@ -106,6 +109,36 @@ async def test_other_reads_in_flight_survive_the_reset(error_handling: bool) -> 
             want = peer.ask("digest", half, half)
             assert all(_digest(r.buffer()) == want for r in others)
             assert await _usable_or_broken(lane, peer) == "usable"
+            await lane.aclose()
+    finally:
+        await factory.aclose()
+
+
+async def test_get_whose_owner_stalls_mid_transfer_never_lands_late(
+        error_handling: bool) -> None:
+    """The owner stops (SIGSTOP) once the first bytes landed, the read times out, then the
+    owner resumes and serves the rest of the reply: none of it reaches the buffer."""
+    if not error_handling:
+        pytest.skip("over shared memory a stopped owner does not stall a get (cma copies)")
+    factory = UcxFactory(error_handling=error_handling)
+    try:
+        with owner_process(error_handling=error_handling) as peer:
+            lane = await factory.open_lane(peer.info, peer="peer", timeout=10)
+            out = np.zeros(BIG, np.uint8)
+            task = asyncio.ensure_future(
+                lane.read(Op(MemoryRegion.register(out), peer.desc, 0, 0, BIG), timeout=1.0))
+            for _ in range(1_000_000):  # no event says "bytes landed": poll the buffer
+                if out[:4096].any() or task.done():
+                    break
+                await asyncio.sleep(0)
+            os.kill(peer.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TimeoutError):
+                    await task
+                before = out.copy()
+            finally:
+                os.kill(peer.pid, signal.SIGCONT)
+            await _untouched_later(lane, peer, out, before)
             await lane.aclose()
     finally:
         await factory.aclose()
