@@ -31,13 +31,15 @@ import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from tensorx._ps import observe, protocol
 from tensorx._ps.admission import PROBE_S, holder_alive, rank_taken
 from tensorx._ps.answer import Peer, apply_in_parts, send_params
 from tensorx._ps.checkpoint import check_schedule
 from tensorx._ps.grads import GradHook, GradProcessing
+from tensorx._ps.inbox import Event as _Event
+from tensorx._ps.inbox import Inbox
 from tensorx._ps.losses import LossWatch
 from tensorx._ps.nonfinite import NonFiniteGuard
 from tensorx._ps.normx import NormExchange
@@ -76,13 +78,6 @@ logger = logging.getLogger(__name__)
 UNTIL = (None, "workers_done")  # what serve() may wait for besides stop()
 
 
-class _Event(NamedTuple):
-    """What the service loop handles, one at a time."""
-
-    kind: str                # "msg": a notification, "gone": an endpoint dropped, "lost": a
-    ep: Endpoint | None      # departed rank's worker_loss_timeout ran out
-    payload: bytes = b""
-    rank: int = -1
 
 
 def _default_optimizer(params: list[Any]) -> Any:
@@ -207,7 +202,7 @@ class ParameterServer:
         self._sparse: SparseReceiver | None = None
         self.sharing = Sharing(shard, mode, share_memory)  # same-host mapping offers
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
-        self._events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._events = Inbox(f"ps shard {shard}")  # bounded per peer
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._closed = False
@@ -409,7 +404,7 @@ class ParameterServer:
             ep, payload = await self.node.notifications.get()
             # a peer shard's gradient norm is taken here: the service loop may wait for it
             if self._norms is None or ep in self._peers or not self._norms.take(ep, payload):
-                self._events.put_nowait(_Event("msg", ep, payload))
+                self._events.offer(ep, payload)
 
     async def _pump_disconnects(self) -> None:
         while True:
@@ -417,10 +412,10 @@ class ParameterServer:
             if self._norms is not None and self._norms.owns(ep):
                 self._norms.lost(ep)
             else:
-                self._events.put_nowait(_Event("gone", ep))
+                self._events.post(_Event("gone", ep))
 
     def _post_lost(self, rank: int) -> None:
-        self._events.put_nowait(_Event("lost", None, rank=rank))
+        self._events.post(_Event("lost", None, rank=rank))
 
     async def _run(self) -> None:
         """The one consumer of events: updates and writes out of the arena never interleave."""
@@ -656,7 +651,7 @@ class ParameterServer:
         logger.warning("ps shard %d: lost rank %d%s: %s", self.shard, peer.rank,
                        f" {when}" if when else "", exc)
         peer.ep.abort()
-        self._events.put_nowait(_Event("gone", peer.ep))
+        self._events.post(_Event("gone", peer.ep))
 
     async def _leave(self, ep: Endpoint, why: str, close: bool = True) -> None:
         peer = self._peers.pop(ep, None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import socket
 import tracemalloc
@@ -16,7 +17,7 @@ import pytest
 import tensorx as tx
 from tensorx import _wire
 from tensorx._wire import Kind
-from tensorx.testing import authenticate, raw_socket
+from tensorx.testing import authenticate, raw_socket, recv_frame
 
 MiB = 1 << 20
 TOKEN = b"adversity"
@@ -221,3 +222,42 @@ async def test_disconnect_events_nobody_reads_are_bounded() -> None:
         assert owner.disconnected.qsize() <= 1024
 
 
+# -- refused requests are logged without flooding --------------------------------------------
+def _bad_reads(address: str, count: int) -> list[str]:
+    """Authenticate, send ``count`` READs of a region that does not exist, read every
+    answer (each is a refusal) and close; returns the answers' error codes."""
+    sock = raw_socket(address)
+    try:
+        authenticate(sock, TOKEN)
+        sock.sendall(b"".join(_wire.encode(Kind.READ, {"req": i, "rid": 12345, "ck": 1,
+                                                       "off": 0, "n": 8})
+                              for i in range(1, count + 1)))
+        codes = []
+        for _ in range(count):
+            kind, header = recv_frame(sock)
+            assert kind is Kind.ERROR, (kind, header)
+            codes.append(header["code"])
+        return codes
+    finally:
+        sock.close()
+
+
+async def test_refused_requests_are_logged_once_then_summarized(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A peer whose 1000 requests are all refused: one line at once and a summary when it
+    leaves (it was one INFO line per refusal); the peer still gets every refusal."""
+    caplog.set_level(logging.INFO, logger="tensorx.transport.tcp")
+    async with tx.Node(transport="tcp", token=TOKEN) as owner:
+        desc = owner.export(np.arange(16, dtype=np.uint8), access="r")
+        codes = await asyncio.to_thread(_bad_reads, owner.address, 1000)
+        assert codes == ["region"] * 1000
+        for _ in range(200):
+            if not owner.endpoints:
+                break
+            await asyncio.sleep(0.05)
+        assert owner.endpoints == []
+        lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(lines) == 2, lines[:5]
+        assert "refused request 1:" in lines[0]
+        assert "refused 999 more request(s)" in lines[1]
+        await _real_peer_works(owner.address, desc)

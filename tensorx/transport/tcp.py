@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorx import _wire
+from tensorx._ratelog import RefusalLog
 from tensorx._text import printable
 from tensorx._wire import Kind
 from tensorx.errors import (
@@ -97,6 +98,7 @@ class Connection:
         self._error: TensorxError | None = None
         self._busy = False
         self._closing = False  # we said BYE
+        self._refusals = RefusalLog(logger, label)
         self.on_notify: NotifyHandler = _ignore_notification
         self.on_closed: ClosedHandler = lambda conn, exc: None
         self.on_query: QueryHandler = lambda what: {}
@@ -160,6 +162,7 @@ class Connection:
             self._loop.remove_writer(self.sock.fileno())
         self.sock.close()
         self._reader.release()
+        self._refusals.flush()
         clean = graceful or self._closing or isinstance(exc, ClosedError)
         self.on_closed(self, None if clean else exc)
 
@@ -504,7 +507,7 @@ class Connection:
             pending.future.set_result(value)
 
     def _reply_error(self, req: int, exc: TensorxError) -> None:
-        logger.info("%s: refused request %d: %s", self.label, req, exc)
+        self._refusals.refused(req, exc)  # the first, then a summary at most once a minute
         self._send_frame(Kind.ERROR, {"req": req, "code": error_code(exc), "msg": str(exc)})
 
 
