@@ -16,6 +16,7 @@ import pytest
 
 import tensorx as tx
 from tensorx import _wire
+from tensorx._ratelog import RefusalLog
 from tensorx._wire import Kind
 from tensorx.testing import authenticate, raw_socket, recv_frame
 
@@ -261,3 +262,18 @@ async def test_refused_requests_are_logged_once_then_summarized(
         assert "refused request 1:" in lines[0]
         assert "refused 999 more request(s)" in lines[1]
         await _real_peer_works(owner.address, desc)
+
+
+def test_refusal_summaries_come_at_most_once_per_interval(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tensorx.test")
+    log = RefusalLog(logging.getLogger("tensorx.test"), "peer", interval=3600)
+    for req in range(1, 101):
+        log.refused(req, tx.RegionError(f"bad region {req}"))
+    log.interval = 0  # the interval has run out: the next refusal brings the summary
+    log.refused(101, tx.RegionError("bad region 101"))
+    log.flush()  # nothing left to report
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0] == "peer: refused request 1: bad region 1"
+    assert lines[1].startswith("peer: refused 100 more request(s) in the last ")
+    assert lines[1].endswith(" s (latest: bad region 101)")

@@ -57,6 +57,8 @@ class Inbox:
             if held[0] == 0:
                 del self._held[ep]
             self.refused += 1
+            if ep.closed:  # refused already (or gone): the rest of its backlog goes quietly
+                return False
             logger.warning("%s: peer %s sent more than %d messages (%d MiB) not yet handled; "
                            "closing its connection", self._what, printable(ep.peer),
                            self.max_count, self.max_bytes >> 20)
