@@ -5,6 +5,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -27,3 +28,15 @@ def transports() -> list[object]:
     """Every backend the conformance suite runs over; ucx only where ucxx imports."""
     return ["tcp", pytest.param("ucx", marks=[pytest.mark.ucx, pytest.mark.skipif(
         not HAVE_UCX, reason="ucxx not installed")])]
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Tiny ops on a shared 2-core box: OpenMP spinning costs more than it brings. For
+    modules that train (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

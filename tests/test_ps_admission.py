@@ -4,7 +4,6 @@ adopted only once its state is built and its worker admitted."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,12 +21,7 @@ from .conftest import transports
 TRANSPORTS = transports()
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(hidden: int = 16) -> nn.Module:

@@ -25,12 +25,7 @@ NOBODY = 65534  # "another user"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play another user")
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 async def train(directory: Path, steps: int, **kw: object) -> ParameterServer:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,12 +23,7 @@ from .test_ps_train import SGD_MOMENTUM, backward, batches, make_model
 TRANSPORTS = transports()
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def free_port() -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,12 +23,7 @@ from .conftest import transports
 TRANSPORTS = transports()
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model() -> nn.Module:

@@ -7,7 +7,7 @@ transport), against single-process training on the union of the workers' batches
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,7 @@ Named = list[tuple[str, nn.Parameter]]
 PLAN = {"chunk_bytes": 256}
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(seed: int = 0) -> nn.Module:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,7 @@ ADAM: OptFactory = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
 TRANSPORTS = transports()
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny ops on a shared 2-core box: OpenMP spinning costs more than it brings."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(seed: int = 0, hidden: int = 16) -> nn.Module:
