@@ -22,54 +22,38 @@ descriptor (the old one is revoked, its /dev/shm file unlinked): nothing a dead 
 wrote can ever be applied, and a restarted worker re-handshakes into a clean slot. How long
 a sync barrier waits for it, and what then, is ``on_worker_loss`` (see
 :mod:`tensorx._ps.losses`).
+
+This module is the server's public face (its settings, lifecycle and checkpoints); the
+parts it is assembled from, one job each, are listed in :mod:`tensorx._ps.core`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tensorx._ps import observe, protocol
-from tensorx._ps.admission import PROBE_S, holder_alive, rank_taken
-from tensorx._ps.answer import Peer, apply_in_parts, send_params
+from tensorx._ps import observe
 from tensorx._ps.checkpoint import check_schedule
 from tensorx._ps.grads import GradHook, GradProcessing
-from tensorx._ps.inbox import Event as _Event
 from tensorx._ps.inbox import Inbox
 from tensorx._ps.losses import LossWatch
 from tensorx._ps.nonfinite import NonFiniteGuard
 from tensorx._ps.normx import NormExchange
 from tensorx._ps.optim_service import OptimService
+from tensorx._ps.plan import PlanHolder
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
-from tensorx._ps.schedule import MODES, Decision, Scheduler
-from tensorx._ps.shard import (
-    OptimizerFactory,
-    SchedulerFactory,
-    ShardLayout,
-    ShardState,
-    checkpoint_path,
-    load_checkpoint,
-)
+from tensorx._ps.schedule import MODES, Scheduler
+from tensorx._ps.service import ServiceLoop
+from tensorx._ps.session import Sessions
+from tensorx._ps.shard import OptimizerFactory, SchedulerFactory, checkpoint_path
 from tensorx._ps.sharing import Sharing
-from tensorx._ps.sparse import SparseReceiver, dynamic_path_ok
 from tensorx._ps.stats import ShardTimings
-from tensorx.endpoint import Endpoint
-from tensorx.errors import (
-    PlanMismatchError,
-    ProtocolError,
-    TensorxError,
-    UsageError,
-)
-from tensorx.memregion import RegionDescriptor
+from tensorx._ps.steps import Steps
+from tensorx.errors import UsageError
 from tensorx.node import Node
-
-if TYPE_CHECKING:
-    from tensorx.graph_analyzer import TransferPlan
 
 __all__ = ["UNTIL", "ParameterServer", "launcher_store"]
 
@@ -78,15 +62,13 @@ logger = logging.getLogger(__name__)
 UNTIL = (None, "workers_done")  # what serve() may wait for besides stop()
 
 
-
-
 def _default_optimizer(params: list[Any]) -> Any:
     import torch
 
     return torch.optim.SGD(params, lr=0.1)
 
 
-class ParameterServer:
+class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
     """One parameter-server shard. ``async with ParameterServer(...) as ps: await ps.serve()``.
 
     ``mode``: ``"sync"``, ``"async"`` or ``"bounded"`` (with ``staleness``).
@@ -176,7 +158,7 @@ class ParameterServer:
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.checkpoint_keep = checkpoint_keep
-        self._saved_version: int | None = None  # the version the newest checkpoint holds
+        self._saved_version = None  # the version the newest checkpoint holds
         self.log_every = log_every
         self.flat = flat
         self.share_memory = share_memory
@@ -190,16 +172,16 @@ class ParameterServer:
         self._norms = NormExchange(self.node, shard, num_shards, timeout) \
             if clip_grad_norm is not None and num_shards > 1 else None
         self.grads = GradProcessing(clip_grad_norm, grad_hook, self._norms)
-        self.state: ShardState | None = None
-        self._plan: TransferPlan | None = None
+        self.state = None
+        self._plan = None
         self._plan_bytes = b""
-        self._peers: dict[Endpoint, Peer] = {}
-        self._waiting: list[Peer] = []    # said hello before the parameters were initialised
-        self._finished: set[int] = set()  # ranks that said goodbye (until they join again)
-        self._until: str | None = None     # serve(until=...)
-        self._slot_descs: dict[int, RegionDescriptor] = {}
-        self._header_descs: dict[int, bytes] = {}
-        self._sparse: SparseReceiver | None = None
+        self._peers = {}
+        self._waiting = []      # said hello before the parameters were initialised
+        self._finished = set()  # ranks that said goodbye (until they join again)
+        self._until = None      # serve(until=...)
+        self._slot_descs = {}
+        self._header_descs = {}
+        self._sparse = None
         self.sharing = Sharing(shard, mode, share_memory)  # same-host mapping offers
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
         self._events = Inbox(f"ps shard {shard}")  # bounded per peer
@@ -208,11 +190,11 @@ class ParameterServer:
         self._closed = False
         self._initialised = False  # parameters came from rank 0 or a checkpoint
         self._resumed = False      # ... from a checkpoint: the plan is never released
-        self.stats: dict[str, Any] = {"updates": 0, "pushes": 0, "max_gap": 0,
-                                      "max_version_lag": 0, "apply_s": 0.0,
-                                      "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,
-                                      "worker_losses": 0, "nonfinite": 0,
-                                      "checkpoint_failures": 0}
+        self.stats = {"updates": 0, "pushes": 0, "max_gap": 0,
+                      "max_version_lag": 0, "apply_s": 0.0,
+                      "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,
+                      "worker_losses": 0, "nonfinite": 0,
+                      "checkpoint_failures": 0}
         self.timings = ShardTimings(sync=mode == "sync")
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
@@ -336,387 +318,3 @@ class ParameterServer:
             return False
         self._saved_version = self.state.version
         return True
-
-    def _restore(self) -> None:
-        if self.checkpoint_dir is None:
-            return
-        path = checkpoint_path(self.checkpoint_dir, self.shard, self.num_shards)
-        saved = load_checkpoint(path, self.checkpoint_keep)
-        if saved is None:
-            return
-        self._adopt_plan(bytes(saved["plan"]))
-        assert self.state is not None
-        self.state.load_state_dict(saved)
-        self._initialised = self._resumed = True
-        self._saved_version = self.state.version
-        logger.info("ps shard %d resumed from %s at version %d", self.shard, path,
-                    self.state.version)
-
-    def _adopt_plan(self, plan_bytes: bytes) -> TransferPlan:
-        from tensorx.graph_analyzer import TransferPlan
-
-        plan = TransferPlan.from_bytes(plan_bytes)
-        if plan.num_shards != self.num_shards:
-            raise UsageError(f"plan has {plan.num_shards} shards, this server "
-                             f"{self.num_shards}")
-        layout = ShardLayout.from_plan(plan, self.shard)
-        # the optimizer factory runs here: if it raises (a foreign optimizer is a
-        # UsageError), the plan is not adopted and the next hello tries again
-        try:
-            state = ShardState(layout, self.num_workers, self._optimizer,
-                               self._lr_scheduler, flat=self.flat,
-                               shared=self.share_memory and self.mode == "sync")
-        except (OSError, MemoryError, RuntimeError, OverflowError) as exc:
-            raise UsageError(f"cannot build this shard's state for the plan ({layout.nbytes} B "
-                             f"per arena, {self.num_workers + 2} arenas): {exc}") from exc
-        try:
-            sparse = SparseReceiver(plan, self.shard, self.num_workers) \
-                if dynamic_path_ok(plan) and plan.header_bytes(self.shard) else None
-        except BaseException:
-            state.close()
-            raise
-        self.state, self._sparse = state, sparse
-        self._plan, self._plan_bytes = plan, plan_bytes
-        return plan
-
-    def _release_plan_if_idle(self) -> None:
-        """No worker left before the first update: forget the plan, so that the next hello
-        sets it (a worker of another model that said hello and left must not lock it)."""
-        if self._peers or self._plan is None or self._resumed or self.version:
-            return
-        logger.info("ps shard %d: every worker left before the first update; plan %s "
-                    "released (the next hello sets it)", self.shard, self._plan.fingerprint)
-        state, sparse = self.state, self._sparse
-        self._plan, self._plan_bytes, self.state, self._sparse = None, b"", None, None
-        self._initialised = False
-        self._slot_descs.clear()
-        self._header_descs.clear()
-        for rank in range(self.num_workers):
-            self.losses.back(rank)  # a fresh shard waits for its first workers silently
-        if state is not None:
-            state.close()
-        if sparse is not None:
-            sparse.close()
-
-    # -- event loop -----------------------------------------------------------------------
-    async def _pump_notifications(self) -> None:
-        while True:
-            ep, payload = await self.node.notifications.get()
-            # a peer shard's gradient norm is taken here: the service loop may wait for it
-            if self._norms is None or ep in self._peers or not self._norms.take(ep, payload):
-                self._events.offer(ep, payload)
-
-    async def _pump_disconnects(self) -> None:
-        while True:
-            ep = await self.node.disconnected.get()
-            if self._norms is not None and self._norms.owns(ep):
-                self._norms.lost(ep)
-            else:
-                self._events.post(_Event("gone", ep))
-
-    def _post_lost(self, rank: int) -> None:
-        self._events.post(_Event("lost", None, rank=rank))
-
-    async def _run(self) -> None:
-        """The one consumer of events: updates and writes out of the arena never interleave."""
-        while True:
-            event = await self._events.get()
-            try:
-                try:
-                    await self._dispatch(event)
-                except TensorxError as exc:
-                    if event.ep is None:
-                        raise
-                    await self._refuse(event.ep, exc)
-            except Exception:  # one bad peer or bug must not stop the service
-                logger.exception("ps shard %d: failed handling a message", self.shard)
-
-    async def _dispatch(self, event: _Event) -> None:
-        if event.kind == "lost":
-            decision = self.losses.declare(event.rank, self.scheduler, self._connected())
-            self.stats["worker_losses"] = self.losses.declared
-            await self._act(decision)
-        elif event.ep is not None and event.kind == "gone":
-            await self._leave(event.ep, "disconnected")
-        elif event.ep is not None:
-            await self._handle(event.ep, event.payload)
-
-    def _connected(self) -> list[int]:
-        return sorted(p.rank for p in self._peers.values())
-
-    async def _handle(self, ep: Endpoint, payload: bytes) -> None:
-        msg = protocol.decode(payload)
-        kind = msg["t"]
-        if kind == "hello":
-            await self._hello(ep, msg)
-        elif kind == "push":
-            await self._push(ep, msg)
-        elif kind == "bye":
-            await self._goodbye(ep)
-        elif kind in ("state_get", "state_done", "state_put"):
-            self._saved_version = None  # a loaded optimizer state is worth a checkpoint
-            await self._optim_request(ep, kind, msg)
-        else:
-            raise ProtocolError(f"unexpected {kind!r} message from a worker")
-
-    async def _refuse(self, ep: Endpoint, exc: TensorxError) -> None:
-        logger.warning("ps shard %d refused %s: %s", self.shard, ep.peer, exc)
-        with contextlib.suppress(TensorxError):
-            await ep.notify(protocol.encode("error", code=type(exc).__name__, msg=str(exc)),
-                            timeout=self.send_timeout)
-        if ep in self._peers:
-            await self._leave(ep, f"refused ({type(exc).__name__})")
-
-    async def _optim_request(self, ep: Endpoint, kind: str, msg: dict[str, Any]) -> None:
-        if ep not in self._peers or self.state is None or not self._initialised:
-            raise ProtocolError(f"{kind} before a completed handshake")
-        if kind == "state_get":
-            await self.optim.lend(ep, self.state, self.timeout)
-        elif kind == "state_done":
-            self.optim.returned(ep)
-        else:
-            await self.optim.load(ep, msg, self.state, self.timeout)
-
-    # -- handshake ------------------------------------------------------------------------
-    async def _hello(self, ep: Endpoint, msg: dict[str, Any]) -> None:
-        protocol.check_hello(msg, self.shard, self.num_shards, self.num_workers)
-        if ep in self._peers:
-            raise ProtocolError("a second hello on one connection")
-        await self._claim(msg["rank"])
-        if self._norms is not None:
-            self._norms.learn(msg.get("shards"))
-        self._check_plan(msg)
-        try:
-            await self._admit(ep, msg)
-        except BaseException:
-            if ep in self._peers:  # undo the admission; _refuse still answers on ep
-                await self._leave(ep, "refused at hello", close=False)
-            self._release_plan_if_idle()
-            raise
-
-    async def _claim(self, rank: int) -> None:
-        """Take ``rank`` from a holder that is gone; RankTakenError while it is alive."""
-        for old in [e for e, p in self._peers.items() if p.rank == rank]:
-            probe = PROBE_S if self.timeout is None else min(PROBE_S, self.timeout)
-            if await holder_alive(old, probe):
-                raise rank_taken(rank, old)
-            await self._leave(old, "gone (a new connection claims its rank)")
-
-    async def _admit(self, ep: Endpoint, msg: dict[str, Any]) -> None:
-        assert self.state is not None
-        rank = msg["rank"]
-        peer = Peer(rank, ep, RegionDescriptor.from_bytes(msg["params"]))
-        self._peers[ep] = peer
-        self.state.verify = self.state.verify or msg["verify"]
-        if rank not in self._slot_descs:
-            self._slot_descs[rank] = self.node.export(self.state.slot_region(rank), access="w")
-            self._header_descs[rank] = b"" if self._sparse is None else self.node.export(
-                self._sparse.headers[rank], access="w").to_bytes()
-        peer.offered = self.sharing.offer(self.state, rank, msg["share"])
-        self.scheduler.join(rank)
-        self._finished.discard(rank)
-        away = self.losses.back(rank)
-        logger.info("ps shard %d: worker rank %d joined from %s%s", self.shard, rank, ep.peer,
-                    "" if away is None else f" (back after {away:.1f} s; fresh gradient slot)")
-        if self._initialised or rank == 0:
-            if not self._initialised:
-                await ep.read(self.state.params_region, peer.params, timeout=self.timeout)
-                self._initialised = True
-                logger.info("ps shard %d: initial parameters from rank 0", self.shard)
-            waiting, self._waiting = [*self._waiting, peer], []
-            await asyncio.gather(*(self._welcome(p) for p in waiting))
-        else:
-            self._waiting.append(peer)
-
-    def _check_plan(self, msg: dict[str, Any]) -> None:
-        if self._plan is None:
-            plan = self._adopt_plan(msg["plan"])
-            logger.info("ps shard %d: %s", self.shard, plan.summary())
-            return
-        if msg["fingerprint"] != self._plan.fingerprint:
-            self._plan.check_same(msg["plan"])
-            raise PlanMismatchError(f"plan fingerprint {msg['fingerprint']} differs from "
-                                    f"{self._plan.fingerprint}")
-
-    async def _welcome(self, peer: Peer) -> None:
-        assert self.state is not None
-        try:
-            # Written even when mapping is offered: the worker may yet fail to map and copy.
-            await peer.ep.write(self.state.params_region, peer.params, notify=protocol.encode(
-                "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
-                headers=self._header_descs[peer.rank], version=self.state.version,
-                mode=self.mode, checksum=self.state.checksum(),
-                share=self.sharing.offer_message(self.state, peer),
-                optim=self.optim.welcome(peer.ep, self.state)),
-                timeout=self.send_timeout)
-        except TensorxError as exc:
-            self._drop(peer, "at welcome", exc)
-
-    # -- steps ----------------------------------------------------------------------------
-    async def _push(self, ep: Endpoint, msg: dict[str, Any]) -> None:
-        peer = self._peers.get(ep)
-        if peer is None and ep.closed:
-            return  # the last words of a connection that has left: never applied
-        if peer is None or self.state is None or not self._initialised:
-            raise ProtocolError("push before a completed handshake")
-        self.sharing.check_mapped(peer, msg["mapped"])
-        self.optim.pushed(peer.rank, msg["hyper"], self.state)
-        peer.step = msg["step"]
-        self.stats["pushes"] += 1
-        lag = self.state.version - msg["version"]
-        self.stats["max_version_lag"] = max(self.stats["max_version_lag"], lag)
-        self.timings.pushed(peer.rank, peer.step, lag)
-        if self._sparse is not None:
-            self._sparse.announce(peer.rank, msg["staging"])
-            self.stats["sparse_rows"] += await self._sparse.receive(
-                ep, peer.rank, self.state.slot_region(peer.rank), self.timeout)
-        await self._act(self.scheduler.push(peer.rank))
-        if self.mode == "sync" and peer.rank in self.scheduler.pending:
-            await self._tell_waiting([peer])
-
-    async def _act(self, decision: Decision) -> None:
-        assert self.state is not None
-        by_rank = {p.rank: p for p in self._peers.values()}
-        if decision.apply:
-            decision = await self._drop_nonfinite(decision, by_rank)
-            if self.state is None:
-                return  # the refused rank was the last one: the plan was released
-        targets = [by_rank[r] for r in decision.release if r in by_rank]
-        sending: dict[int, list[asyncio.Future[None]]] = {}
-        if decision.apply:
-            self.stats["barrier_s"] += self.timings.barrier_done()
-            t0 = time.perf_counter()
-            if self.grads.active and not await self._process_grads(decision.apply, targets):
-                return
-            self.optim.before_update(decision.apply, self.state)
-            copies = [p for p in targets if not p.mapped]
-            if copies and self.state.num_parts > 1:
-                sending = await apply_in_parts(self.state, decision.apply, copies,
-                                               self.send_timeout)
-            else:
-                self.state.apply(decision.apply)
-            self.stats["apply_s"] += self.timings.apply.since(t0)
-            self.stats["updates"] += 1
-            if self.checkpoint_every and self.state.version % self.checkpoint_every == 0:
-                self.checkpoint()
-        self.stats["max_gap"] = self.scheduler.max_gap
-        t0 = time.perf_counter()
-        await asyncio.gather(*(self._send_params(p, sending.get(p.rank)) for p in targets))
-        self.stats["send_s"] += self.timings.sent(t0, len(targets))
-
-    async def _process_grads(self, ranks: list[int], targets: list[Peer]) -> bool:
-        """Hook and clip the averaged gradient, if asked; False (and the error to the
-        workers) if a peer shard's norm is missing or the hook failed: no update then."""
-        try:
-            await self.grads.run(self.state, ranks)
-        except Exception as exc:
-            logger.error("ps shard %d: update %d not applied: %s", self.shard,
-                         self.version + 1, exc)
-            error = protocol.encode("error", code=type(exc).__name__, msg=str(exc))
-            await asyncio.gather(*(p.ep.notify(error, timeout=self.timeout) for p in targets),
-                                 return_exceptions=True)
-            return False
-        self.stats.update(grad_norm=self.grads.last_norm, norm_exchange_s=self.grads.exchange_s)
-        return True
-    async def _drop_nonfinite(self, decision: Decision, by_rank: dict[int, Peer]) -> Decision:
-        """Leave out gradients holding NaN or Inf, per ``on_nonfinite``."""
-        assert self.state is not None
-        steps = {r: p.step for r, p in by_rank.items()}
-        bad = self.nonfinite.check(self.state, decision.apply, steps)
-        if not bad:
-            return decision
-        self.stats["nonfinite"] = self.nonfinite.count
-        if self.nonfinite.policy == "refuse":
-            for rank in bad:
-                if rank in by_rank:
-                    await self._refuse(by_rank[rank].ep,
-                                       self.nonfinite.error(rank, steps[rank]))
-        return self.nonfinite.decide(decision, bad)
-
-    async def _send_params(self, peer: Peer,
-                           sent: list[asyncio.Future[None]] | None = None) -> None:
-        assert self.state is not None
-        msg = protocol.encode("params", version=self.state.version, step=peer.step,
-                              checksum=self.state.checksum(),
-                              hyper=self.optim.answer(peer.ep, self.state))
-        try:
-            await send_params(self.state, peer, msg, sent, self.send_timeout)
-        except TensorxError as exc:
-            self._drop(peer, "", exc)
-
-    def _drop(self, peer: Peer, when: str, exc: TensorxError) -> None:
-        """A send to ``peer`` failed or missed ``send_timeout``: abort its connection at
-        once (nothing of it may still read the arena, which the next update changes) and
-        let the loop handle it as a departure."""
-        logger.warning("ps shard %d: lost rank %d%s: %s", self.shard, peer.rank,
-                       f" {when}" if when else "", exc)
-        peer.ep.abort()
-        self._events.post(_Event("gone", peer.ep))
-
-    async def _leave(self, ep: Endpoint, why: str, close: bool = True) -> None:
-        peer = self._peers.pop(ep, None)
-        self.optim.forget(ep, None if peer is None else peer.rank)
-        if peer is None:
-            with contextlib.suppress(TensorxError):
-                await ep.aclose()  # a refused or half-joined peer: release its connection
-            return
-        self._waiting = [p for p in self._waiting if p.ep is not ep]
-        rank = peer.rank
-        self._log_departure(rank, why)
-        if close:
-            with contextlib.suppress(TensorxError):
-                await ep.aclose()
-        self._retire_slot(rank)
-        finished = rank in self._finished
-        if self.mode == "sync" and not finished:
-            self.losses.gone(rank)
-        await self._act(self.scheduler.leave(rank))
-        if self.mode == "sync" and finished:
-            # a rank that said goodbye pushes no more: later barriers go on without it
-            await self._act(self.scheduler.excuse(rank))
-        elif self.mode == "sync":
-            held = [p for p in self._peers.values() if p.rank in self.scheduler.pending]
-            await self._tell_waiting(held)
-        self._release_plan_if_idle()
-
-    async def _goodbye(self, ep: Endpoint) -> None:
-        peer = self._peers.get(ep)
-        if peer is not None:
-            self._finished.add(peer.rank)
-        await self._leave(ep, "finished (said goodbye)")
-        self._check_done()
-
-    def _check_done(self) -> None:
-        if self._until == "workers_done" and len(self._finished) == self.num_workers:
-            if not self._stopped.is_set():
-                logger.info("ps shard %d: every worker said goodbye; stopping", self.shard)
-            self._stopped.set()
-
-    async def _tell_waiting(self, held: list[Peer]) -> None:
-        """Tell ranks held at the sync barrier which absent ranks it waits for and why, so
-        that a worker that gives up names the cause, not just a timeout."""
-        connected = self._connected()
-        away = [r for r in self.scheduler.waiting_for() if r not in connected]
-        if not away or not held:
-            return
-        note = protocol.encode("waiting", why=self.losses.explain(away))
-        for peer in held:
-            with contextlib.suppress(TensorxError):
-                await peer.ep.notify(note, timeout=self.timeout)
-
-    def _log_departure(self, rank: int, why: str) -> None:
-        level, text = self.losses.departure(rank, why, rank in self.scheduler.pending,
-                                            rank in self._finished, self.mode == "sync")
-        logger.log(level, "ps shard %d: worker rank %d %s", self.shard, rank, text)
-
-    def _retire_slot(self, rank: int) -> None:
-        """Give ``rank`` fresh gradient memory. The old slot is closed: its descriptor is
-        revoked at every peer and its /dev/shm file unlinked, so nothing a departed connection
-        wrote (or might still write) there is ever applied; the next hello exports the new
-        slot under a new descriptor."""
-        if self.state is None or rank not in self._slot_descs:
-            return
-        del self._slot_descs[rank], self._header_descs[rank]
-        self.state.renew_slot(rank)
-        if self._sparse is not None:
-            self._sparse.renew(rank)

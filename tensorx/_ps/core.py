@@ -1,0 +1,128 @@
+"""What the parts of a :class:`~tensorx.ps.ParameterServer` share.
+
+The server is one object assembled from parts, one job each: :mod:`~tensorx._ps.plan`
+(the plan and the state built from it), :mod:`~tensorx._ps.service` (the event loop),
+:mod:`~tensorx._ps.session` (a worker's hello, welcome and departure) and
+:mod:`~tensorx._ps.steps` (a push, the update it completes and the parameters sent back).
+:class:`ShardCore` declares the state they share (set by ``ParameterServer.__init__``) and
+what each part offers the others, so each module reads, and type-checks, on its own.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorx._ps.answer import Peer
+    from tensorx._ps.grads import GradProcessing
+    from tensorx._ps.inbox import Inbox
+    from tensorx._ps.losses import LossWatch
+    from tensorx._ps.nonfinite import NonFiniteGuard
+    from tensorx._ps.normx import NormExchange
+    from tensorx._ps.optim_service import OptimService
+    from tensorx._ps.schedule import Decision, Scheduler
+    from tensorx._ps.shard import OptimizerFactory, SchedulerFactory, ShardState
+    from tensorx._ps.sharing import Sharing
+    from tensorx._ps.sparse import SparseReceiver
+    from tensorx._ps.stats import ShardTimings
+    from tensorx.endpoint import Endpoint
+    from tensorx.errors import TensorxError
+    from tensorx.graph_analyzer import TransferPlan
+    from tensorx.memregion import RegionDescriptor
+    from tensorx.node import Node
+
+
+class ShardCore(abc.ABC):
+    """The state and the cross-part methods of one shard (see the module docstring)."""
+
+    # settings
+    mode: str
+    num_workers: int
+    shard: int
+    num_shards: int
+    timeout: float | None
+    send_timeout: float | None
+    checkpoint_dir: str | os.PathLike[str] | None
+    checkpoint_every: int | None
+    checkpoint_keep: int
+    flat: bool
+    share_memory: bool
+    _optimizer: OptimizerFactory
+    _lr_scheduler: SchedulerFactory | None
+    # helpers, one job each
+    node: Node
+    scheduler: Scheduler
+    losses: LossWatch
+    nonfinite: NonFiniteGuard
+    grads: GradProcessing
+    sharing: Sharing
+    optim: OptimService
+    timings: ShardTimings
+    _norms: NormExchange | None
+    # the plan and the state built from it
+    state: ShardState | None
+    _plan: TransferPlan | None
+    _plan_bytes: bytes
+    _sparse: SparseReceiver | None
+    _initialised: bool
+    _resumed: bool
+    _saved_version: int | None
+    # workers
+    _peers: dict[Endpoint, Peer]
+    _waiting: list[Peer]
+    _finished: set[int]
+    _slot_descs: dict[int, RegionDescriptor]
+    _header_descs: dict[int, bytes]
+    # the service
+    _events: Inbox
+    _stopped: asyncio.Event
+    _until: str | None
+    stats: dict[str, Any]
+
+    def _connected(self) -> list[int]:
+        return sorted(p.rank for p in self._peers.values())
+
+    # -- offered by ParameterServer -------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def version(self) -> int: ...
+
+    @abc.abstractmethod
+    def checkpoint(self) -> bool: ...
+
+    # -- offered by plan.PlanHolder -------------------------------------------------------
+    @abc.abstractmethod
+    def _adopt_plan(self, plan_bytes: bytes) -> TransferPlan: ...
+
+    @abc.abstractmethod
+    def _release_plan_if_idle(self) -> None: ...
+
+    # -- offered by service.ServiceLoop ---------------------------------------------------
+    @abc.abstractmethod
+    async def _refuse(self, ep: Endpoint, exc: TensorxError) -> None: ...
+
+    # -- offered by session.Sessions ------------------------------------------------------
+    @abc.abstractmethod
+    async def _hello(self, ep: Endpoint, msg: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def _goodbye(self, ep: Endpoint) -> None: ...
+
+    @abc.abstractmethod
+    async def _leave(self, ep: Endpoint, why: str, close: bool = True) -> None: ...
+
+    @abc.abstractmethod
+    def _drop(self, peer: Peer, when: str, exc: TensorxError) -> None: ...
+
+    @abc.abstractmethod
+    async def _tell_waiting(self, held: list[Peer]) -> None: ...
+
+    # -- offered by steps.Steps -----------------------------------------------------------
+    @abc.abstractmethod
+    async def _push(self, ep: Endpoint, msg: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def _act(self, decision: Decision) -> None: ...

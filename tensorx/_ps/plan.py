@@ -1,0 +1,82 @@
+"""The plan a shard serves and the state built from it: adopted from the first hello or
+a checkpoint, released when every worker leaves before the first update."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from tensorx._ps.core import ShardCore
+from tensorx._ps.shard import ShardLayout, ShardState, checkpoint_path, load_checkpoint
+from tensorx._ps.sparse import SparseReceiver, dynamic_path_ok
+from tensorx.errors import UsageError
+
+if TYPE_CHECKING:
+    from tensorx.graph_analyzer import TransferPlan
+
+logger = logging.getLogger("tensorx.ps")  # one logger name for the whole server
+
+
+class PlanHolder(ShardCore):
+    """The part of a ParameterServer that owns its plan and state."""
+
+    def _restore(self) -> None:
+        if self.checkpoint_dir is None:
+            return
+        path = checkpoint_path(self.checkpoint_dir, self.shard, self.num_shards)
+        saved = load_checkpoint(path, self.checkpoint_keep)
+        if saved is None:
+            return
+        self._adopt_plan(bytes(saved["plan"]))
+        assert self.state is not None
+        self.state.load_state_dict(saved)
+        self._initialised = self._resumed = True
+        self._saved_version = self.state.version
+        logger.info("ps shard %d resumed from %s at version %d", self.shard, path,
+                    self.state.version)
+
+    def _adopt_plan(self, plan_bytes: bytes) -> TransferPlan:
+        from tensorx.graph_analyzer import TransferPlan
+
+        plan = TransferPlan.from_bytes(plan_bytes)
+        if plan.num_shards != self.num_shards:
+            raise UsageError(f"plan has {plan.num_shards} shards, this server "
+                             f"{self.num_shards}")
+        layout = ShardLayout.from_plan(plan, self.shard)
+        # the optimizer factory runs here: if it raises (a foreign optimizer is a
+        # UsageError), the plan is not adopted and the next hello tries again
+        try:
+            state = ShardState(layout, self.num_workers, self._optimizer,
+                               self._lr_scheduler, flat=self.flat,
+                               shared=self.share_memory and self.mode == "sync")
+        except (OSError, MemoryError, RuntimeError, OverflowError) as exc:
+            raise UsageError(f"cannot build this shard's state for the plan ({layout.nbytes} B "
+                             f"per arena, {self.num_workers + 2} arenas): {exc}") from exc
+        try:
+            sparse = SparseReceiver(plan, self.shard, self.num_workers) \
+                if dynamic_path_ok(plan) and plan.header_bytes(self.shard) else None
+        except BaseException:
+            state.close()
+            raise
+        self.state, self._sparse = state, sparse
+        self._plan, self._plan_bytes = plan, plan_bytes
+        return plan
+
+    def _release_plan_if_idle(self) -> None:
+        """No worker left before the first update: forget the plan, so that the next hello
+        sets it (a worker of another model that said hello and left must not lock it)."""
+        if self._peers or self._plan is None or self._resumed or self.version:
+            return
+        logger.info("ps shard %d: every worker left before the first update; plan %s "
+                    "released (the next hello sets it)", self.shard, self._plan.fingerprint)
+        state, sparse = self.state, self._sparse
+        self._plan, self._plan_bytes, self.state, self._sparse = None, b"", None, None
+        self._initialised = False
+        self._slot_descs.clear()
+        self._header_descs.clear()
+        for rank in range(self.num_workers):
+            self.losses.back(rank)  # a fresh shard waits for its first workers silently
+        if state is not None:
+            state.close()
+        if sparse is not None:
+            sparse.close()

@@ -1,0 +1,115 @@
+"""A step on a shard: a worker's push, the update it completes (as the scheduler decides),
+and the parameters written back to the workers it releases."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from tensorx._ps import protocol
+from tensorx._ps.answer import Peer, apply_in_parts, send_params
+from tensorx._ps.core import ShardCore
+from tensorx._ps.schedule import Decision
+from tensorx.endpoint import Endpoint
+from tensorx.errors import ProtocolError, TensorxError
+
+logger = logging.getLogger("tensorx.ps")  # one logger name for the whole server
+
+
+class Steps(ShardCore):
+    """The part of a ParameterServer that applies pushes and answers them."""
+
+    async def _push(self, ep: Endpoint, msg: dict[str, Any]) -> None:
+        peer = self._peers.get(ep)
+        if peer is None and ep.closed:
+            return  # the last words of a connection that has left: never applied
+        if peer is None or self.state is None or not self._initialised:
+            raise ProtocolError("push before a completed handshake")
+        self.sharing.check_mapped(peer, msg["mapped"])
+        self.optim.pushed(peer.rank, msg["hyper"], self.state)
+        peer.step = msg["step"]
+        self.stats["pushes"] += 1
+        lag = self.state.version - msg["version"]
+        self.stats["max_version_lag"] = max(self.stats["max_version_lag"], lag)
+        self.timings.pushed(peer.rank, peer.step, lag)
+        if self._sparse is not None:
+            self._sparse.announce(peer.rank, msg["staging"])
+            self.stats["sparse_rows"] += await self._sparse.receive(
+                ep, peer.rank, self.state.slot_region(peer.rank), self.timeout)
+        await self._act(self.scheduler.push(peer.rank))
+        if self.mode == "sync" and peer.rank in self.scheduler.pending:
+            await self._tell_waiting([peer])
+
+    async def _act(self, decision: Decision) -> None:
+        assert self.state is not None
+        by_rank = {p.rank: p for p in self._peers.values()}
+        if decision.apply:
+            decision = await self._drop_nonfinite(decision, by_rank)
+            if self.state is None:
+                return  # the refused rank was the last one: the plan was released
+        targets = [by_rank[r] for r in decision.release if r in by_rank]
+        sending: dict[int, list[asyncio.Future[None]]] = {}
+        if decision.apply:
+            self.stats["barrier_s"] += self.timings.barrier_done()
+            t0 = time.perf_counter()
+            if self.grads.active and not await self._process_grads(decision.apply, targets):
+                return
+            self.optim.before_update(decision.apply, self.state)
+            copies = [p for p in targets if not p.mapped]
+            if copies and self.state.num_parts > 1:
+                sending = await apply_in_parts(self.state, decision.apply, copies,
+                                               self.send_timeout)
+            else:
+                self.state.apply(decision.apply)
+            self.stats["apply_s"] += self.timings.apply.since(t0)
+            self.stats["updates"] += 1
+            if self.checkpoint_every and self.state.version % self.checkpoint_every == 0:
+                self.checkpoint()
+        self.stats["max_gap"] = self.scheduler.max_gap
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self._send_params(p, sending.get(p.rank)) for p in targets))
+        self.stats["send_s"] += self.timings.sent(t0, len(targets))
+
+    async def _process_grads(self, ranks: list[int], targets: list[Peer]) -> bool:
+        """Hook and clip the averaged gradient, if asked; False (and the error to the
+        workers) if a peer shard's norm is missing or the hook failed: no update then."""
+        try:
+            await self.grads.run(self.state, ranks)
+        except Exception as exc:
+            logger.error("ps shard %d: update %d not applied: %s", self.shard,
+                         self.version + 1, exc)
+            error = protocol.encode("error", code=type(exc).__name__, msg=str(exc))
+            await asyncio.gather(*(p.ep.notify(error, timeout=self.timeout) for p in targets),
+                                 return_exceptions=True)
+            return False
+        self.stats.update(grad_norm=self.grads.last_norm, norm_exchange_s=self.grads.exchange_s)
+        return True
+
+    async def _drop_nonfinite(self, decision: Decision, by_rank: dict[int, Peer]) -> Decision:
+        """Leave out gradients holding NaN or Inf, per ``on_nonfinite``."""
+        assert self.state is not None
+        steps = {r: p.step for r, p in by_rank.items()}
+        bad = self.nonfinite.check(self.state, decision.apply, steps)
+        if not bad:
+            return decision
+        self.stats["nonfinite"] = self.nonfinite.count
+        if self.nonfinite.policy == "refuse":
+            for rank in bad:
+                if rank in by_rank:
+                    await self._refuse(by_rank[rank].ep,
+                                       self.nonfinite.error(rank, steps[rank]))
+        return self.nonfinite.decide(decision, bad)
+
+    async def _send_params(self, peer: Peer,
+                           sent: list[asyncio.Future[None]] | None = None) -> None:
+        assert self.state is not None
+        msg = protocol.encode("params", version=self.state.version, step=peer.step,
+                              checksum=self.state.checksum(),
+                              hyper=self.optim.answer(peer.ep, self.state))
+        try:
+            await send_params(self.state, peer, msg, sent, self.send_timeout)
+        except TensorxError as exc:
+            self._drop(peer, "", exc)
+
