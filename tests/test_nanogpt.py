@@ -16,9 +16,10 @@ import torch
 from tensorx.remote_optimizer import RemoteOptimizer
 
 from .test_ps_examples import run_example
-from .test_remote_optimizer import LINKS, _one_torch_thread, on_ranks  # noqa: F401
+from .test_remote_optimizer import LINKS, on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def load_example() -> ModuleType:
