@@ -38,8 +38,8 @@ def test_missing_compiler_is_transport_unavailable(tmp_path: Path,
 def test_build_is_cached_per_version_abi_and_source() -> None:
     lib = _ucp.load()
     assert _ucp.load() is lib
-    version, _, _ = _ucp.ucx_paths()
-    cache = _ucp._cache_dir(version)
+    version, _, libdir = _ucp.ucx_paths()
+    cache = _ucp._cache_dir(version, libdir)
     assert version in cache.name
     assert list(cache.glob("_tensorx_ucp*.so"))
     assert lib.version().startswith(version.split(".")[0])

@@ -182,8 +182,8 @@ def _binding_state() -> dict[str, Any]:
 
         from tensorx.transport import _ucp
 
-        version, _, _ = _ucp.ucx_paths()
-        cache = _ucp._cache_dir(version)
+        version, _, lib = _ucp.ucx_paths()
+        cache = _ucp._cache_dir(version, lib)
         state["cached"] = str(cache) if any(cache.glob("_tensorx_ucp*.so")) else None
     except Exception as exc:
         state["error"] = f"{type(exc).__name__}: {exc}"

@@ -92,14 +92,17 @@ def status_string(status: int) -> str:
         return f"UCS status {status}"
 
 
-def _cache_dir(version: str) -> Path:
+def _cache_dir(version: str, lib: Path) -> Path:
+    """One build per UCX version, ABI, source and libucx location: the module's runpath
+    names ``lib`` (a child process that loads it, see :mod:`._ucx_probe`, relies on it),
+    so a build made for another environment, perhaps since deleted, is never reused."""
     base = os.environ.get("TENSORX_CACHE_DIR")
     root = Path(base) if base else Path(
         os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tensorx"
     from tensorx.transport._ucp_build import CDEF, SOURCE
 
     abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
-    source = hashlib.sha256((CDEF + SOURCE).encode()).hexdigest()[:12]
+    source = hashlib.sha256((CDEF + SOURCE + str(lib)).encode()).hexdigest()[:12]
     return root / f"ucp-{version}-{abi}-{source}"
 
 
@@ -111,7 +114,7 @@ def _import_or_build() -> ModuleType:
         libucx.load_library()
     except Exception as exc:
         raise TransportUnavailableError(f"cannot load libucx: {exc}") from exc
-    target = _cache_dir(version)
+    target = _cache_dir(version, lib)
     target.mkdir(parents=True, exist_ok=True)
     with open(target / ".lock", "w") as lockfile:
         fcntl.flock(lockfile, fcntl.LOCK_EX)  # concurrent processes build once
