@@ -30,6 +30,7 @@ _REMEMBERED = 256
 UCS_ERR_INVALID_PARAM = -5
 _CODE = """
 import importlib.util, os, sys
+sys.path[:0] = sys.argv[3:]  # where cffi's backend lives (-I drops PYTHONPATH and user sites)
 spec = importlib.util.spec_from_file_location("_tensorx_ucp", sys.argv[1])
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
@@ -39,6 +40,16 @@ sys.stdout.write("\\n%d %s\\n" % (st, mod.ffi.string(mod.lib.tx_status_string(st
 sys.stdout.flush()
 os._exit(0 if st == 0 else 3)
 """
+
+
+def _backend_dirs() -> list[str]:
+    """The directory of cffi's ``_cffi_backend``, which the binding imports: the child runs
+    isolated (``-I``), so a cffi installed through ``PYTHONPATH`` or a user site would be
+    missing there and every probe would fail ("no answer")."""
+    import _cffi_backend
+
+    where = getattr(_cffi_backend, "__file__", None)
+    return [os.path.dirname(where)] if where else []
 
 
 class AddressProbe:
@@ -80,10 +91,10 @@ class AddressProbe:
         """(exit code, negative: killed by that signal; UCS status; its text)."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-c", _CODE, self._binding, str(int(error_handling)),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, env=self._env)
+            *_backend_dirs(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=self._env)
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(address), budget)
+            out, err = await asyncio.wait_for(proc.communicate(address), budget)
         except asyncio.TimeoutError:
             raise TimeoutError(f"checking a peer's UCX address took over {budget} s") from None
         finally:
@@ -95,4 +106,5 @@ class AddressProbe:
         try:
             return proc.returncode, int(last[0]), last[-1][:200]
         except ValueError:
-            return proc.returncode, 0, "no answer"
+            why = err.decode(errors="replace").strip().rsplit("\n", 1)[-1][:200]
+            return proc.returncode, 0, f"no answer ({why})" if why else "no answer"
