@@ -63,10 +63,16 @@ def many_small_shapes() -> list[Shape]:
     return [(256,)] * 2000
 
 
+def tiny_shapes() -> list[Shape]:
+    """Four small tensors: for self-tests of the harness, not for figures."""
+    return [(64, 32), (64,), (10, 64), (10,)]
+
+
 MODELS: dict[str, Callable[[], list[Shape]]] = {
     "resnet50": resnet50_shapes,
     "bert-base": bert_base_shapes,
     "many-small": many_small_shapes,
+    "tiny": tiny_shapes,
 }
 
 

@@ -2,6 +2,7 @@
 
     SYSTEM: tensorx | tensorpipe | grpc | raw (one PS round)
             train-tensorx | train-rpc (PS training, two workers: --rank)
+            gpu-tensorx | gpu-tensorpipe (one PS round on --device, --workers workers)
     ROLE:   server | client
 """
 
@@ -24,6 +25,8 @@ ENTRIES = {  # system: (module, server function, client function)
     "raw": ("raw", "serve", "client"),
     "train-tensorx": ("training", "tensorx_serve", "tensorx_client"),
     "train-rpc": ("training", "rpc_serve", "rpc_client"),
+    "gpu-tensorx": ("gpu_ps", "tensorx_serve", "tensorx_client"),
+    "gpu-tensorpipe": ("gpu_ps", "rpc_serve", "rpc_client"),
 }
 
 
@@ -37,8 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--address", default="", help="the server's tensorx address (client)")
     p.add_argument("--transport", default="tcp", help="tensorx: tcp | ucx | ucx-shm")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--variant", default="", help="experiments: raw: pipelined; tensorx: one-part")
+    p.add_argument("--variant", default="",
+                   help="experiments: raw: pipelined; tensorx: one-part; gpu-tensorx: flat")
     p.add_argument("--rank", type=int, default=0, help="worker rank (training)")
+    p.add_argument("--workers", type=int, default=1, help="gpu-*: number of workers")
+    p.add_argument("--device", default="cpu", help="gpu-*: cuda:0, or cpu (self-test)")
     p.add_argument("--overlap", choices=("on", "off"), default="on", help="tensorx training")
     p.add_argument("--share-memory", choices=("on", "off"), default="off",
                    help="tensorx: map the PS arenas when on the same host (off: copy path)")

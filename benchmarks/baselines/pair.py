@@ -113,8 +113,9 @@ class Pair:
     workers, ``--rank`` 0.. each; a round's time is the slowest worker's)."""
 
     def __init__(self, system: System, model: str, placement: Placement, logdir: Path,
-                 clients: int = 1) -> None:
+                 clients: int = 1, start_timeout: float = START_TIMEOUT) -> None:
         self.system = system
+        self.start_timeout = start_timeout
         self.clients = clients
         self.model = model
         self.placement = placement
@@ -137,13 +138,13 @@ class Pair:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._server = _Proc(self._cmd("server", self.placement.server_prefix, []),
                              self._log("server"), self.placement.server_env)
-        ready = json.loads(self._server.expect("READY", START_TIMEOUT))
+        ready = json.loads(self._server.expect("READY", self.start_timeout))
         extra = ["--port", str(ready.get("port", 0)), "--address", ready.get("address", "")]
         self._clients = [_Proc(self._cmd("client", self.placement.client_prefix,
                                          [*extra, "--rank", str(r)]),
                                self._log(f"client{r}"), self.placement.client_env)
                          for r in range(self.clients)]
-        infos = [json.loads(c.expect("READY", START_TIMEOUT)) for c in self._clients]
+        infos = [json.loads(c.expect("READY", self.start_timeout)) for c in self._clients]
         self.info = infos[0]
         return self
 
@@ -152,6 +153,13 @@ class Pair:
             c.send(f"run {rounds}")
         times = [json.loads(c.expect("TIMES", timeout)) for c in self._clients]
         return [max(ts) for ts in zip(*times, strict=True)]
+
+    def kill(self) -> None:
+        """After a failure: SIGKILL every process of the pair now (no graceful waits)."""
+        for proc in [*self._clients, *([self._server] if self._server else [])]:
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+        self.close()
 
     def close(self) -> None:
         clients, server = self._clients, self._server
