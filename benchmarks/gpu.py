@@ -142,6 +142,11 @@ def transfer_row(key: str, args: argparse.Namespace, budget: Budget) -> dict[str
                gpu=info.get("gpu"), why=info.get("why"), verified=res["verified"],
                reps=res["reps"], copy_s=res["copy"], write_s=res["write"], read_s=res["read"])
     row["copy_gbps"] = gbps(args.size, res["copy"])
+    if res.get("error"):
+        row["status"] = "failed: " + res["error"]
+        progress(f"  {path.label}: {row['status']} (torch copy {_f(row['copy_gbps'], '.1f')} "
+                 f"GB/s)")
+        return row
     row["write_gbps"] = gbps(args.size, res["write"])
     row["read_gbps"] = gbps(args.size, res["read"])
     row["write_vs_copy"] = row["write_gbps"] / row["copy_gbps"]
