@@ -5,7 +5,8 @@ baseline measured in the same run.
    the owner exports a ``cuda:0`` region, the client writes/reads it from its own ``cuda:0``
    region), per path: the default (the same-host CUDA IPC lane where it exists),
    ``transport="ucx"`` and ``transport="tcp"`` (GPU memory staged through the host), the last
-   two with ``TENSORX_CUDA_IPC=0``. Baseline: a plain torch device-to-device copy of the same
+   two with ``TENSORX_CUDA_IPC=0`` (and ``ucx-noeh``: UCX without peer error handling,
+   ``TENSORX_UCX_ERROR_HANDLING=0``). Baseline: a plain torch device-to-device copy of the same
    size, timed in the same client process, interleaved with the transfers. Medians after
    warm-up; GB/s is bytes moved / seconds (one direction); the lane that really ran comes
    from ``ep.info``. Goal: >= 0.8x the torch copy.
@@ -58,6 +59,9 @@ class TransferPath:
 PATHS = {
     "ipc": TransferPath("default (CUDA IPC on)", "auto"),
     "ucx": TransferPath('transport="ucx", CUDA IPC off', "ucx", (("TENSORX_CUDA_IPC", "0"),)),
+    # not a default: UCX without peer error handling (its cuda_ipc/cuda_copy lanes on one host)
+    "ucx-noeh": TransferPath('transport="ucx", error_handling off, CUDA IPC off', "ucx",
+                             (("TENSORX_CUDA_IPC", "0"), ("TENSORX_UCX_ERROR_HANDLING", "0"))),
     "tcp": TransferPath('transport="tcp", CUDA IPC off', "tcp", (("TENSORX_CUDA_IPC", "0"),)),
 }
 SYSTEMS = {
@@ -100,7 +104,8 @@ def _gpu_proc(role: str, path: TransferPath, args: argparse.Namespace, extra: li
               ) -> _Proc:
     cmd = [PYTHON, "-m", "benchmarks.baselines.gpu_copy", role, "--size", str(args.size),
            "--device", args.device, "--transport", path.transport, *extra]
-    return _Proc(cmd, args.logdir / f"transfer-{path.transport}-{role}.log", dict(path.env))
+    key = next(k for k, p in PATHS.items() if p == path)
+    return _Proc(cmd, args.logdir / f"transfer-{key}-{role}.log", dict(path.env))
 
 
 def _finish(proc: _Proc | None) -> None:
