@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tensorx import _cuda
 from tensorx.errors import (
     ClosedError,
     RegionError,
@@ -117,8 +118,11 @@ class Endpoint:
             await self.write_many([(region, remote, offset, remote_offset, nbytes)],
                                   notify=notify, timeout=timeout)
             return
+        produced = _cuda.ready((region,)) if region.is_cuda else []  # recorded at the call
         async with self._issuing_write():
             op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
+            if produced:
+                await _cuda.wait(produced)
         with self._counted("write", op.nbytes):
             await self._lane.write(op, timeout=self._timeout(timeout))
 
@@ -127,7 +131,11 @@ class Endpoint:
                    timeout: float | None = DEFAULT) -> None:
         """Read ``nbytes`` (default: the rest of ``region`` from ``offset``) from the peer's
         region at ``remote_offset`` into ``region``. Returns when the data is local."""
+        # kernels enqueued before the call that still use the destination finish first
+        used = _cuda.ready((region,)) if region.is_cuda else []
         op = await self._op(region, remote, offset, remote_offset, nbytes, "r")
+        if used:
+            await _cuda.wait(used)
         with self._counted("read", op.nbytes):
             await self._lane.read(op, timeout=self._timeout(timeout))
 
@@ -138,8 +146,12 @@ class Endpoint:
         :meth:`write`, delivered once all of them have landed."""
         if notify is not None:
             _check_payload(notify)
+        specs = [_spec(spec) for spec in ops]
+        produced = _cuda.ready(s[0] for s in specs if _is_cuda(s[0]))  # recorded at the call
         async with self._issuing_write():
-            checked = [await self._op(*_spec(spec), "w") for spec in ops]
+            checked = [await self._op(*spec, "w") for spec in specs]
+            if produced:
+                await _cuda.wait(produced)
         t = self._timeout(timeout)
         carried = False
         if checked:
@@ -223,7 +235,7 @@ class Endpoint:
                               f"{desc.owner or '?'}, but this endpoint reaches {self.peer}")
         if desc.region_id in self._revoked:
             raise RegionError(f"region {desc.region_id:#x} was closed by its owner")
-        if self._lane.name == "tcp":
+        if not self._lane.bypasses_owner:  # the owner checks every op itself
             return desc.nbytes, desc.access
         key = (desc.region_id, desc.cookie)
         if key not in self._validated:
@@ -237,7 +249,9 @@ class Endpoint:
         return self._validated[key]
 
     def _check_device(self, region: MemoryRegion, desc: RegionDescriptor) -> None:
-        if self._lane.name == "tcp" and (region.is_cuda or desc.device == "cuda"):
+        if self._lane.name == "tcp" and (region.is_cuda or desc.device == "cuda") and \
+                not (desc.device == "cuda" and "cuda_ipc" in desc.keys and
+                     "gpu" in self._lane.info):
             raise TransportUnavailableError(
                 "GPU memory needs a GPU-capable transport (UCX with cuda_copy/cuda_ipc); "
                 f"this endpoint uses TCP because: {self._lane.info.get('why')}")
@@ -276,6 +290,10 @@ class Endpoint:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _is_cuda(region: Any) -> bool:
+    return isinstance(region, MemoryRegion) and region.is_cuda
 
 
 def _check_payload(payload: Any) -> None:

@@ -118,6 +118,8 @@ class MemoryRegion:
         self._pins = 0  # ops in flight that address this memory by raw pointer
         self._private = False  # attached copy-on-write (attach(private=True))
         self._unmap_deferred = False
+        # the producer's stream from __cuda_array_interface__ (v3): ops wait on it too
+        self.stream: int | None = None
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -141,6 +143,7 @@ class MemoryRegion:
             if cached is not None and not cached.closed:
                 return cached
             region = cls(obj, address, nbytes, device, readonly, buffer)
+            region.stream = _cai_stream(obj)
             if nbytes:
                 _registered[key] = region
         return region
@@ -407,6 +410,16 @@ def _from_cuda_interface(obj: Any) -> tuple[int, int, str, bool, None]:
         raise UsageError(f"{type(obj).__name__} is not contiguous; register a contiguous copy")
     address, readonly = cai["data"]
     return address, count * itemsize, f"cuda:{_cuda_device_of(obj)}", bool(readonly), None
+
+
+def _cai_stream(obj: Any) -> int | None:
+    """The stream a ``__cuda_array_interface__`` (v3) names as the producer's, if any
+    (torch tensors are ordered through torch's current stream instead)."""
+    if _torch_module(obj) is not None or not hasattr(obj, "__cuda_array_interface__"):
+        return None
+    stream = obj.__cuda_array_interface__.get("stream")
+    return stream if isinstance(stream, int) and not isinstance(stream, bool) and stream > 0 \
+        else None
 
 
 def _from_dlpack(obj: Any) -> tuple[int, int, str, bool, memoryview | None]:

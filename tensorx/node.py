@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from tensorx import _auth
+from tensorx import _auth, _cuda
 from tensorx._queues import LatestQueue, NotificationQueue
 from tensorx._text import printable
 from tensorx.endpoint import DEFAULT, Endpoint
@@ -29,7 +29,8 @@ from tensorx.errors import (
     TransportUnavailableError,
     UsageError,
 )
-from tensorx.memregion import ExportTable, MemoryRegion, RegionDescriptor
+from tensorx.memregion import ExportTable, MemoryRegion, RegionDescriptor, host_id
+from tensorx.transport import cuda_ipc as cuda_ipc_lane
 from tensorx.transport import handshake
 from tensorx.transport.base import DataLane, LaneFactory
 from tensorx.transport.tcp import Connection, TcpLane, TcpListener, open_socket
@@ -97,7 +98,8 @@ class Node:
                  require: str | None = None, ucx_options: dict[str, Any] | None = None,
                  insecure: bool = False, handshake_timeout: float = 5.0,
                  max_handshakes: int = 64,
-                 notify_queue: tuple[int, int] = (4096, 64 << 20)) -> None:
+                 notify_queue: tuple[int, int] = (4096, 64 << 20),
+                 cuda_ipc: bool | None = None) -> None:
         if transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         require = require if require is not None else os.environ.get("TENSORX_REQUIRE") or None
@@ -117,6 +119,7 @@ class Node:
         self._failures = handshake.FailureLog()
         self._ucx_options = dict(ucx_options or {})
         self._insecure = insecure
+        self._cuda_ipc = cuda_ipc_lane.enabled(cuda_ipc)
         self._exports = ExportTable(self.id)
         self._factory: LaneFactory | None = None
         self._factory_why = ""
@@ -232,6 +235,10 @@ class Node:
         keys: dict[str, Any] = {}
         if self._factory is not None:
             keys[self._factory.name] = self._factory.register(region)
+        if region.is_cuda and self._cuda_ipc:
+            ipc = cuda_ipc_lane.export_keys(region)
+            if ipc is not None:
+                keys[cuda_ipc_lane.KEY] = ipc
         desc = self._exports.add(region, access, keys)
         region.add_close_callback(self.unexport)
         logger.debug("exported %r as %s", region, access)
@@ -250,11 +257,14 @@ class Node:
             ep._conn.revoke(region.region_id)
             if ep._lane.bypasses_owner and not ep.closed:
                 holders.add(ep)
-        if not (exported and holders and self._factory is not None):
+        if not (exported and holders):
             return
         held = self._held.get(region.region_id)
         if held is None:
-            self._factory.hold(region)
+            if self._factory is not None:
+                self._factory.hold(region)
+            else:  # only a CUDA IPC lane reaches it: keep the memory itself
+                region._pin()
             self._held[region.region_id] = (region, holders)
         else:
             held[1].update(holders)
@@ -267,8 +277,10 @@ class Node:
         held[1].discard(ep)
         if not held[1]:
             del self._held[region_id]
-            assert self._factory is not None
-            self._factory.release(held[0])
+            if self._factory is not None:
+                self._factory.release(held[0])
+            else:
+                held[0]._unpin()
 
     def exports(self) -> list[RegionDescriptor]:
         """Descriptors of every region this node exports now."""
@@ -279,6 +291,8 @@ class Node:
         caps: dict[str, Any] = {"transport": self.transport}
         if self._factory is not None:
             caps[self._factory.name] = self._factory.local_info()
+        if self._cuda_ipc and _cuda.available():
+            caps[cuda_ipc_lane.KEY] = {"host": host_id(), "pid": os.getpid()}
         return caps
 
     async def connect(self, address: str, *, timeout: float | None = DEFAULT) -> Endpoint:
@@ -356,9 +370,9 @@ class Node:
         conn.start()
         self._endpoints.add(ep)
         info = lane.info
-        logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s why=%s", self.id,
+        logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s why=%s%s", self.id,
                     conn.peer, address, info["transport"], ",".join(info["lanes"]),
-                    printable(info["why"]))
+                    printable(info["why"]), f"; gpu={info['gpu']}" if "gpu" in info else "")
         return ep
 
     async def _choose_lane(self, conn: Connection, timeout: float | None) -> DataLane:
@@ -366,7 +380,17 @@ class Node:
         if lane is None:
             lane = TcpLane(conn, self._tcp_why(conn))
         self._enforce_require(lane)
-        return lane
+        return self._with_cuda_ipc(conn, lane)
+
+    def _with_cuda_ipc(self, conn: Connection, lane: DataLane) -> DataLane:
+        """Same-host peers that both use CUDA get the CUDA IPC lane for GPU memory."""
+        theirs = conn.peer_caps.get(cuda_ipc_lane.KEY)
+        if not (self._cuda_ipc and isinstance(theirs, dict) and _cuda.available()):
+            return lane
+        pid = theirs.get("pid")
+        if theirs.get("host") != host_id() or not isinstance(pid, int):
+            return lane
+        return cuda_ipc_lane.CudaIpcLane(lane, pid)
 
     async def _try_ucx(self, conn: Connection, timeout: float | None) -> DataLane | None:
         peer_info = conn.peer_caps.get("ucx")

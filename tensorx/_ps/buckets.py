@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tensorx import _cuda
+
 __all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent"]
 
 logger = logging.getLogger(__name__)
@@ -110,6 +112,8 @@ class BucketPusher:
         self._dirty: set[int] = set()
         self._inflight: list[Any] = []
         self._hooks: list[Any] = []
+        # gradients on a GPU: a bucket leaves only once the kernels that wrote it finished
+        self._device = next((p.device for p in model.parameters() if p.is_cuda), None)
         self.early = 0  # buckets written before step(): instrumentation
         if overlap and len(buckets) > 0:
             for name, p in model.named_parameters():
@@ -140,15 +144,26 @@ class BucketPusher:
 
     def _start(self, bucket: Bucket) -> None:
         self.early += 1
+        write = self._write(bucket)
+        if self._device is not None:  # recorded here, on the backward's own stream
+            write = self._after(_cuda.record(self._device), write)
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is self._loop:
-            self._inflight.append(self._loop.create_task(self._write(bucket)))
+            self._inflight.append(self._loop.create_task(write))
         else:
-            self._inflight.append(asyncio.run_coroutine_threadsafe(self._write(bucket),
-                                                                   self._loop))
+            self._inflight.append(asyncio.run_coroutine_threadsafe(write, self._loop))
+
+    @staticmethod
+    async def _after(events: list[Any], write: Coroutine[Any, Any, None]) -> None:
+        try:
+            await _cuda.wait(events)
+        except BaseException:
+            write.close()
+            raise
+        await write
 
     def invalidate(self) -> None:
         """Something replaced gradients behind autograd's back: rewrite every bucket."""

@@ -28,10 +28,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tensorx.errors import TransportUnavailableError
+from tensorx import _cuda
+from tensorx.errors import TensorxError, TransportUnavailableError
 
-__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "acquire_driver", "lane_roles", "load",
-           "release_driver", "status_string", "ucx_paths", "ucxx_context"]
+__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "acquire_driver", "driver_cuda_status",
+           "lane_roles", "load", "release_driver", "set_driver_cuda", "status_string",
+           "ucx_paths", "ucxx_context"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
 
@@ -140,7 +142,8 @@ def _build(target: Path, include: Path, lib: Path) -> Path:
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     ffi.set_source(_MODULE, SOURCE, include_dirs=[str(include)], library_dirs=[str(lib)],
-                   libraries=["ucp", "ucs"], extra_link_args=[f"-Wl,-rpath,{lib}", "-pthread"],
+                   libraries=["ucp", "ucs", "dl"],
+                   extra_link_args=[f"-Wl,-rpath,{lib}", "-pthread"],
                    extra_compile_args=["-O2", "-pthread"])
     logger.info("building the UCX RMA binding into %s (once per UCX version)", target)
     with tempfile.TemporaryDirectory(prefix="tensorx-ucp-") as tmp:
@@ -264,19 +267,22 @@ def acquire_driver(lib: UcpLib, ctx: Any, spin_ns: int) -> bool:
             ctx.worker.stop_progress_thread()
             driver = lib.lib.tx_driver_start(int(ctx.worker.handle), spin_ns, err)
             if driver == lib.ffi.NULL:
-                ctx.worker.start_progress_thread(False, 1)
+                _start_ucxx_thread(ctx)
                 logger.warning("UCX progress driver failed to start (%s); using ucxx's",
                                lib.status_string(err[0]))
                 return False
             _driver = driver
             atexit.register(_stop_driver, lib)  # before ucxx's teardown (atexit is LIFO)
+            if _cuda.available():  # a CUDA process: its context, on the driver thread too
+                _apply_cuda(lib, _cuda_device())
         _driver_users += 1
         return True
 
 
 def _stop_driver(lib: UcpLib) -> None:
     """Stop the driver thread (at exit, or when its last user is gone)."""
-    global _driver
+    global _driver, _cuda_on_driver
+    _cuda_on_driver = None
     if _driver is not None:
         lib.lib.tx_driver_stop(_driver)
         _driver = None
@@ -291,4 +297,55 @@ def release_driver(lib: UcpLib, ctx: Any) -> None:
         if _driver_users or _driver is None:
             return
         _stop_driver(lib)
-        ctx.worker.start_progress_thread(False, 1)
+        _start_ucxx_thread(ctx)
+
+
+_cuda_on_driver: int | None = None  # the device whose context the driver thread has
+
+
+def _cuda_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())
+
+
+def set_driver_cuda(lib: UcpLib, device: int) -> None:
+    """Make ``device``'s primary context current on tensorx's progress driver thread (UCX's
+    CUDA transports progress in the thread's current context). Idempotent per device; a
+    no-op where ucxx's own thread progresses (its start callback does the same)."""
+    with _lock:
+        _apply_cuda(lib, device)
+
+
+def _apply_cuda(lib: UcpLib, device: int) -> None:
+    global _cuda_on_driver
+    if _driver is None or _cuda_on_driver == device:
+        return
+    try:
+        handle = _cuda.primary_context(device)
+    except TensorxError as exc:
+        logger.warning("UCX progress thread gets no CUDA context: %s", exc)
+        return
+    lib.lib.tx_driver_set_cuda(_driver, handle)
+    _cuda_on_driver = device
+
+
+def driver_cuda_status(lib: UcpLib) -> int | None:
+    """-1 pending, 0 current, -2 no libcuda, >0 a CUresult; None without a driver."""
+    return None if _driver is None else int(lib.lib.tx_driver_cuda(_driver))
+
+
+def _context_on_thread(device: int) -> None:
+    try:
+        _cuda.make_current(device)
+    except TensorxError as exc:  # never raise inside ucxx's thread
+        logger.warning("UCX progress thread gets no CUDA context: %s", exc)
+
+
+def _start_ucxx_thread(ctx: Any) -> None:
+    """Give progress (back) to ucxx's thread, with the CUDA context made current on it
+    first when this process uses CUDA, as ucxx does when it starts that thread itself."""
+    if _cuda.available():
+        device = _cuda_device()
+        ctx.worker.set_progress_thread_start_callback(_context_on_thread, cb_args=(device,))
+    ctx.worker.start_progress_thread(False, 1)

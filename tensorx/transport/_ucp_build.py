@@ -51,6 +51,8 @@ unsigned tx_progress(uintptr_t worker, unsigned rounds, tx_wait_t *w);
 int tx_signal(uintptr_t worker);
 
 void *tx_driver_start(uintptr_t worker, long spin_ns, int *err);
+void tx_driver_set_cuda(void *driver, uintptr_t cuda_ctx);
+int tx_driver_cuda(void *driver);
 void tx_driver_stop(void *driver);
 unsigned long tx_driver_sleeps(void *driver);
 const char *tx_status_string(int status);
@@ -67,6 +69,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <errno.h>
 #include <pthread.h>
+#include <dlfcn.h>
 #include <sched.h>
 #include <time.h>
 #include <sys/epoll.h>
@@ -335,7 +338,29 @@ typedef struct {
     int epfd;
     volatile int stop;
     volatile unsigned long sleeps;
+    volatile uintptr_t cuda_want;  /* a CUcontext to make current on the driver thread */
+    uintptr_t cuda_have;
+    volatile int cuda_status;      /* -1 not yet, 0 current, -2 no libcuda, else CUresult */
 } tx_driver_t;
+
+/* UCX's CUDA transports work in the context current on the thread that progresses them:
+ * the driver thread installs the one Python hands it (the device's primary context),
+ * through libcuda loaded at run time, so the binding links no CUDA library. */
+static void tx_driver_apply_cuda(tx_driver_t *d)
+{
+    typedef int (*set_current_t)(void *);
+    static set_current_t set_current;
+    uintptr_t want = d->cuda_want;
+    if (set_current == NULL) {
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (h == NULL) {
+            h = dlopen("libcuda.so.1", RTLD_NOW);
+        }
+        set_current = h ? (set_current_t)dlsym(h, "cuCtxSetCurrent") : NULL;
+    }
+    d->cuda_status = set_current ? set_current((void *)want) : -2;
+    d->cuda_have = want;
+}
 
 static long tx_now_ns(void)
 {
@@ -350,6 +375,9 @@ static void *tx_driver_main(void *arg)
     struct epoll_event ev;
     long busy = tx_now_ns();
     while (!d->stop) {
+        if (d->cuda_want != d->cuda_have) {
+            tx_driver_apply_cuda(d);
+        }
         if (ucp_worker_progress(d->worker)) {
             busy = tx_now_ns();
             continue;
@@ -383,6 +411,7 @@ void *tx_driver_start(uintptr_t worker, long spin_ns, int *err)
     }
     d->worker = (ucp_worker_h)worker;
     d->spin_ns = spin_ns;
+    d->cuda_status = -1;
     *err = (int)ucp_worker_get_efd(d->worker, &wfd);
     if (*err != UCS_OK) {
         free(d);
@@ -412,6 +441,19 @@ void tx_driver_stop(void *driver)
     pthread_join(d->thread, NULL);
     close(d->epfd);
     free(d);
+}
+
+void tx_driver_set_cuda(void *driver, uintptr_t cuda_ctx)
+{
+    tx_driver_t *d = (tx_driver_t *)driver;
+    d->cuda_status = -1;
+    d->cuda_want = cuda_ctx;
+    ucp_worker_signal(d->worker);  /* it may sleep in epoll_wait */
+}
+
+int tx_driver_cuda(void *driver)
+{
+    return ((tx_driver_t *)driver)->cuda_status;
 }
 
 unsigned long tx_driver_sleeps(void *driver)

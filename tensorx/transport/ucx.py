@@ -33,6 +33,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from tensorx import _cuda
 from tensorx.errors import (
     ClosedError,
     ProtocolError,
@@ -261,6 +262,8 @@ class UcxFactory(LaneFactory):
     def _map(self, region: MemoryRegion) -> _Registration:
         if region.nbytes == 0:
             return _Registration(0, b"")
+        if region.is_cuda and self.driver:  # UCX's CUDA transports progress in this context
+            _ucp.set_driver_cuda(self._ucp, _cuda.device_index(region.device))
         memh = self._ffi.new("uintptr_t *")
         st = self._lib.tx_mem_map(self.context_handle, region.address, region.nbytes,
                                   int(region.is_cuda), memh)

@@ -1,0 +1,291 @@
+"""CUDA below the transports: stream ordering, contexts and IPC handles.
+
+Three jobs, none of which imports torch or loads the driver at import time:
+
+* **Stream ordering.** A GPU region may only leave once the kernels that wrote it have
+  finished. :func:`ready` records a CUDA event on the stream that produces the region (the
+  ``stream`` of its ``__cuda_array_interface__`` where one was given, and the caller's current
+  torch stream) and :func:`wait` awaits it without blocking the event loop and without a
+  device-wide synchronize.
+* **Contexts.** Threads that drive UCX (tensorx's progress driver, ucxx's thread) need the
+  device's primary context current; :func:`primary_context` hands out its handle and
+  :func:`make_current` installs it on the calling thread.
+* **IPC.** :func:`ipc_export` and :func:`IpcMapping` wrap ``cuIpcGetMemHandle`` /
+  ``cuIpcOpenMemHandle``, for the same-host CUDA IPC lane.
+
+The driver API is reached through ``ctypes`` (``libcuda.so.1`` is there wherever a GPU driver
+is), so nothing here needs cupy or a CUDA toolkit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from tensorx.errors import TransportUnavailableError
+
+__all__ = ["IpcMapping", "available", "ipc_export", "make_current", "primary_context",
+           "ready", "record", "wait", "wait_sync"]
+
+_lock = threading.Lock()
+_driver: Any = None
+_primary: dict[int, int] = {}
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class CudaError(TransportUnavailableError):
+    """A CUDA driver call failed (the GPU path it was for is not usable)."""
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def torch_cuda() -> Any:
+    """torch, if it is already imported and has a usable CUDA device; else None. Never
+    imports torch: a process with a CUDA model has imported it long before."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch if torch.cuda.is_available() else None
+    except Exception:  # a broken CUDA install reads as no CUDA
+        return None
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - GPU regions come with torch or cupy
+        raise TransportUnavailableError("GPU regions need torch (pip install tensorx[torch]) "
+                                        "for stream ordering") from exc
+    return torch
+
+
+def available() -> bool:
+    return torch_cuda() is not None
+
+
+def _lib() -> Any:
+    global _driver
+    with _lock:
+        if _driver is None:
+            try:
+                cu = ctypes.CDLL("libcuda.so.1")
+            except OSError as exc:
+                raise CudaError(f"no CUDA driver here ({exc})") from exc
+            u64, p64 = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)
+            cu.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            cu.cuInit.argtypes = [ctypes.c_uint]
+            cu.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+            cu.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p),
+                                                    ctypes.c_int]
+            cu.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+            cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+            cu.cuMemGetAddressRange_v2.argtypes = [p64, ctypes.POINTER(ctypes.c_size_t), u64]
+            cu.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), u64]
+            cu.cuIpcOpenMemHandle_v2.argtypes = [p64, _Handle, ctypes.c_uint]
+            cu.cuIpcCloseMemHandle.argtypes = [u64]
+            _driver = cu
+        return _driver
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        text = ctypes.c_char_p()
+        _lib().cuGetErrorString(rc, ctypes.byref(text))
+        name = text.value.decode(errors="replace") if text.value else "unknown error"
+        raise CudaError(f"{what} failed: CUDA error {rc} ({name})")
+
+
+def primary_context(device: int) -> int:
+    """The handle of ``device``'s primary context (the one torch and cupy use), retained for
+    the life of the process."""
+    with _lock:
+        if device in _primary:
+            return _primary[device]
+    cu = _lib()
+    _check(cu.cuInit(0), "cuInit")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(cu.cuDeviceGet(ctypes.byref(dev), device), f"cuDeviceGet({device})")
+    _check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    with _lock:
+        _primary.setdefault(device, int(ctx.value or 0))
+        return _primary[device]
+
+
+def make_current(device: int) -> None:
+    """Make ``device``'s primary context current on the calling thread."""
+    _check(_lib().cuCtxSetCurrent(primary_context(device)), "cuCtxSetCurrent")
+
+
+def device_index(device: str) -> int:
+    """``"cuda:3"`` -> 3; ``"cuda"`` -> 0."""
+    _, _, index = device.partition(":")
+    return int(index or 0)
+
+
+# -- stream ordering ---------------------------------------------------------------------
+def ready(regions: Any) -> list[Any]:
+    """Events recorded now on the streams producing each CUDA region among ``regions``: once
+    they complete, every kernel enqueued before this call that writes (or reads) the regions
+    has finished. Empty when no region is on a GPU."""
+    events: list[Any] = []
+    seen: set[tuple[str, int]] = set()
+    for region in regions:
+        if not region.is_cuda:
+            continue
+        torch = _torch()
+        if not torch.cuda.is_available():
+            raise TransportUnavailableError(
+                f"region {region.region_id:#x} is GPU memory ({region.device}) but CUDA is "
+                "not usable in this process")
+        device = torch.device(region.device)
+        streams = [torch.cuda.current_stream(device)]
+        external = getattr(region, "stream", None)
+        if external is not None:  # __cuda_array_interface__'s stream, honoured too
+            streams.append(torch.cuda.ExternalStream(external, device=device))
+        for stream in streams:
+            key = (region.device, int(stream.cuda_stream))
+            if key in seen:
+                continue
+            seen.add(key)
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+    return events
+
+
+def record(device: Any) -> list[Any]:
+    """An event recorded now on the calling thread's current stream of ``device`` (autograd
+    runs backward kernels on the forward's streams; a hook records on the right one)."""
+    torch = sys.modules["torch"]
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return [event]
+
+
+async def wait(events: list[Any]) -> None:
+    """Await ``events`` without blocking the loop: most are complete by the time they are
+    asked (the kernels ran while the caller did other work), so poll, backing off from 20
+    microseconds to 2 ms. If cancelled, wait for them synchronously before letting the
+    cancellation through, so nothing the caller freed afterwards is still being written."""
+    delay = 2e-5
+    try:
+        for event in events:
+            while not event.query():
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2e-3)
+    except BaseException:
+        wait_sync(events)
+        raise
+
+
+def wait_sync(events: list[Any]) -> None:
+    for event in events:
+        event.synchronize()
+
+
+# -- IPC ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IpcKeys:
+    """What a same-host peer needs to map a region: the allocation's IPC handle, where the
+    region starts in that allocation, the device's UUID and the owner's pid."""
+
+    handle: bytes
+    offset: int
+    size: int  # of the whole allocation
+    uuid: str
+    pid: int
+    address: int  # the region's device pointer in the owner's process
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"handle": self.handle, "offset": self.offset, "size": self.size,
+                "uuid": self.uuid, "pid": self.pid, "address": self.address}
+
+    @classmethod
+    def from_wire(cls, keys: Any) -> IpcKeys | None:
+        try:
+            k = cls(bytes(keys["handle"]), int(keys["offset"]), int(keys["size"]),
+                    str(keys["uuid"]), int(keys["pid"]), int(keys["address"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        ok = len(k.handle) == 64 and 0 <= k.offset < k.size and k.address >= 0
+        return k if ok else None
+
+
+def device_uuid(index: int) -> str:
+    torch = sys.modules["torch"]
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def ipc_export(address: int, nbytes: int, device: str) -> IpcKeys:
+    """IPC keys for ``nbytes`` of device memory at ``address`` (any pointer inside an
+    allocation: the handle names the whole allocation, the offset says where we are)."""
+    cu = _lib()
+    index = device_index(device)
+    make_current(index)
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _check(cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address),
+           "cuMemGetAddressRange")
+    handle = _Handle()
+    _check(cu.cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
+    offset = address - base.value
+    if offset + nbytes > size.value:
+        raise CudaError("region runs past the end of its CUDA allocation")
+    return IpcKeys(bytes(bytearray(handle.reserved)), offset, int(size.value),
+                   device_uuid(index), os.getpid(), address)
+
+
+def local_device_for(uuid: str) -> int | None:
+    """The index, in this process, of the GPU with ``uuid`` (CUDA_VISIBLE_DEVICES may
+    number them differently in each process); None if it is not visible here."""
+    torch = sys.modules["torch"]
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(i) == uuid:
+            return i
+    return None
+
+
+class IpcMapping:
+    """A peer's allocation opened in this process: a torch uint8 tensor over all of it."""
+
+    def __init__(self, keys: IpcKeys, device: int) -> None:
+        cu = _lib()
+        make_current(device)
+        handle = _Handle()
+        ctypes.memmove(ctypes.byref(handle), keys.handle, 64)
+        ptr = ctypes.c_uint64()
+        _check(cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle,
+                                        CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+               "cuIpcOpenMemHandle")
+        self.base = int(ptr.value)
+        self.size = keys.size
+        self.device = device
+        self.tensor = _device_tensor(self.base, keys.size, device)
+
+    def close(self) -> None:
+        if self.base:
+            base, self.base = self.base, 0
+            self.tensor = None
+            make_current(self.device)
+            _check(_lib().cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+
+
+class _DeviceMemory:
+    """Just enough ``__cuda_array_interface__`` for torch to wrap raw device memory."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (address, False), "version": 3,
+                                         "strides": None, "stream": None}
+
+
+def _device_tensor(address: int, nbytes: int, device: int) -> Any:
+    torch = sys.modules["torch"]
+    return torch.as_tensor(_DeviceMemory(address, nbytes), device=f"cuda:{device}")

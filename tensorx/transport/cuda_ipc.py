@@ -1,0 +1,261 @@
+"""The same-host CUDA IPC lane: GPU to GPU, device to device, without UCX's trade-off.
+
+On one host UCX offers its CUDA IPC transport only with peer error handling off (a dead peer
+can then hang or abort the process). This lane needs neither: the owner puts the CUDA IPC
+handle of each exported GPU region's allocation into the region's descriptor
+(``keys["cuda_ipc"]``); a peer on the same host opens it once (``cuIpcOpenMemHandle``) and
+from then on a write or read is one ``cudaMemcpyAsync`` on the lane's own stream, straight
+between the two processes' device memory (NVLink or PCIe peer to peer; the owner's code never
+runs). Completion is the copy's CUDA event. Peer death is seen by the control channel, as for
+every lane: ops then fail with ``BrokenError`` and the mappings are closed once the lane's
+copies have finished; nothing aborts.
+
+The lane wraps the endpoint's other lane (UCX or TCP), which keeps everything else: host
+memory, notifications' flush, GPU memory of peers whose descriptors carry no handle. It is
+reported in ``ep.info["gpu"]`` and in the endpoint's INFO line.
+
+Switch it off with ``Node(cuda_ipc=False)`` or ``TENSORX_CUDA_IPC=0``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tensorx import _cuda
+from tensorx.errors import BrokenError, ClosedError, TensorxError, TimeoutError
+from tensorx.memregion import MemoryRegion, RegionDescriptor
+from tensorx.transport.base import DataLane, Op
+
+__all__ = ["KEY", "CudaIpcLane", "enabled", "export_keys"]
+
+logger = logging.getLogger(__name__)
+
+KEY = "cuda_ipc"
+
+
+def enabled(setting: bool | None) -> bool:
+    """``Node(cuda_ipc=...)``; None reads ``TENSORX_CUDA_IPC`` (on unless ``0``)."""
+    if setting is not None:
+        return setting
+    return os.environ.get("TENSORX_CUDA_IPC", "1").strip().lower() not in ("0", "no", "off",
+                                                                            "false")
+
+
+def export_keys(region: MemoryRegion) -> dict[str, Any] | None:
+    """The descriptor keys that let a same-host peer map ``region``; None (logged once at
+    INFO per reason) where CUDA IPC cannot export it, e.g. memory from cuMemCreate (torch's
+    ``expandable_segments``) or managed memory."""
+    try:
+        return _cuda.ipc_export(region.address, region.nbytes, region.device).to_wire()
+    except TensorxError as exc:
+        reason = str(exc)
+        if reason not in _told:
+            _told.add(reason)
+            logger.info("GPU region %#x gets no CUDA IPC handle (%s); same-host peers reach "
+                        "it over the endpoint's other lane", region.region_id, reason)
+        return None
+
+
+_told: set[str] = set()
+
+
+class CudaIpcLane(DataLane):
+    """Device-to-device copies into and out of a same-host peer's GPU regions; every other
+    op goes to ``inner``."""
+
+    bypasses_owner = True
+
+    def __init__(self, inner: DataLane, peer_pid: int) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._same_process = peer_pid == os.getpid()
+        self._maps: dict[bytes, _cuda.IpcMapping] = {}
+        self._keys: dict[tuple[int, int], _cuda.IpcKeys | None] = {}
+        self._streams: dict[int, Any] = {}
+        self._last: dict[int, Any] = {}  # per stream: the event of its latest copy
+        self._gone: str | None = None
+        self._closed = False
+        self.ops = 0  # ops this lane carried itself (instrumentation, tests)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        how = ("same process: device to device" if self._same_process else
+               "CUDA IPC: device to device, same host")
+        return {**self.inner.info, "gpu": f"{KEY} ({how}; peer death seen by the control "
+                                          "channel)"}
+
+    # -- which ops are ours ---------------------------------------------------------------
+    def _ipc_keys(self, desc: RegionDescriptor) -> _cuda.IpcKeys | None:
+        if desc.device != "cuda":
+            return None
+        key = (desc.region_id, desc.cookie)
+        if key not in self._keys:
+            raw = desc.keys.get(KEY)
+            keys = _cuda.IpcKeys.from_wire(raw) if isinstance(raw, dict) else None
+            if keys is not None and _cuda.local_device_for(keys.uuid) is None:
+                keys = None  # the owner's GPU is not visible in this process
+            if len(self._keys) > 4096:
+                self._keys.clear()
+            self._keys[key] = keys
+        return self._keys[key]
+
+    def _split(self, ops: Sequence[Op]) -> tuple[list[tuple[Op, _cuda.IpcKeys]], list[Op]]:
+        mine: list[tuple[Op, _cuda.IpcKeys]] = []
+        rest: list[Op] = []
+        for op in ops:
+            keys = self._ipc_keys(op.remote)
+            if keys is None or op.nbytes == 0:
+                rest.append(op)
+            else:
+                mine.append((op, keys))
+        return mine, rest
+
+    # -- the contract ---------------------------------------------------------------------
+    async def write(self, op: Op, *, timeout: float | None) -> None:
+        await self.write_many([op], timeout=timeout)
+
+    async def read(self, op: Op, *, timeout: float | None) -> None:
+        mine, rest = self._split([op])
+        if rest:
+            await self.inner.read(op, timeout=timeout)
+            return
+        await self._copy(mine, to_remote=False, timeout=timeout)
+
+    async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
+        mine, rest = self._split(ops)
+        if not mine:
+            await self.inner.write_many(ops, timeout=timeout)
+            return
+        if rest:
+            await asyncio.gather(self._copy(mine, to_remote=True, timeout=timeout),
+                                 self.inner.write_many(rest, timeout=timeout))
+        else:
+            await self._copy(mine, to_remote=True, timeout=timeout)
+
+    async def write_notify(self, ops: Sequence[Op], payload: bytes, *,
+                           timeout: float | None) -> bool:
+        mine, _ = self._split(ops)
+        if mine:
+            return False  # the endpoint writes, flushes (ours and the inner lane) and notifies
+        return await self.inner.write_notify(ops, payload, timeout=timeout)
+
+    async def flush(self, *, timeout: float | None) -> None:
+        events = list(self._last.values())
+        if events:
+            await self._wait(events, timeout)
+        await self.inner.flush(timeout=timeout)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._release()
+        finally:
+            await self.inner.aclose()
+
+    def abort(self) -> None:
+        self._closed = True
+        self._release()
+        self.inner.abort()
+
+    def peer_gone(self, why: str) -> None:
+        self._gone = why
+        self._release()
+        self.inner.peer_gone(why)
+
+    # -- copies ---------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._gone is not None:
+            raise BrokenError(f"peer gone: {self._gone}")
+        if self._closed:
+            raise ClosedError("lane closed")
+
+    async def _copy(self, items: list[tuple[Op, _cuda.IpcKeys]], *, to_remote: bool,
+                    timeout: float | None) -> None:
+        self._check()
+        events = self._issue(items, to_remote)
+        await self._wait(events, timeout)
+        self.ops += len(items)
+        self._check()  # the peer died meanwhile: its memory may be gone, report it
+
+    def _issue(self, items: list[tuple[Op, _cuda.IpcKeys]], to_remote: bool) -> list[Any]:
+        """Enqueue every copy on the lane's stream (one per local device); never yields."""
+        torch = _cuda._torch()
+        events = []
+        by_device: dict[int, list[tuple[Any, Any]]] = {}
+        for op, keys in items:
+            remote, device = self._remote(keys, op.remote_offset, op.nbytes)
+            local = _local(torch, op.local, op.local_offset, op.nbytes)
+            if op.local.is_cuda:
+                device = _cuda.device_index(op.local.device)
+            pair = (remote, local) if to_remote else (local, remote)
+            by_device.setdefault(device, []).append(pair)
+        for device, pairs in by_device.items():
+            stream = self._stream(torch, device)
+            with torch.cuda.stream(stream):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._last[device] = event
+            events.append(event)
+        return events
+
+    def _remote(self, keys: _cuda.IpcKeys, offset: int, nbytes: int) -> tuple[Any, int]:
+        device = _cuda.local_device_for(keys.uuid)
+        assert device is not None  # checked in _ipc_keys
+        if self._same_process and keys.pid == os.getpid():  # our own memory: no mapping
+            return _cuda._device_tensor(keys.address + offset, nbytes, device), device
+        mapping = self._maps.get(keys.handle)
+        if mapping is None:
+            if len(self._maps) >= 1024:
+                raise BrokenError("more than 1024 GPU allocations of one peer mapped")
+            mapping = _cuda.IpcMapping(keys, device)
+            self._maps[keys.handle] = mapping
+        start = keys.offset + offset
+        if start + nbytes > mapping.size:  # the owner checked the range, this is defence
+            raise BrokenError("a GPU region's range runs past its peer allocation")
+        return mapping.tensor[start:start + nbytes], device
+
+    def _stream(self, torch: Any, device: int) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    async def _wait(self, events: list[Any], timeout: float | None) -> None:
+        try:  # on any way out _cuda.wait waits for the copies first
+            await asyncio.wait_for(_cuda.wait(events), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"GPU copies did not complete within {timeout} s") from None
+
+    def _release(self) -> None:
+        """Close every mapping once this lane's copies are done (never while one runs)."""
+        maps, self._maps = self._maps, {}
+        if not maps:
+            return
+        try:
+            _cuda.wait_sync(list(self._last.values()))
+        except Exception as exc:  # a broken device: still try to close the mappings
+            logger.warning("waiting for CUDA IPC copies failed: %s", exc)
+        for mapping in maps.values():
+            try:
+                mapping.close()
+            except TensorxError as exc:
+                logger.warning("closing a CUDA IPC mapping failed: %s", exc)
+
+
+def _local(torch: Any, region: MemoryRegion, offset: int, nbytes: int) -> Any:
+    """A uint8 torch view of ``nbytes`` of ``region`` at ``offset`` (GPU or host)."""
+    if region.is_cuda:
+        return _cuda._device_tensor(region.address + offset, nbytes,
+                                    _cuda.device_index(region.device))
+    import numpy as np
+
+    flat = np.frombuffer(region.buffer(), dtype=np.uint8)
+    return torch.from_numpy(flat[offset:offset + nbytes])
