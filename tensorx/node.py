@@ -91,6 +91,10 @@ class Node:
     ``max_handshakes``: unauthenticated connections at once; past it the oldest is dropped.
     ``notify_queue``: ``(count, bytes)`` bound of ``notifications``; a connection whose
     notification does not fit waits (stops reading its peer) until the user takes some.
+
+    ``cuda_ipc``: GPU regions between same-host peers that both use CUDA travel device to
+    device over CUDA IPC (reported in ``ep.info["gpu"]``); ``None`` reads
+    ``$TENSORX_CUDA_IPC`` (on unless ``0``). See docs/transports.md, "GPU memory".
     """
 
     def __init__(self, listen: str | None = "tcp://127.0.0.1:0", *, transport: str = "auto",
