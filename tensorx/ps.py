@@ -36,6 +36,7 @@ from typing import Any
 
 from tensorx._ps import observe
 from tensorx._ps.checkpoint import check_schedule
+from tensorx._ps.device import resolve as resolve_device
 from tensorx._ps.grads import GradHook, GradProcessing
 from tensorx._ps.inbox import Inbox
 from tensorx._ps.losses import LossWatch
@@ -87,7 +88,15 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
     elementwise optimizers only, see ShardState).
     ``share_memory``: in sync mode, offer workers on this host (same :func:`host_id`: same
     kernel, /dev/shm and network namespace) to map the parameter arena and their gradient
-    slot, so that a step copies nothing; ``False`` always copies.
+    slot, so that a step copies nothing; ``False`` always copies. Host memory only: a
+    server on a GPU offers nothing (one INFO line says so).
+    ``device``: ``"cpu"`` (the default), ``"cuda"`` (the current CUDA device) or
+    ``"cuda:N"``: where the shard's parameter arena, gradient slots, optimizer state and
+    every other per-shard tensor live and where the update runs. Workers write gradients
+    straight into its GPU slots and read parameters straight out of its GPU arena (UCX
+    reaches GPU memory directly; TCP stages it through host). Checkpoints hold CPU tensors
+    either way, so one written by a CPU server resumes on a GPU server and vice versa.
+    See :mod:`tensorx._ps.device`.
     ``on_worker_loss`` (``"wait"``, the default, or ``"continue"``) and
     ``worker_loss_timeout`` (seconds, default 30; None: no timer, wait silently): in sync
     mode, once a worker has been disconnected that long, keep waiting for it to rejoin (one
@@ -135,7 +144,8 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
                  node_options: dict[str, Any] | None = None,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
                  clip_grad_norm: float | None = None,
-                 grad_hook: GradHook | None = None) -> None:
+                 grad_hook: GradHook | None = None, device: str = "cpu") -> None:
+        self.device = resolve_device(device)
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if clip_grad_norm is not None and mode != "sync":
@@ -182,7 +192,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
         self._slot_descs = {}
         self._header_descs = {}
         self._sparse = None
-        self.sharing = Sharing(shard, mode, share_memory)  # same-host mapping offers
+        self.sharing = Sharing(shard, mode, share_memory, self.device)  # same-host mapping
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
         self._events = Inbox(f"ps shard {shard}")  # bounded per peer
         self._tasks: list[asyncio.Task[None]] = []
@@ -227,8 +237,9 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
             # come back is a loss like any other (a fresh server waits for its first workers)
             for rank in range(self.num_workers):
                 self.losses.gone(rank)
-        logger.info("ps shard %d/%d listening on %s: mode=%s workers=%d", self.shard,
-                    self.num_shards, self.node.address, self.mode, self.num_workers)
+        logger.info("ps shard %d/%d listening on %s: mode=%s workers=%d device=%s",
+                    self.shard, self.num_shards, self.node.address, self.mode,
+                    self.num_workers, self.device)
         return self
 
     @property

@@ -78,11 +78,11 @@ async def workers(models: Sequence[nn.Module], addresses: list[str], transport: 
 
 
 async def train_sync(opt: OptFactory, steps: int, num_shards: int, transport: str,
-                     flat: bool = False) -> list[torch.Tensor]:
+                     flat: bool = False, **kw: Any) -> list[torch.Tensor]:
     data = batches(steps, 2)
     models = [make_model(), make_model(seed=99)]  # rank 1's own init must be overwritten
     async with servers(num_shards, 2, transport, mode="sync", optimizer=opt,
-                       flat=flat) as shards, \
+                       flat=flat, **kw) as shards, \
             workers(models, [ps.address for ps in shards], transport, verify=True) as ws:
         for step in data:
             for w, m, (x, y) in zip(ws, models, step, strict=True):

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
+from tensorx._ps.device import resolve as resolve_device
 from tensorx._ps.losses import POLICIES
 from tensorx.errors import TensorxError, UsageError
 
@@ -102,6 +103,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="sync mode: let workers on this host map the arenas (zero-copy); "
                         "--no-share-memory always copies, as across hosts")
+    p.add_argument("--device", default="cpu",
+                   help="where each shard keeps its parameters, gradient slots and optimizer "
+                        "state and runs the update: cpu (default), cuda (the current GPU) "
+                        "or cuda:N")
     p.add_argument("--log-every", type=_seconds, default=60.0,
                    help="seconds between throughput log lines (0: never)")
     p.add_argument("--metrics-port", type=_port, default=None,
@@ -247,6 +252,10 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(f"--listen port {port} + {args.shards} shards runs past 65535")
     if args.log_level.upper() not in logging.getLevelNamesMapping():
         raise UsageError(f"--log-level {args.log_level!r}: not a logging level")
+    try:
+        resolve_device(args.device)
+    except UsageError as exc:
+        raise UsageError(f"--device: {exc}") from exc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -281,7 +290,7 @@ async def serve(args: argparse.Namespace) -> None:
         log_every=args.log_every or None, flat=args.flat,
         on_worker_loss=args.on_worker_loss, worker_loss_timeout=args.worker_loss_timeout,
         clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite,
-        send_timeout=args.send_timeout)
+        send_timeout=args.send_timeout, device=args.device)
         for s in shards]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

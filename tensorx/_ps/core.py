@@ -50,6 +50,7 @@ class ShardCore(abc.ABC):
     checkpoint_keep: int
     flat: bool
     share_memory: bool
+    device: str  # "cpu" or "cuda:N", see tensorx._ps.device
     _optimizer: OptimizerFactory
     _lr_scheduler: SchedulerFactory | None
     # helpers, one job each

@@ -48,12 +48,12 @@ class PlanHolder(ShardCore):
         try:
             state = ShardState(layout, self.num_workers, self._optimizer,
                                self._lr_scheduler, flat=self.flat,
-                               shared=self.share_memory and self.mode == "sync")
+                               shared=self.sharing.wanted, device=self.device)
         except (OSError, MemoryError, RuntimeError, OverflowError) as exc:
             raise UsageError(f"cannot build this shard's state for the plan ({layout.nbytes} B "
                              f"per arena, {self.num_workers + 2} arenas): {exc}") from exc
         try:
-            sparse = SparseReceiver(plan, self.shard, self.num_workers) \
+            sparse = SparseReceiver(plan, self.shard, self.num_workers, self.device) \
                 if dynamic_path_ok(plan) and plan.header_bytes(self.shard) else None
         except BaseException:
             state.close()

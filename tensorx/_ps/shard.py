@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tensorx._ps import checkpoint, parts
+from tensorx._ps.device import fence, is_cuda
 from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
@@ -81,7 +82,11 @@ def to_dtype(dtype: Any) -> torch.dtype:
 
 
 def checksum(region: MemoryRegion) -> int:
-    """CRC-32 of the region's bytes: stamped on each update, verified on each pull."""
+    """CRC-32 of the region's bytes: stamped on each update, verified on each pull. A GPU
+    region's bytes are copied to host for it (``verify`` is a debugging aid, not a hot path;
+    the copy waits for the update, which the caller has fenced anyway)."""
+    if region.is_cuda:
+        return zlib.crc32(region.view(torch.uint8).cpu().numpy())
     return zlib.crc32(region.buffer())
 
 
@@ -121,18 +126,22 @@ class ShardState:
     the update can be applied and sent part by part: :meth:`apply_part`.)
     ``shared=True`` puts the parameter arena and the slots in /dev/shm, so that workers on
     this host can map them (:attr:`shared` says whether that worked; else private memory).
+    ``device="cuda:N"`` puts all of it, and the optimizer's state, on that GPU (see
+    :mod:`tensorx._ps.device`; ``shared`` is then ignored).
     """
 
     def __init__(self, layout: ShardLayout, num_workers: int,
                  optimizer: OptimizerFactory, lr_scheduler: SchedulerFactory | None = None,
-                 verify: bool = False, flat: bool = False, shared: bool = False) -> None:
+                 verify: bool = False, flat: bool = False, shared: bool = False,
+                 device: str = "cpu") -> None:
         self.layout = layout
         self.num_workers = num_workers
         self.version = 0
+        self.device = device
         self.params_region, *self.slot_regions = _allocate(layout.nbytes, 1 + num_workers,
-                                                           shared)
+                                                           shared, device)
         self.shared = self.params_region.shared_name is not None
-        self._acc_region = MemoryRegion.allocate(layout.nbytes)
+        self._acc_region = MemoryRegion.allocate(layout.nbytes, device=device)
         self.views = views(layout, self.params_region)  # one per plan entry, for checkpoints
         dtype = _single_dtype(layout) if flat else None
         if flat and dtype is None and layout.slots:
@@ -170,7 +179,7 @@ class ShardState:
         """Replace ``rank``'s gradient slot by fresh zeroed memory (in /dev/shm if the old
         one was) and close the old one, which unexports it wherever it was exported."""
         old = self.slot_region(rank)
-        (new,) = _allocate(self.layout.nbytes, 1, old.shared_name is not None)
+        (new,) = _allocate(self.layout.nbytes, 1, old.shared_name is not None, self.device)
         self.slot_regions[rank] = new
         self._slots[rank] = self._split(new)
         for p, g in zip(self.params, self._acc, strict=True):
@@ -217,8 +226,11 @@ class ShardState:
         """Sum of squares of the gathered gradient, for a global norm: each tensor's 2-norm
         in its own dtype, squared and summed in float64, as ``clip_grad_norm_`` combines
         per-tensor norms (and no float64 copy of the gradient)."""
-        with torch.no_grad():
-            return math.fsum(float(torch.linalg.vector_norm(g)) ** 2 for g in self._acc)
+        if not self._acc:
+            return 0.0
+        with torch.no_grad():  # one transfer of the norms to host, not one per tensor
+            norms = torch.stack([torch.linalg.vector_norm(g).double() for g in self._acc])
+            return math.fsum(n * n for n in norms.tolist())
 
     def scale_grads(self, factor: float) -> None:
         with torch.no_grad():
@@ -236,6 +248,7 @@ class ShardState:
         if self.optimizer is not None:
             self.optimizer.step()
         self.finish_update()
+        fence(self.device)  # the update is in the arena before a byte of it leaves
 
     def apply_part(self, ranks: list[int], k: int) -> None:
         """The update of part ``k`` alone (see :attr:`num_parts`); every part once, then
@@ -248,6 +261,9 @@ class ShardState:
             p.grad = grad if i == k else None
         if self.optimizer is not None:
             self.optimizer.step()
+        # part k is written out as soon as this returns: its kernels (queued by this
+        # thread, on its current stream) must be done; an event, not a device-wide sync
+        fence(self.device)
 
     def finish_update(self) -> None:
         """After the last part: step the schedule, count the version."""
@@ -292,6 +308,7 @@ class ShardState:
         with torch.no_grad():
             for slot, view in zip(self.layout.slots, self.views, strict=True):
                 view.copy_(tensors[slot.key].reshape(-1))
+        fence(self.device)  # loaded before a welcome sends the arena
         self._checksum = None
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -305,9 +322,9 @@ class ShardState:
             "version": self.version,
             "flat": self.flat,
             "param_names": list(self.names),
-            "params": {s.key: v.detach().clone()
+            "params": {s.key: v.detach().to("cpu", copy=True)
                        for s, v in zip(self.layout.slots, self.views, strict=True)},
-            "optimizer": self._optimizer_state(),
+            "optimizer": to_cpu(self._optimizer_state()),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
         }
 
@@ -326,6 +343,7 @@ class ShardState:
                 parts.split_state(saved, self._part_sizes()) if self.flat else saved)
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        fence(self.device)  # the optimizer's load_state_dict copied to the GPU
         self.version = int(state["version"])
 
     def _part_sizes(self) -> list[int]:
@@ -353,10 +371,15 @@ class ShardState:
             region.close()
 
 
-def _allocate(nbytes: int, count: int, shared: bool) -> list[MemoryRegion]:
-    """``count`` regions, all in /dev/shm when ``shared`` and it has room, else all private."""
+def _allocate(nbytes: int, count: int, shared: bool, where: str = "cpu") -> list[MemoryRegion]:
+    """``count`` regions, all in /dev/shm when ``shared`` and it has room, else all private;
+    on the GPU ``where`` names, if it names one (never shared)."""
+    regions: list[MemoryRegion] = []
+    if is_cuda(where):
+        regions = [MemoryRegion.allocate(nbytes, device=where) for _ in range(count)]
+        fence(where)  # zeroed before they are exported: no late memset over a write
+        return regions
     if shared:
-        regions: list[MemoryRegion] = []
         try:
             for _ in range(count):
                 regions.append(MemoryRegion.allocate(nbytes, shared=True))
@@ -366,6 +389,20 @@ def _allocate(nbytes: int, count: int, shared: bool) -> list[MemoryRegion]:
                 region.close()
             logger.warning("shard arenas in private memory (workers cannot map them): %s", exc)
     return [MemoryRegion.allocate(nbytes) for _ in range(count)]
+
+
+def to_cpu(value: Any) -> Any:
+    """``value`` (an optimizer ``state_dict``, nested dicts and lists) with every tensor
+    copied to host: checkpoints hold CPU tensors whatever the server's device."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True) if value.is_cuda else value
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_cpu(v) for v in value]
+    if type(value) is tuple:
+        return tuple(to_cpu(v) for v in value)
+    return value
 
 
 def read_checkpoint(path: Path) -> Any:

@@ -5,6 +5,9 @@ a push copies nothing) and the parameter arena (the shard's update is there for 
 a pull copies nothing). The worker maps the parameter arena copy-on-write
 (:mod:`tensorx._ps.shared`), so an edit it makes in place never reaches the shard or any
 other worker, and is dropped at its next pull, as on the copy path.
+
+Only host memory is mapped: a shard whose arenas are on a GPU (``device="cuda:N"``) offers
+nothing, says so once, and its workers copy (straight to and from its GPU memory).
 """
 
 from __future__ import annotations
@@ -24,13 +27,26 @@ logger = logging.getLogger(__name__)
 class Sharing:
     """One shard's offers to map its arenas (same host, sync mode)."""
 
-    def __init__(self, shard: int, mode: str, enabled: bool) -> None:
+    def __init__(self, shard: int, mode: str, enabled: bool, device: str = "cpu") -> None:
         self.shard = shard
         self.mode = mode
         self.enabled = enabled
+        self.device = device
+        if enabled and mode == "sync" and device != "cpu":
+            logger.info("ps shard %d: same-host mapping (share_memory) is not offered: the "
+                        "arenas are on %s and only host memory can be mapped; workers "
+                        "copy to and from the GPU", shard, device)
+
+    @property
+    def wanted(self) -> bool:
+        """Put the arenas in /dev/shm, for workers to map?"""
+        return self.enabled and self.mode == "sync" and self.device == "cpu"
 
     def offer(self, state: Any, rank: int, asked: bool) -> bool:
-        """Offer ``rank`` our arenas to map? Loud about why not when it asked."""
+        """Offer ``rank`` our arenas to map? Loud about why not when it asked (the GPU
+        reason was said once, at construction)."""
+        if asked and self.enabled and self.device != "cpu":
+            return False
         why = ("the worker did not ask" if not asked
                else "share_memory=False" if not self.enabled
                else f"mode={self.mode} updates the arena while workers compute"

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tensorx._ps.device import fence
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -69,9 +70,13 @@ def _empty_sparse(param: torch.Tensor, entry: Any) -> torch.Tensor:
 
 
 class SparseReceiver:
-    """Shard side: per-worker header regions, staging descriptors, and the scatter."""
+    """Shard side: per-worker header regions, staging descriptors, and the scatter.
 
-    def __init__(self, plan: Any, shard: int, num_workers: int) -> None:
+    The rows are read into a buffer on the shard's ``device`` (next to the slots they are
+    scattered into); the small headers stay in host memory, where they are decoded."""
+
+    def __init__(self, plan: Any, shard: int, num_workers: int, device: str = "cpu") -> None:
+        self.device = device
         self.entries = [d for d in plan.dynamic_entries if d.shard == shard]
         offsets = {e.name: e.offset for e in plan.shard_entries(shard) if e.kind == "dynamic"}
         self._offsets = offsets
@@ -116,10 +121,12 @@ class SparseReceiver:
             recv = self._buffer(entry.name, header.nbytes)
             await ep.read(recv, desc, nbytes=header.nbytes, timeout=timeout)
             indices, values = payload_views(recv, entry, header.rows)
-            if bool((indices < 0).any()) or bool((indices >= entry.num_rows).any()):
+            if bool(((indices < 0) | (indices >= entry.num_rows)).any()):
                 raise RegionError(f"rank {rank}: {entry.name} row index out of range")
             dense.index_add_(0, indices, values)
             rows += header.rows
+        # the next rank's rows are read into the same buffers: the scatter must be done
+        fence(self.device)
         return rows
 
     def _buffer(self, name: str, nbytes: int) -> MemoryRegion:
@@ -127,7 +134,8 @@ class SparseReceiver:
         if region is None or region.nbytes < nbytes:
             if region is not None:
                 region.close()
-            region = self._recv[name] = MemoryRegion.allocate(max(nbytes, 4096))
+            region = self._recv[name] = MemoryRegion.allocate(max(nbytes, 4096),
+                                                              device=self.device)
         return region
 
     def close(self) -> None:
