@@ -59,6 +59,15 @@ OPTS = [pytest.param(SGD_MOMENTUM, id="sgd-momentum"), pytest.param(ADAM, id="ad
 NOT_MAPPED = "only host memory can be mapped"
 
 
+def lanes(transport: str) -> dict[str, Any]:
+    """Node options for ``transport``: UCX with its peer error handling (the default) keeps
+    to tcp lanes on one host, so the UCX runs here go without it (cuda_copy/cuda_ipc and
+    shared-memory lanes), as two processes on one GPU host would be run."""
+    if transport != "ucx":
+        return {}
+    return {"node_options": {"ucx_options": {"error_handling": False}}}
+
+
 def data_on(device: str, steps: int, num_workers: int = 2
             ) -> list[list[tuple[torch.Tensor, ...]]]:
     return [[tuple(t.to(device) for t in batch) for batch in step]
@@ -83,9 +92,9 @@ async def train_sync(opt: OptFactory, transport: str, server: str, model: str,
     data = data_on(model, STEPS)
     models = [make_model().to(model), make_model(seed=99).to(model)]
     async with servers(1, 2, transport, mode="sync", optimizer=opt, device=server,
-                       share_memory=share_memory) as (ps,), \
+                       share_memory=share_memory, **lanes(transport)) as (ps,), \
             workers(models, [ps.address], transport, verify=True,
-                    share_memory=share_memory) as ws:
+                    share_memory=share_memory, **lanes(transport)) as ws:
         for step in data:
             for w, m, (x, y) in zip(ws, models, step, strict=True):
                 w.zero_grad()
@@ -158,8 +167,9 @@ async def test_checkpoint_moves_between_gpu_and_cpu_servers(tmp_path: Path, tran
     async def train(device: str, model: nn.Module, rounds: list[Any]) -> int:
         model.to(device)
         async with ParameterServer(num_workers=1, checkpoint_dir=tmp_path, optimizer=ADAM,
-                                   transport=transport, device=device) as ps, \
-                workers([model], [ps.address], transport) as (w,):
+                                   transport=transport, device=device,
+                                   **lanes(transport)) as ps, \
+                workers([model], [ps.address], transport, **lanes(transport)) as (w,):
             for ((x, y),) in rounds:
                 w.zero_grad()
                 backward(model, x.to(device), y.to(device))
