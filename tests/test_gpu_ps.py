@@ -32,7 +32,7 @@ from tensorx._ps.shard import (
 )
 from tensorx.ps import ParameterServer
 
-from .conftest import transports
+from .conftest import HAVE_UCX
 from .test_ps_train import (
     ADAM,
     SGD_MOMENTUM,
@@ -52,20 +52,30 @@ pytestmark = [
 ]
 
 CUDA = "cuda:0"
-TRANSPORTS = transports()
+# the lane that carries GPU memory: the CUDA IPC lane (same process here: device to device
+# without handles), TCP staging through pinned host memory, UCX's CUDA transports
+TRANSPORTS = ["ipc", "tcp", pytest.param("ucx", marks=[pytest.mark.ucx, pytest.mark.skipif(
+    not HAVE_UCX, reason="ucxx not installed")])]
 STEPS = 12
 TOL: dict[str, Any] = {"rtol": 1e-4, "atol": 1e-5}  # float summation order, GPU vs CPU
 OPTS = [pytest.param(SGD_MOMENTUM, id="sgd-momentum"), pytest.param(ADAM, id="adam")]
 NOT_MAPPED = "only host memory can be mapped"
 
 
-def lanes(transport: str) -> dict[str, Any]:
-    """Node options for ``transport``: UCX with its peer error handling (the default) keeps
-    to tcp lanes on one host, so the UCX runs here go without it (cuda_copy/cuda_ipc and
-    shared-memory lanes), as two processes on one GPU host would be run."""
-    if transport != "ucx":
-        return {}
-    return {"node_options": {"ucx_options": {"error_handling": False}}}
+def lanes(lane: str) -> dict[str, Any]:
+    """Node options for ``lane``: ``ipc`` keeps the CUDA IPC lane (the default), ``tcp``
+    turns it off so GPU memory is staged through host memory, ``ucx`` turns it off and runs
+    UCX without its peer error handling, which on one host keeps UCX to tcp lanes (no
+    cuda_copy/cuda_ipc), as two processes on one GPU host would be run."""
+    if lane == "ipc":
+        return {"node_options": {"cuda_ipc": True}}
+    if lane == "tcp":
+        return {"node_options": {"cuda_ipc": False}}
+    return {"node_options": {"cuda_ipc": False, "ucx_options": {"error_handling": False}}}
+
+
+def transport_of(lane: str) -> str:
+    return "ucx" if lane == "ucx" else "tcp"
 
 
 def data_on(device: str, steps: int, num_workers: int = 2
@@ -91,9 +101,9 @@ async def train_sync(opt: OptFactory, transport: str, server: str, model: str,
     parameters, on the CPU."""
     data = data_on(model, STEPS)
     models = [make_model().to(model), make_model(seed=99).to(model)]
-    async with servers(1, 2, transport, mode="sync", optimizer=opt, device=server,
+    async with servers(1, 2, transport_of(transport), mode="sync", optimizer=opt, device=server,
                        share_memory=share_memory, **lanes(transport)) as (ps,), \
-            workers(models, [ps.address], transport, verify=True,
+            workers(models, [ps.address], transport_of(transport), verify=True,
                     share_memory=share_memory, **lanes(transport)) as ws:
         for step in data:
             for w, m, (x, y) in zip(ws, models, step, strict=True):
@@ -167,9 +177,10 @@ async def test_checkpoint_moves_between_gpu_and_cpu_servers(tmp_path: Path, tran
     async def train(device: str, model: nn.Module, rounds: list[Any]) -> int:
         model.to(device)
         async with ParameterServer(num_workers=1, checkpoint_dir=tmp_path, optimizer=ADAM,
-                                   transport=transport, device=device,
+                                   transport=transport_of(transport), device=device,
                                    **lanes(transport)) as ps, \
-                workers([model], [ps.address], transport, **lanes(transport)) as (w,):
+                workers([model], [ps.address], transport_of(transport),
+                        **lanes(transport)) as (w,):
             for ((x, y),) in rounds:
                 w.zero_grad()
                 backward(model, x.to(device), y.to(device))
