@@ -60,13 +60,17 @@ class SparseSender:
 
 
 def _empty_sparse(param: torch.Tensor, entry: Any) -> torch.Tensor:
+    """A sparse gradient for ``param`` (on its device, of its dtype: torch refuses a
+    ``.grad`` that is not) holding no rows, or the nonzero rows of a dense one."""
     dense = param.grad
     if dense is not None:  # somebody handed us a dense gradient: send its nonzero rows
         rows = dense.reshape(dense.shape[0], -1).abs().sum(1).nonzero().reshape(-1)
-        return torch.sparse_coo_tensor(rows[None], dense[rows], dense.shape)
-    idx = torch.zeros((1, 0), dtype=torch.int64)
-    values = torch.zeros((0, *entry.row_shape), dtype=param.dtype)
-    return torch.sparse_coo_tensor(idx, values, param.shape)
+        return torch.sparse_coo_tensor(rows[None], dense[rows], dense.shape,
+                                       check_invariants=False)  # valid by construction
+    idx = torch.zeros((1, 0), dtype=torch.int64, device=param.device)
+    values = torch.zeros((0, *entry.row_shape), dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(idx, values, param.shape, device=param.device,
+                                   check_invariants=False)
 
 
 class SparseReceiver:
