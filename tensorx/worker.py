@@ -29,6 +29,7 @@ import torch
 
 from tensorx._ps import optim_state, protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
+from tensorx._ps.checksum import checksum
 from tensorx._ps.hyper import snapshot as hyper_snapshot
 from tensorx._ps.optim import plan_params
 from tensorx._ps.shared import SharedArenas
@@ -419,9 +420,7 @@ class Worker:
             self._heard(shard, msg["hyper"])
         expected = msg["checksum"]
         if self.verify and expected is not None:
-            region = self._region(shard, "params")
-            raw = region.view(torch.uint8).cpu().numpy() if region.is_cuda else region.buffer()
-            got = zlib.crc32(raw)
+            got = checksum(self._region(shard, "params"))  # on the arena's device
             if got != expected:
                 raise ProtocolError(f"shard {shard}: parameters of version {msg['version']} "
                                     f"fail their checksum ({got:#x} != {expected:#x})")

@@ -27,7 +27,7 @@ from tensorx.errors import ProtocolError, UsageError
 __all__ = ["MAX_CONTROL", "PROTOCOL", "SHARE_OFFER", "check_hello", "decode", "encode",
            "optim_info", "share_offer"]
 
-PROTOCOL = 3
+PROTOCOL = 4  # 4: checksums are tensorx._ps.checksum's, no longer CRC-32
 MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
 
 _OPT_INT = (int, type(None))
@@ -53,7 +53,8 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # `hyper`: per param group, the hyperparameters I changed for this update ([]: none;
     # see tensorx._ps.hyper)
     "push": {"step": int, "version": int, "staging": dict, "mapped": bool, "hyper": list},
-    # shard -> worker: your arena now holds parameters `version` (checksum if asked);
+    # shard -> worker: your arena now holds parameters `version` (its checksum, see
+    # tensorx._ps.checksum, if asked);
     # `hyper`: the groups' hyperparameters now, when they changed since I last told you
     "params": {"version": int, "step": int, "checksum": _OPT_INT, "hyper": list},
     # worker -> shard: lend me your optimizer's state (see tensorx._ps.optim_state)

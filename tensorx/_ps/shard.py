@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from tensorx._ps import checkpoint, parts
+from tensorx._ps.checksum import checksum
 from tensorx._ps.device import fence, is_cuda
 from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs
 from tensorx.errors import RegionError, UsageError
@@ -79,15 +79,6 @@ def to_dtype(dtype: Any) -> torch.dtype:
     if not isinstance(found, torch.dtype):
         raise UsageError(f"unknown dtype {dtype!r} in plan")
     return found
-
-
-def checksum(region: MemoryRegion) -> int:
-    """CRC-32 of the region's bytes: stamped on each update, verified on each pull. A GPU
-    region's bytes are copied to host for it (``verify`` is a debugging aid, not a hot path;
-    the copy waits for the update, which the caller has fenced anyway)."""
-    if region.is_cuda:
-        return zlib.crc32(region.view(torch.uint8).cpu().numpy())
-    return zlib.crc32(region.buffer())
 
 
 def views(layout: ShardLayout, region: MemoryRegion) -> list[torch.Tensor]:
