@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from tensorx._analyzer.sample import cuda_devices
 from tensorx._ps.sparse import SparseSender
-from tensorx.graph_analyzer import GraphAnalyzer
+from tensorx.graph_analyzer import BoundaryAnalyzer, GraphAnalyzer
 from tensorx.memregion import MemoryRegion
 
 CUDA = pytest.param("cuda", marks=[
@@ -59,3 +60,54 @@ def test_an_embedding_without_gradient_gets_an_empty_one_on_its_device(
         assert set(announce) == {entry.name}
         # the optimizer can take it as it is (torch checks device and dtype)
         torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+class Noisy(nn.Module):
+    """Dropout in two stages (a sample run draws random numbers) and batch-norm statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stage0 = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.BatchNorm1d(16))
+        self.stage1 = nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stage1(self.stage0(x))  # type: ignore[no-any-return]
+
+
+def rng_states(device: str) -> list[torch.Tensor]:
+    states = [torch.random.get_rng_state()]
+    if device == "cuda":
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_planning_with_sample_inputs_leaves_every_rng_as_it_was(device: str) -> None:
+    torch.manual_seed(0)
+    model = Noisy().to(device)
+    x = torch.randn(6, 8, device=device)
+    before = rng_states(device)
+    model(x)  # the model does draw: without the fork, planning would move the state
+    assert not all(torch.equal(a, b) for a, b in zip(before, rng_states(device), strict=True))
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, device=device)
+    before, stats = rng_states(device), model.stage0[2].running_mean.clone()
+    GraphAnalyzer(model, sample_inputs=(x,)).plan()
+    BoundaryAnalyzer(model, {"stage0": "a", "stage1": "b"}, sample_inputs=(x,)).plan()
+    after = rng_states(device)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert torch.equal(stats, model.stage0[2].running_mean)
+
+
+def test_a_cpu_model_forks_no_cuda_generator() -> None:
+    assert cuda_devices(Noisy(), (torch.randn(2, 8), {"k": [torch.zeros(1)]})) == (
+        [torch.cuda.current_device()] if torch.cuda.is_initialized() else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_devices_are_those_of_the_model_and_inputs() -> None:
+    last = torch.cuda.device_count() - 1
+    model = Noisy().to(f"cuda:{last}")
+    assert last in cuda_devices(model, ())
+    assert cuda_devices(Noisy(), ({"x": [torch.zeros(1, device="cuda:0")]},))[0] == 0

@@ -24,6 +24,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from tensorx._analyzer.layout import HEADER_BYTES, ITEMSIZE, align_up, numel_of
+from tensorx._analyzer.sample import traceless
 from tensorx._analyzer.wire import table
 from tensorx.errors import UsageError
 from tensorx.memregion import MemoryRegion
@@ -224,11 +225,5 @@ def _first_input_place(node: fx.Node, places: Mapping[fx.Node, str]) -> str | No
 
 
 def _propagate_shapes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> None:
-    saved = [(b, b.detach().clone()) for b in gm.buffers()]
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            ShapeProp(gm).propagate(*inputs)
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
+    with traceless(gm, inputs):
+        ShapeProp(gm).propagate(*inputs)

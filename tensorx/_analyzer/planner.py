@@ -40,6 +40,7 @@ from tensorx._analyzer.layout import (
     align_up,
     numel_of,
 )
+from tensorx._analyzer.sample import traceless
 from tensorx.errors import UsageError
 
 __all__ = ["GraphAnalyzer", "TensorInfo"]
@@ -131,16 +132,13 @@ class GraphAnalyzer:
         order: dict[str, int] = {}
         hooks = [m.register_forward_pre_hook(_recorder(order, name))
                  for name, m in self.model.named_modules()]
-        saved = [(b, b.detach().clone()) for b in self.model.buffers()]
+        inputs = self.sample_inputs or ()
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                self.model(*(self.sample_inputs or ()))
+            with traceless(self.model, inputs):
+                self.model(*inputs)
         finally:
             for h in hooks:
                 h.remove()
-            with torch.no_grad():
-                for b, value in saved:
-                    b.copy_(value)
         return order
 
 
