@@ -17,10 +17,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from tensorx._commands.gpu_info import GPU_TLS, collect_gpu, format_gpu
+
 __all__ = ["add_parser", "collect_info", "format_info", "format_node", "query_node", "run"]
 
 RDMA_TLS = ("rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5", "srd", "gga")
-GPU_TLS = ("cuda_copy", "cuda_ipc", "gdr_copy")
 SHM_TLS = ("posix", "sysv", "cma", "knem", "xpmem")
 
 
@@ -86,11 +87,13 @@ def collect_info() -> dict[str, Any]:
     """Everything ``tensorx info`` prints, as plain data (JSON-serialisable)."""
     import tensorx
 
+    ucx = _ucx_info()
     return {
         "tensorx": tensorx.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "ucx": _ucx_info(),
+        "ucx": ucx,
+        "gpu": collect_gpu(ucx),
     }
 
 
@@ -214,13 +217,16 @@ def _why(info: dict[str, Any]) -> str:
 
 def format_info(info: dict[str, Any]) -> str:
     """The text ``tensorx info`` prints."""
-    ucx = info["ucx"]
     lines = [f"tensorx {info['tensorx']}  (Python {info['python']}, {info['platform']})"]
+    lines += _format_ucx(info["ucx"])
+    return "\n".join(lines + format_gpu(info["gpu"]))
+
+
+def _format_ucx(ucx: dict[str, Any]) -> list[str]:
     if ucx["version"] is None:
-        lines.append(f"UCX: not available - {ucx['why']}")
-        return "\n".join(lines)
-    lines.append(f"UCX {ucx['version']} (ucxx {ucx['ucxx'] or 'not installed'}): "
-                 f"{'available' if ucx['available'] else 'NOT available'}")
+        return [f"UCX: not available - {ucx['why']}"]
+    lines = [f"UCX {ucx['version']} (ucxx {ucx['ucxx'] or 'not installed'}): "
+             f"{'available' if ucx['available'] else 'NOT available'}"]
     for transport, devs in sorted(ucx["devices"].items()):
         lines.append(f"  {transport:10s} {', '.join(devs)}")
     build = " ".join(ucx.get("build", []))
@@ -237,4 +243,4 @@ def format_info(info: dict[str, Any]) -> str:
                  else "builds on first use" if binding.get("ok")
                  else f"unavailable ({binding.get('error')})"))
     lines.append(ucx["why"])
-    return "\n".join(lines)
+    return lines
