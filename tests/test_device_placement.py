@@ -62,6 +62,22 @@ def test_an_embedding_without_gradient_gets_an_empty_one_on_its_device(
         torch.optim.SGD(model.parameters(), lr=0.1).step()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dense_gradient_of_a_sparse_table_goes_as_its_nonzero_rows(device: str) -> None:
+    model = Unused().to(device)
+    plan = GraphAnalyzer(model).plan()
+    (entry,) = plan.dynamic_entries
+    dense = torch.zeros_like(model.emb.weight)
+    dense[[3, 17]] = torch.tensor([1.0, 0.0, -2.0, 0.5], device=device)
+    with plan.bind(model, densify_sparse=False) as binding:
+        model.emb.weight.grad = dense
+        SparseSender(binding, model, Exports()).stage(entry.shard)
+        grad = model.emb.weight.grad
+        assert grad.is_sparse and grad.device == model.emb.weight.device
+        assert grad.coalesce().indices().tolist() == [[3, 17]]
+        torch.testing.assert_close(grad.to_dense(), dense)
+
+
 class Noisy(nn.Module):
     """Dropout in two stages (a sample run draws random numbers) and batch-norm statistics."""
 

@@ -44,9 +44,11 @@ def checksum_bytes(data: torch.Tensor) -> int:
     if data.dtype != torch.uint8 or data.dim() != 1:
         raise UsageError(f"checksum_bytes takes a 1-D uint8 tensor, got {data.dtype} "
                         f"{tuple(data.shape)}")
-    if not data.is_contiguous() or data.data_ptr() % 4:
-        data = data.clone()  # on its own device; int32 words need 4-byte alignment
     nbytes = data.numel()
+    if nbytes == 0:
+        return 0
+    if not data.is_contiguous() or data.storage_offset() % 4 or data.data_ptr() % 4:
+        data = data.clone()  # on its own device; int32 words need 4-byte alignment
     whole = nbytes - nbytes % (4 * ROW)
     a = torch.zeros((), dtype=torch.int64, device=data.device)
     b = torch.zeros((), dtype=torch.int64, device=data.device)

@@ -64,13 +64,10 @@ def _empty_sparse(param: torch.Tensor, entry: Any) -> torch.Tensor:
     ``.grad`` that is not) holding no rows, or the nonzero rows of a dense one."""
     dense = param.grad
     if dense is not None:  # somebody handed us a dense gradient: send its nonzero rows
-        rows = dense.reshape(dense.shape[0], -1).abs().sum(1).nonzero().reshape(-1)
-        return torch.sparse_coo_tensor(rows[None], dense[rows], dense.shape,
-                                       check_invariants=False)  # valid by construction
-    idx = torch.zeros((1, 0), dtype=torch.int64, device=param.device)
-    values = torch.zeros((0, *entry.row_shape), dtype=param.dtype, device=param.device)
-    return torch.sparse_coo_tensor(idx, values, param.shape, device=param.device,
-                                   check_invariants=False)
+        return dense.to_sparse(1)
+    # not sparse_coo_tensor(): on torch 2.11 (CUDA) it warns that invariants go unchecked
+    rows = torch.zeros((0, *entry.row_shape), dtype=param.dtype, device=param.device)
+    return rows.to_sparse(1).sparse_resize_(param.shape, 1, rows.dim() - 1)
 
 
 class SparseReceiver:
