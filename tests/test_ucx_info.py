@@ -90,16 +90,20 @@ def test_without_a_gpu_every_path_says_why(capsys: pytest.CaptureFixture[str]) -
     (probe(torch="2.13.0+cpu", cuda=None, devices=()), "torch 2.13.0+cpu is built without CUDA"),
     (probe(devices=()), "no CUDA device visible to torch 2.11.0+cu130"),
 ])
-def test_each_missing_piece_is_the_reason(found: dict[str, object], want: str) -> None:
-    got = paths(gpu_info.collect_gpu(NO_UCX, found, env={}))
+def test_each_missing_piece_is_the_reason(found: dict[str, object], want: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TENSORX_CUDA_IPC", raising=False)
+    got = paths(gpu_info.collect_gpu(NO_UCX, found))
     assert got[gpu_info.UCX_CUDA] == (False, "UCX is not usable: UCX is not installed")
     for name in (gpu_info.CUDA_IPC, gpu_info.TCP_STAGING, gpu_info.GPU_PS):
         assert got[name][0] is False
         assert got[name][1].startswith(want)
 
 
-def test_with_a_gpu_the_paths_are_available_and_ipc_can_be_switched_off() -> None:
-    gpu = gpu_info.collect_gpu(UCX_GPU, probe(), env={})
+def test_with_a_gpu_the_paths_are_available_and_ipc_can_be_switched_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TENSORX_CUDA_IPC", raising=False)
+    gpu = gpu_info.collect_gpu(UCX_GPU, probe())
     assert gpu["ucx_cuda_transports"] == ["cuda_copy", "cuda_ipc"]
     got = paths(gpu)
     assert got[gpu_info.UCX_CUDA] == (True, "UCX transports cuda_copy, cuda_ipc; "
@@ -107,14 +111,15 @@ def test_with_a_gpu_the_paths_are_available_and_ipc_can_be_switched_off() -> Non
     assert got[gpu_info.CUDA_IPC] == (True, "torch 2.11.0+cu130 (CUDA 13.0) sees 1 device(s): "
                                             "NVIDIA H200")
     assert got[gpu_info.TCP_STAGING][0] is True
-    off = paths(gpu_info.collect_gpu(UCX_GPU, probe(), env={"TENSORX_CUDA_IPC": "0"}))
+    monkeypatch.setenv("TENSORX_CUDA_IPC", "0")
+    off = paths(gpu_info.collect_gpu(UCX_GPU, probe()))
     assert off[gpu_info.CUDA_IPC] == (False, "switched off (TENSORX_CUDA_IPC=0)")
     assert off[gpu_info.TCP_STAGING][0] is True
 
 
 def test_ucx_without_cuda_transports_says_which_extra() -> None:
     plain = {"available": True, "why": "", "build": [], "devices": {"tcp": ["lo"]}}
-    ok, why = paths(gpu_info.collect_gpu(plain, probe(), env={}))[gpu_info.UCX_CUDA]
+    ok, why = paths(gpu_info.collect_gpu(plain, probe()))[gpu_info.UCX_CUDA]
     assert not ok and "ucx-cu12 or ucx-cu13" in why
 
 
@@ -127,12 +132,12 @@ def test_probes_never_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", broken)
     found = gpu_info.probe_torch()
     assert found["error"] == "CUDA failed: RuntimeError: CUDA driver version is insufficient"
-    assert paths(gpu_info.collect_gpu(NO_UCX, found, env={}))[gpu_info.GPU_PS] == (
+    assert paths(gpu_info.collect_gpu(NO_UCX, found))[gpu_info.GPU_PS] == (
         False, found["error"])
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
     found = gpu_info.probe_torch()
     assert found["torch"] is None and "torch is not importable" in found["error"]
-    gpu = gpu_info.collect_gpu(NO_UCX, found, env={})
+    gpu = gpu_info.collect_gpu(NO_UCX, found)
     assert all(p["available"] is False for p in gpu["paths"])
     assert "torch not installed" in "\n".join(gpu_info.format_gpu(gpu))
 

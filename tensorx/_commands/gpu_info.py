@@ -44,19 +44,19 @@ def probe_torch() -> dict[str, Any]:
     return out
 
 
-def collect_gpu(ucx: dict[str, Any], torch_probe: dict[str, Any] | None = None,
-                env: dict[str, str] | None = None) -> dict[str, Any]:
+def collect_gpu(ucx: dict[str, Any], torch_probe: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
     """The ``gpu`` part of ``tensorx info``: the CUDA transports UCX sees, what torch sees,
     and every GPU path with ``available`` and ``why``."""
+    from tensorx.transport import cuda_ipc
+
     probe = probe_torch() if torch_probe is None else torch_probe
-    env = dict(os.environ) if env is None else env
     seen = [t for t in GPU_TLS if t in ucx.get("devices", {})]
     cuda_why = _cuda_why(probe)
-    ipc_off = env.get(CUDA_IPC_ENV, "").strip().lower() in ("0", "n", "no", "off", "false")
     paths = {
         UCX_CUDA: _ucx_cuda(ucx, seen),
-        CUDA_IPC: (False, f"switched off ({CUDA_IPC_ENV}={env[CUDA_IPC_ENV]})") if ipc_off
-        else _needs_cuda(cuda_why, probe),
+        CUDA_IPC: _needs_cuda(cuda_why, probe) if cuda_ipc.enabled(None)
+        else (False, f"switched off ({CUDA_IPC_ENV}={os.environ.get(CUDA_IPC_ENV)})"),
         TCP_STAGING: _needs_cuda(cuda_why, probe),
         GPU_PS: _gpu_ps(cuda_why, probe),
     }
