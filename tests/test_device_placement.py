@@ -127,3 +127,47 @@ def test_cuda_devices_are_those_of_the_model_and_inputs() -> None:
     model = Noisy().to(f"cuda:{last}")
     assert last in cuda_devices(model, ())
     assert cuda_devices(Noisy(), ({"x": [torch.zeros(1, device="cuda:0")]},))[0] == 0
+
+
+class Sometimes(nn.Module):
+    """A sparse embedding that only some steps use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 4, sparse=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor, use: bool) -> torch.Tensor:
+        x = self.emb(ids).mean(1) if use else torch.ones(len(ids), 4, device=ids.device)
+        return self.head(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_a_cuda_embedding_left_out_of_steps_trains_with_verify() -> None:
+    """A CUDA model whose embedding gets no gradient in every other step, pulls verified
+    against the checksum a GPU shard computed: equals torch.optim on one process. (Over the
+    CUDA IPC lane: a CPU shard needs the TCP lane to stage GPU memory.)"""
+    from tensorx.ps import ParameterServer
+    from tensorx.worker import Worker
+
+    gen = torch.Generator().manual_seed(1)
+    steps = [(torch.randint(0, 64, (4, 3), generator=gen).cuda(), i % 2 == 0) for i in range(6)]
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    model, want = Sometimes().cuda(), Sometimes().cuda()
+    opts: dict[str, Any] = {"transport": "tcp", "node_options": {"cuda_ipc": True}}
+    async with ParameterServer("tcp://127.0.0.1:0", num_workers=1, optimizer=sgd,
+                               device="cuda:0", **opts) as ps, \
+            Worker(model, ps.address, verify=True, timeout=30, **opts) as worker:
+        for ids, use in steps:
+            worker.zero_grad()
+            model(ids, use).sum().backward()
+            await worker.step()
+    local = sgd(list(want.parameters()))
+    for ids, use in steps:
+        local.zero_grad()
+        want(ids, use).sum().backward()
+        local.step()
+    for got, ref in zip(model.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
