@@ -118,7 +118,7 @@ class Endpoint:
             await self.write_many([(region, remote, offset, remote_offset, nbytes)],
                                   notify=notify, timeout=timeout)
             return
-        produced = _cuda.ready((region,)) if region.is_cuda else []  # recorded at the call
+        produced = _cuda.ready((region,)) if _is_cuda(region) else []  # recorded at the call
         async with self._issuing_write():
             op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
             if produced:
@@ -132,7 +132,7 @@ class Endpoint:
         """Read ``nbytes`` (default: the rest of ``region`` from ``offset``) from the peer's
         region at ``remote_offset`` into ``region``. Returns when the data is local."""
         # kernels enqueued before the call that still use the destination finish first
-        used = _cuda.ready((region,)) if region.is_cuda else []
+        used = _cuda.ready((region,)) if _is_cuda(region) else []
         op = await self._op(region, remote, offset, remote_offset, nbytes, "r")
         if used:
             await _cuda.wait(used)
