@@ -19,7 +19,6 @@ from tensorx.errors import (
     ClosedError,
     RegionError,
     TensorxError,
-    TransportUnavailableError,
     UsageError,
 )
 from tensorx.memregion import MemoryRegion, RegionDescriptor, check_bounds
@@ -204,7 +203,6 @@ class Endpoint:
             raise RegionError(f"remote region {desc.region_id:#x} is exported '{access}' "
                               f"and cannot be {verb}")
         check_bounds(size, remote_offset, nbytes)
-        self._check_device(region, desc)
         return Op(region, desc, offset, remote_offset, nbytes)
 
     def _revoke(self, region_id: int) -> None:
@@ -247,14 +245,6 @@ class Endpoint:
                                   "what its owner exported")
             self._validated[key] = (n, desc.access)
         return self._validated[key]
-
-    def _check_device(self, region: MemoryRegion, desc: RegionDescriptor) -> None:
-        if self._lane.name == "tcp" and (region.is_cuda or desc.device == "cuda") and \
-                not (desc.device == "cuda" and "cuda_ipc" in desc.keys and
-                     "gpu" in self._lane.info):
-            raise TransportUnavailableError(
-                "GPU memory needs a GPU-capable transport (UCX with cuda_copy/cuda_ipc); "
-                f"this endpoint uses TCP because: {self._lane.info.get('why')}")
 
     async def query(self, what: str, *, timeout: float | None = DEFAULT) -> dict[str, Any]:
         """Ask the peer node about itself: ``"exports"`` (regions, sizes, rights - never

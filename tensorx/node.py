@@ -32,8 +32,9 @@ from tensorx.errors import (
 from tensorx.memregion import ExportTable, MemoryRegion, RegionDescriptor, host_id
 from tensorx.transport import cuda_ipc as cuda_ipc_lane
 from tensorx.transport import handshake
+from tensorx.transport._tcp_lane import TcpLane
 from tensorx.transport.base import DataLane, LaneFactory
-from tensorx.transport.tcp import Connection, TcpLane, TcpListener, open_socket
+from tensorx.transport.tcp import Connection, TcpListener, open_socket
 
 __all__ = ["Node"]
 

@@ -119,7 +119,18 @@ def test_cuda_array_interface_is_recognised_as_gpu_memory() -> None:
     assert r.descriptor().device == "cuda"
 
 
-async def test_tcp_endpoint_refuses_gpu_memory_clearly() -> None:
+def _have_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(_have_cuda(), reason="would copy from a made-up device pointer")
+async def test_tcp_endpoint_that_cannot_stage_gpu_memory_says_why() -> None:
+    """GPU memory over TCP is staged with torch (tests/test_gpu_tcp.py); where torch has
+    no CUDA, an op on a GPU region fails clearly and touches nothing."""
     class FakeCuda:
         __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0xDEAD000, False),
                                     "version": 3, "strides": None}
@@ -127,8 +138,11 @@ async def test_tcp_endpoint_refuses_gpu_memory_clearly() -> None:
     async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
         desc = a.export(tx.MemoryRegion.allocate(16))
         ep = await b.connect(a.address)
-        with pytest.raises(tx.TransportUnavailableError, match="GPU"):
-            await ep.write(tx.MemoryRegion.register(FakeCuda()), desc)
+        assert ep.info["gpu"].startswith("staged via pinned host")
+        for op in (ep.write, ep.read):
+            with pytest.raises(tx.TransportUnavailableError, match=r"GPU memory over TCP.*cuda:0"):
+                await op(tx.MemoryRegion.register(FakeCuda()), desc)
+        await ep.write(tx.MemoryRegion.register(np.ones(16, np.uint8)), desc)
 
 
 def test_a_pinned_region_keeps_its_memory_until_unpinned() -> None:

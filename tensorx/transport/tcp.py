@@ -3,6 +3,8 @@
 Payloads never pass through an intermediate bytes object: the owner receives a WRITE
 straight into the region (``sock_recv_into`` on a slice of it) and sends READ data straight
 out of it (``sock_sendall`` on a memoryview); the requester does the same on its side.
+GPU memory, which a socket cannot address, is staged through pinned host buffers on each
+side that holds it (``_staging.py``); the bytes on the wire are the same.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tensorx.errors import (
     UsageError,
 )
 from tensorx.memregion import ExportTable
+from tensorx.transport import _staging
 from tensorx.transport._sock import (
     BUFFER_BYTES,
     IOV_MAX,
@@ -39,9 +42,9 @@ from tensorx.transport._sock import (
     advance,
     open_socket,
 )
-from tensorx.transport.base import DataLane, Op
+from tensorx.transport._staging import RecvStager, SendStager, StagedRange, staged_range
 
-__all__ = ["Connection", "TcpLane", "TcpListener", "open_socket"]
+__all__ = ["Connection", "TcpListener", "open_socket"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ def error_code(exc: BaseException) -> str:
 @dataclass
 class _Pending:
     future: asyncio.Future[Any]
-    dest: memoryview | None = None
+    dest: memoryview | StagedRange | None = None
 
 
 NotifyHandler = Callable[["Connection", bytes], Awaitable[None]]
@@ -99,6 +102,8 @@ class Connection:
         self._busy = False
         self._closing = False  # we said BYE
         self._refusals = RefusalLog(logger, label)
+        self._stage_out = SendStager()  # GPU payloads: the writer's staging buffers
+        self._stage_in = RecvStager()  # and the reader's
         self.on_notify: NotifyHandler = _ignore_notification
         self.on_closed: ClosedHandler = lambda conn, exc: None
         self.on_query: QueryHandler = lambda what: {}
@@ -162,6 +167,8 @@ class Connection:
             self._loop.remove_writer(self.sock.fileno())
         self.sock.close()
         self._reader.release()
+        self._stage_out.release()
+        self._stage_in.release()
         self._refusals.flush()
         clean = graceful or self._closing or isinstance(exc, ClosedError)
         self.on_closed(self, None if clean else exc)
@@ -198,7 +205,7 @@ class Connection:
         gathered without a copy); whatever the kernel does not take goes to the writer task.
         """
         self._check()
-        if not self._sendq and not self._busy:
+        if not self._sendq and not self._busy and not _staging.has_staged(parts):
             try:
                 parts = self._send_some(parts)
             except OSError as exc:
@@ -257,15 +264,22 @@ class Connection:
             if fut is not None:
                 done.append(fut)
         self._sent.set()
-        while parts:
-            parts = self._send_some(parts)
-            if parts:
-                await self._writable()
+        for run in _staging.split_staged(parts):  # a GPU payload streams through staging
+            if isinstance(run, StagedRange):
+                await self._stage_out.stream(run, self._send_all)
+            else:
+                await self._send_all(run)
         self._busy = False
         self.stats["frames_out"] += len(done)
         for fut in done:
             if not fut.done():
                 fut.set_result(None)
+
+    async def _send_all(self, parts: list[Any]) -> None:
+        while parts:
+            parts = self._send_some(parts)
+            if parts:
+                await self._writable()
 
     async def _writable(self) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
@@ -277,7 +291,8 @@ class Connection:
             self._loop.remove_writer(fd)
 
     # -- requests -----------------------------------------------------------------------
-    def _new_request(self, dest: memoryview | None = None) -> tuple[int, _Pending]:
+    def _new_request(self, dest: memoryview | StagedRange | None = None
+                     ) -> tuple[int, _Pending]:
         req = next(self._req_ids)
         pending = _Pending(self._loop.create_future(), dest)
         self._pending[req] = pending
@@ -297,7 +312,7 @@ class Connection:
                 timer.cancel()
             self._pending.pop(req, None)
 
-    async def request_write(self, ops: Sequence[tuple[memoryview, int, int, int]],
+    async def request_write(self, ops: Sequence[tuple[memoryview | StagedRange, int, int, int]],
                             timeout: float | None, imm: bytes | None = None) -> None:
         """Send WRITE frames for (src, region_id, cookie, offset); one ACK covers them all.
         ``imm``: a notification carried by the last frame, which the owner delivers once
@@ -315,7 +330,7 @@ class Connection:
             raise
         await self._await(req, pending, timeout, "write")
 
-    async def request_read(self, dest: memoryview, rid: int, ck: int, off: int,
+    async def request_read(self, dest: memoryview | StagedRange, rid: int, ck: int, off: int,
                            timeout: float | None) -> None:
         req, pending = self._new_request(dest)
         try:
@@ -399,13 +414,13 @@ class Connection:
             raise ProtocolError("WRITE carries a malformed notification")
         try:
             region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "w")
-            dest = region.buffer()[h["off"]:h["off"] + h["n"]]
+            dest = staged_range(region, h["off"], h["n"])
         except TensorxError as exc:
             await self._reader.discard(payload_len)
             self._reply_error(h["req"], exc)
             self._note_refused(h["req"], h["last"])
             return
-        await self._reader.read_into(dest)
+        await self._land(dest)  # into GPU memory: every copy has completed
         if h["last"]:
             if h["req"] in self._refused:  # an earlier frame of this write was refused
                 self._refused.discard(h["req"])
@@ -427,7 +442,7 @@ class Connection:
     async def _on_read(self, h: dict[str, Any], payload_len: int) -> None:
         try:
             region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "r")
-            src = region.buffer()[h["off"]:h["off"] + h["n"]]
+            src = staged_range(region, h["off"], h["n"])
         except TensorxError as exc:
             self._reply_error(h["req"], exc)
             return
@@ -445,8 +460,14 @@ class Connection:
             return
         # The read may time out or be cancelled while its reply streams in: from then on
         # the rest is dropped, never written to the caller's memory.
-        if await self._reader.read_into(pending.dest, live=lambda: not pending.future.done()):
+        if await self._land(pending.dest, live=lambda: not pending.future.done()):
             _set_once(pending.future)
+
+    async def _land(self, dest: memoryview | StagedRange,
+                    live: Callable[[], bool] = lambda: True) -> bool:
+        if isinstance(dest, StagedRange):
+            return await self._stage_in.receive(self._reader, dest, live)
+        return await self._reader.read_into(dest, live)
 
     async def _on_ack(self, h: dict[str, Any], payload_len: int) -> None:
         self._resolve(h["req"], None)
@@ -540,49 +561,3 @@ class _suppress:
     def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> bool:
         return typ is not None and issubclass(typ, Exception | asyncio.TimeoutError)
-
-
-class TcpLane(DataLane):
-    """The fallback data lane: WRITE/READ frames on the connection's own socket."""
-
-    name = "tcp"
-
-    def __init__(self, conn: Connection, why: str) -> None:
-        self._conn = conn
-        self._why = why
-
-    @property
-    def info(self) -> dict[str, Any]:
-        return {"transport": "tcp", "lanes": ["tcp/socket"], "why": self._why}
-
-    async def write(self, op: Op, *, timeout: float | None) -> None:
-        await self.write_many([op], timeout=timeout)
-
-    async def read(self, op: Op, *, timeout: float | None) -> None:
-        dest = op.local.buffer()[op.local_offset:op.local_offset + op.nbytes]
-        await self._conn.request_read(dest, op.remote.region_id, op.remote.cookie,
-                                      op.remote_offset, timeout)
-
-    async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
-        frames = [(op.local.buffer()[op.local_offset:op.local_offset + op.nbytes],
-                   op.remote.region_id, op.remote.cookie, op.remote_offset) for op in ops]
-        await self._conn.request_write(frames, timeout)
-
-    async def write_notify(self, ops: Sequence[Op], payload: bytes, *,
-                           timeout: float | None) -> bool:
-        """The notification rides in the last WRITE frame: no wait between the two."""
-        if not ops or len(payload) > MAX_IMM:
-            return False
-        frames = [(op.local.buffer()[op.local_offset:op.local_offset + op.nbytes],
-                   op.remote.region_id, op.remote.cookie, op.remote_offset) for op in ops]
-        await self._conn.request_write(frames, timeout, imm=bytes(payload))
-        return True
-
-    async def flush(self, *, timeout: float | None) -> None:
-        """Nothing to do: the owner lands each WRITE before it parses the next frame."""
-
-    async def aclose(self) -> None:
-        """The connection owns the socket; the endpoint closes it."""
-
-    def abort(self) -> None:
-        """See :meth:`aclose`."""
