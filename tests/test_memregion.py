@@ -140,7 +140,7 @@ async def test_tcp_endpoint_that_cannot_stage_gpu_memory_says_why() -> None:
         ep = await b.connect(a.address)
         assert ep.info["gpu"].startswith("staged via pinned host")
         for op in (ep.write, ep.read):
-            with pytest.raises(tx.TransportUnavailableError, match=r"GPU memory over TCP.*cuda:0"):
+            with pytest.raises(tx.TransportUnavailableError, match="cuda:0"):
                 await op(tx.MemoryRegion.register(FakeCuda()), desc)
         await ep.write(tx.MemoryRegion.register(np.ones(16, np.uint8)), desc)
 
