@@ -82,10 +82,19 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
     fails (disk full) is logged and counted; training goes on.
     ``token`` (default ``$TENSORX_TOKEN``) is required to listen beyond loopback, unless
     ``insecure=True``. ``log_every``: seconds between throughput log lines (None: never).
-    ``flat``: the optimizer sees a few flat parameters per shard (parts of at most 16 MiB)
-    instead of one per tensor: much faster on a CPU server, and the update is applied part
-    by part while finished parts are already being written back to the workers (right for
-    elementwise optimizers only, see ShardState).
+    ``flat``: how the update runs. ``None`` (the default): when the optimizer is
+    elementwise (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD,
+    Rprop; not a user-defined one nor a subclass, nor one that looks at whole tensors), as
+    one fused or ``foreach`` pass over each contiguous range of the arena (one or more per
+    param group, of at most 16 MiB), which gives the same parameters as stepping each
+    tensor, many times faster for many small tensors, and is applied range by range while
+    finished ranges are already being written back to the workers; otherwise per tensor.
+    Either way the optimizer sees the model's named, shaped parameters, and its
+    ``state_dict``, checkpoints, LR schedulers and :class:`~tensorx.RemoteOptimizer` work
+    as with ``flat=False``. One INFO line per shard says which update runs and why.
+    ``False``: always per tensor. ``True``: the optimizer itself sees a few flat parameters
+    per shard (``flat.0``, ...) instead of one per tensor (elementwise optimizers only; no
+    optimizer state transfer; see ShardState).
     ``share_memory``: in sync mode, offer workers on this host (same :func:`host_id`: same
     kernel, /dev/shm and network namespace) to map the parameter arena and their gradient
     slot, so that a step copies nothing; ``False`` always copies. Host memory only: a
@@ -138,7 +147,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
                  token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 30.0,
                  insecure: bool = False, log_every: float | None = 60.0,
-                 flat: bool = False, share_memory: bool = True,
+                 flat: bool | None = None, share_memory: bool = True,
                  on_worker_loss: str = "wait", worker_loss_timeout: float | None = 30.0,
                  on_nonfinite: str = "skip", send_timeout: float | None = 10.0,
                  node_options: dict[str, Any] | None = None,

@@ -63,9 +63,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-scheduler", default=None,
                    help='torch.optim.lr_scheduler class and arguments, stepped per update, '
                         'e.g. "steplr:step_size=1000,gamma=0.5"')
-    p.add_argument("--flat", action="store_true",
-                   help="one flat optimizer parameter per shard (elementwise optimizers only: "
-                        "SGD, momentum, Adam(W), RMSprop, Adagrad); faster")
+    p.add_argument("--flat", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: a flat update over the arena when the optimizer is "
+                        "elementwise (same result, faster), else per tensor; --no-flat: "
+                        "always per tensor; --flat: the optimizer sees flat parameters")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
                    help="sync mode: clip the averaged gradient to this 2-norm over all shards, "
                         "as torch.nn.utils.clip_grad_norm_ would on one process")

@@ -48,7 +48,7 @@ class ShardCore(abc.ABC):
     checkpoint_dir: str | os.PathLike[str] | None
     checkpoint_every: int | None
     checkpoint_keep: int
-    flat: bool
+    flat: bool | None  # None: flat update when it gives the same result (see _ps.flat)
     share_memory: bool
     device: str  # "cpu" or "cuda:N", see tensorx._ps.device
     _optimizer: OptimizerFactory

@@ -81,6 +81,8 @@ class OptimService:
     # -- state ----------------------------------------------------------------------------
     def _labelled(self, state: Any) -> tuple[Any, dict[int, str]]:
         opt, label_of = state.optimizer, state.param_labels()
+        if state.fast is not None:
+            state.fast.expose()  # the flat update's state, per parameter
         if label_of is None:
             raise UsageError("the optimizer state of a flat=True server cannot be transferred "
                              "(its parameters span several tensors); run it with flat=False")

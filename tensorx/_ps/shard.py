@@ -20,6 +20,7 @@ import torch
 from tensorx._ps import checkpoint, parts
 from tensorx._ps.checksum import checksum
 from tensorx._ps.device import fence, is_cuda
+from tensorx._ps.flat import FlatUpdate, elementwise
 from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
@@ -108,13 +109,17 @@ class ShardState:
     The optimizer's parameters are the model's (named, shaped as in the model, in model
     order; see :mod:`tensorx._ps.optim`) as views of the arena, and their ``.grad`` views of
     a worker's slot (one gradient: no copy) or of an accumulator (the average), so momentum,
-    Adam, param groups and LR schedulers work unchanged. ``flat=True`` gives the optimizer
-    one flat parameter over the whole arena instead of one per tensor (named ``"flat.0"``,
-    ...): far fewer kernel launches on a CPU server, and the same result for elementwise
-    optimizers (SGD, momentum, Adam(W), RMSprop, Adagrad), not for per-tensor ones (LAMB,
-    LARS) or per-tensor param groups.
-    (Large shards get a few flat parameters of at most ``parts.PART_BYTES`` each, so that
-    the update can be applied and sent part by part: :meth:`apply_part`.)
+    Adam, param groups and LR schedulers work unchanged.
+    ``flat=None`` (the default) steps an elementwise optimizer (SGD, Adam(W), RMSprop,
+    Adagrad, ...: :func:`tensorx._ps.flat.elementwise`) as a few flat ranges of the arena,
+    one or more per param group, with torch's fused or foreach kernels: the same result,
+    far fewer kernel launches; the optimizer still sees (and its ``state_dict`` still holds)
+    the model's parameters (see :mod:`tensorx._ps.flat`). Other optimizers, and
+    ``flat=False``, step per tensor. One INFO line says which and why.
+    ``flat=True`` gives the optimizer itself one flat parameter over the whole arena instead
+    of one per tensor (named ``"flat.0"``, ...): right for elementwise optimizers only.
+    (Large shards get a few flat ranges or parameters of at most ``parts.PART_BYTES``
+    each, so that the update can be applied and sent part by part: :meth:`apply_part`.)
     ``shared=True`` puts the parameter arena and the slots in /dev/shm, so that workers on
     this host can map them (:attr:`shared` says whether that worked; else private memory).
     ``device="cuda:N"`` puts all of it, and the optimizer's state, on that GPU (see
@@ -123,7 +128,7 @@ class ShardState:
 
     def __init__(self, layout: ShardLayout, num_workers: int,
                  optimizer: OptimizerFactory, lr_scheduler: SchedulerFactory | None = None,
-                 verify: bool = False, flat: bool = False, shared: bool = False,
+                 verify: bool = False, flat: bool | None = None, shared: bool = False,
                  device: str = "cpu") -> None:
         self.layout = layout
         self.num_workers = num_workers
@@ -151,11 +156,38 @@ class ShardState:
         # a shard the plan left empty still counts versions, with nothing to optimize
         self.optimizer = build_optimizer(optimizer, self.named_parameters()) \
             if self.params else None
+        self._fast: FlatUpdate | None = None
+        self.update = self._choose_update(flat)
+        logger.info("ps shard %d update: %s", layout.shard, self.update)
         self.lr_scheduler = lr_scheduler(self.optimizer) \
             if lr_scheduler and self.optimizer is not None else None
         self.verify = verify
         self._checksum: int | None = None
         self._gathered = False  # the gradient memory holds this update's gradient
+
+    def _choose_update(self, flat: bool | None) -> str:
+        """Set up the flat update when ``flat`` is None and it gives the same result;
+        what the update is, and why, for the log."""
+        if self.flat:
+            return f"flat parameters ({len(self.params)}, flat=True)"
+        if self.optimizer is None:
+            return "none (no parameters on this shard)"
+        if flat is not None:
+            return "per-tensor (flat=False)" if not flat else \
+                "per-tensor (flat=True needs one dtype in the arena)"
+        why = elementwise(self.optimizer)
+        if why is not None:
+            return f"per-tensor ({why})"
+        self._fast = FlatUpdate(self.optimizer, self.params, self.layout.param_specs(),
+                                self.params_region, parts.PART_BYTES)
+        self._fast_acc = self._fast.views(self._acc_region)
+        self._fast_slots = [self._fast.views(r) for r in self.slot_regions]
+        return self._fast.describe()
+
+    @property
+    def fast(self) -> FlatUpdate | None:
+        """The flat update of a per-tensor optimizer, while it runs (see :mod:`.flat`)."""
+        return self._fast if self._fast is not None and self._fast.active else None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(model name, parameter) of what the optimizer sees, in model order."""
@@ -173,6 +205,8 @@ class ShardState:
         (new,) = _allocate(self.layout.nbytes, 1, old.shared_name is not None, self.device)
         self.slot_regions[rank] = new
         self._slots[rank] = self._split(new)
+        if self._fast is not None:
+            self._fast_slots[rank] = self._fast.views(new)
         for p, g in zip(self.params, self._acc, strict=True):
             p.grad = g  # no parameter may keep the old slot's memory as its gradient
         old.close()
@@ -180,11 +214,16 @@ class ShardState:
 
     @property
     def num_parts(self) -> int:
-        """Parts the update can be applied in, one after another (flat shards; else 1)."""
+        """Parts the update can be applied in, one after another (flat; else 1)."""
+        if self.fast is not None:
+            return len(self.fast.ranges)
         return len(self.params) if self.flat else 1
 
     def part_bytes(self, k: int) -> tuple[int, int]:
         """(offset, nbytes) of part ``k`` in the arena."""
+        if self.fast is not None:
+            r = self.fast.ranges[k]
+            return r.start, r.nbytes
         if not self.flat:
             return 0, self.layout.nbytes
         view = self.params[k]
@@ -232,12 +271,15 @@ class ShardState:
         """Average the gradients in ``ranks``' slots (unless :meth:`gather` did) and take
         one optimizer step."""
         ranks = list(ranks)
-        grads = self._acc if self._gathered else self._slots[ranks[0]] \
-            if len(ranks) == 1 else [self._average(ranks, i) for i in range(len(self._acc))]
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
-        if self.optimizer is not None:
-            self.optimizer.step()
+        if self.fast is not None:
+            self.fast.step([self._fast_grad(ranks, k) for k in range(self.num_parts)])
+        else:
+            grads = self._acc if self._gathered else self._slots[ranks[0]] if len(ranks) == 1 \
+                else [self._average(ranks, i) for i in range(len(self._acc))]
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g
+            if self.optimizer is not None:
+                self.optimizer.step()
         self.finish_update()
         fence(self.device)  # the update is in the arena before a byte of it leaves
 
@@ -246,6 +288,11 @@ class ShardState:
         :meth:`finish_update`, is the same update as :meth:`apply` for the elementwise
         optimizers ``flat`` is meant for. The other parts' gradients are unset meanwhile, so
         the optimizer skips them. Runs in a worker thread while the event loop sends."""
+        if self.fast is not None:
+            self.fast.step([self._fast_grad(ranks, k) if i == k else None
+                            for i in range(self.num_parts)])
+            fence(self.device)
+            return
         grad = self._acc[k] if self._gathered else self._slots[ranks[0]][k] \
             if len(ranks) == 1 else self._average(ranks, k)
         for i, p in enumerate(self.params):
@@ -258,13 +305,29 @@ class ShardState:
 
     def finish_update(self) -> None:
         """After the last part: step the schedule, count the version."""
-        for p, g in zip(self.params, self._acc, strict=True):
-            p.grad = g
+        if self.fast is None:  # the flat update leaves the parameters' .grad as it is
+            for p, g in zip(self.params, self._acc, strict=True):
+                p.grad = g
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._gathered = False
         self.version += 1
         self._checksum = None
+
+    def _fast_grad(self, ranks: list[int], k: int) -> torch.Tensor:
+        """Range ``k``'s gradient for the flat update: gathered, one slot, or the mean."""
+        acc = self._fast_acc[k]
+        if self._gathered:
+            return acc
+        slots = [self._fast_slots[r][k] for r in ranks]
+        if len(slots) == 1:
+            return slots[0]
+        with torch.no_grad():  # fixed rank order, as _average
+            torch.add(slots[0], slots[1], out=acc)
+            for s in slots[2:]:
+                acc.add_(s)
+            acc.div_(len(slots))
+        return acc
 
     def _average(self, ranks: list[int], i: int) -> torch.Tensor:
         acc = self._acc[i]
