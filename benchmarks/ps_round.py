@@ -34,13 +34,15 @@ from benchmarks import netns
 from benchmarks.baselines import common
 from benchmarks.baselines.pair import SAME_HOST, Pair, Placement, System
 
-SYSTEMS = {
-    "tensorx-ucx": System("tensorx ucx", "tensorx", ("--transport", "ucx")),
-    "tensorx-ucx-noeh": System("tensorx ucx, no err. handling", "tensorx",
-                               ("--transport", "ucx-shm")),
-    "tensorx-tcp": System("tensorx tcp", "tensorx", ("--transport", "tcp")),
+SYSTEMS = {  # tensorx rows: ParameterServer and Worker defaults but for what the label says
+    "tensorx-ucx": System("tensorx ucx (defaults, share_memory=False)", "tensorx",
+                          ("--transport", "ucx")),
+    "tensorx-ucx-noeh": System("tensorx ucx, no err. handling (defaults, share_memory=False)",
+                               "tensorx", ("--transport", "ucx-shm")),
+    "tensorx-tcp": System("tensorx tcp (defaults, share_memory=False)", "tensorx",
+                          ("--transport", "tcp")),
     # tensorx's default: on one host the worker maps the PS's arenas (the others copy)
-    "tensorx-shm": System("tensorx shm", "tensorx",
+    "tensorx-shm": System("tensorx shm (defaults)", "tensorx",
                           ("--transport", "tcp", "--share-memory", "on")),
     "tensorpipe": System("TensorPipe RPC", "tensorpipe"),
     "grpc": System("gRPC", "grpc"),
@@ -53,6 +55,14 @@ EXPERIMENTS = {  # what a different design would give (kept as evidence, not run
                              ("--transport", "tcp", "--variant", "one-part")),
     "x-ucx-one-part": System("EXP tensorx ucx, update in one part", "tensorx",
                              ("--transport", "ucx", "--variant", "one-part")),
+    # the update as it was by default before flat=None: the optimizer steps each tensor
+    "x-shm-per-tensor": System("EXP tensorx shm, flat=False (per-tensor update)", "tensorx",
+                               ("--transport", "tcp", "--share-memory", "on",
+                                "--variant", "per-tensor")),
+    "x-tcp-per-tensor": System("EXP tensorx tcp, flat=False (per-tensor update)", "tensorx",
+                               ("--transport", "tcp", "--variant", "per-tensor")),
+    "x-tcp-flat-params": System("EXP tensorx tcp, flat=True (flat optimizer parameters)",
+                                "tensorx", ("--transport", "tcp", "--variant", "flat-params")),
 }
 ALL = {**SYSTEMS, **EXPERIMENTS}
 REFERENCES = ("tensorpipe", "grpc")

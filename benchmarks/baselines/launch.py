@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transport", default="tcp", help="tensorx: tcp | ucx | ucx-shm")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--variant", default="",
-                   help="experiments: raw: pipelined; tensorx: one-part; gpu-tensorx: flat")
+                   help="experiments: raw: pipelined; tensorx: one-part, per-tensor (flat=False), "
+                        "flat-params (flat=True); gpu-tensorx: flat")
     p.add_argument("--rank", type=int, default=0, help="worker rank (training)")
     p.add_argument("--workers", type=int, default=1, help="gpu-*: number of workers")
     p.add_argument("--device", default="cpu", help="gpu-*: cuda:0, or cpu (self-test)")

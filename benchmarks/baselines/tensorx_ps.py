@@ -1,7 +1,7 @@
 """tensorx: the system under test, through its parameter-server API.
 
 The server is a :class:`tensorx.ps.ParameterServer` (sync mode, one worker, plain
-``torch.optim.SGD`` with ``flat=True``, the documented setting for elementwise optimizers);
+``torch.optim.SGD``, default options: for SGD, a flat update over the arena);
 the client a :class:`tensorx.worker.Worker` bound to a model with the benchmark's
 parameter shapes. A round is ``await worker.step()``: one-sided write of the
 gradient arena into the PS slot, notify, PS applies SGD, one-sided write of the parameter
@@ -41,9 +41,11 @@ def _transport(name: str) -> tuple[str, dict[str, Any] | None]:
 
 
 def _optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    # foreach=True: the baselines apply SGD with torch._foreach_add_ too (on CPU torch's
-    # default is a Python loop over the tensors).
-    return torch.optim.SGD(params, lr=common.LR, foreach=True)
+    return torch.optim.SGD(params, lr=common.LR)  # what a user writes
+
+
+# experiments (--variant): not what a user gets, each labelled as such in the tables
+FLAT = {"per-tensor": False, "flat-params": True}
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -58,7 +60,8 @@ async def _serve(args: argparse.Namespace) -> None:
     transport, ucx_options = _transport(args.transport)
     listen = f"tcp://{args.host}:0"
     ps = ParameterServer(listen, num_workers=1, mode="sync", optimizer=_optimizer,
-                         transport=transport, timeout=TIMEOUT, flat=True,
+                         transport=transport, timeout=TIMEOUT,
+                         **({"flat": FLAT[args.variant]} if args.variant in FLAT else {}),
                          share_memory=args.share_memory == "on",
                          node_options={"ucx_options": ucx_options or {}})
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ps.stop)

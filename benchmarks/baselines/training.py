@@ -4,7 +4,7 @@ The model is communication-heavy on purpose: a wide MLP (784 -> 4096 -> 4096 -> 
 parameters, 80 MB) on small batches of synthetic data, so a step moves far more bytes than
 it computes. Two systems:
 
-* ``tensorx``: :class:`tensorx.ps.ParameterServer` (sync, SGD with ``flat=True``) and, per
+* ``tensorx``: :class:`tensorx.ps.ParameterServer` (sync, SGD, default options) and, per
   worker, the blocking :class:`tensorx.worker.RemoteOptimizer` in an ordinary PyTorch loop
   (``--overlap`` on or off: gradient buckets written during backward, or all at ``step``;
   ``--share-memory on``: the workers map the PS's arenas, nothing is copied at all).
@@ -62,7 +62,7 @@ def tensorx_serve(args: argparse.Namespace) -> None:
     async def serve() -> None:
         ps = ParameterServer(f"tcp://{args.host}:0", num_workers=WORKERS, mode="sync",
                              optimizer=_sgd, transport=args.transport, timeout=TIMEOUT,
-                             flat=True, share_memory=args.share_memory == "on")
+                             share_memory=args.share_memory == "on")
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ps.stop)
         async with ps:
             common.announce({"host": args.host, "address": ps.address})
