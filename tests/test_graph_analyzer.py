@@ -84,9 +84,11 @@ def test_large_tensors_are_chunked_and_chunks_are_contiguous() -> None:
     model = nn.Linear(1000, 1000)  # 4 MB weight
     plan = plan_of(model, num_shards=2, chunk_bytes=1 << 20)
     chunks = plan.tensors()["weight"]
-    assert len(chunks) == 4  # whole rows (4000 B) in aligned pairs: 262 rows per chunk
-    assert [c.numel for c in chunks] == [262000, 262000, 262000, 214000]
-    assert {c.shard for c in chunks} == {0, 1}
+    # whole rows (4000 B) in aligned pairs: 262 rows per chunk; the shard cut falls at the
+    # pair of rows nearest half the dense bytes (bias 4032 B + 500 rows | 500 rows)
+    assert [c.numel for c in chunks] == [262000, 238000, 24000, 262000, 214000]
+    assert [c.shard for c in chunks] == [0, 0, 1, 1, 1]
+    assert [plan.dense_bytes(s) for s in range(2)] == [4032 + 2_000_000, 2_000_000]
     for a, b in itertools.pairwise(chunks):
         assert (b.shard == a.shard and b.offset == a.end) or (
             b.shard == a.shard + 1 and b.offset == 0 and a.end == plan.arena_bytes(a.shard))

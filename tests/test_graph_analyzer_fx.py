@@ -130,10 +130,10 @@ def run_cli(argv: list[str]) -> int:
 def test_cli_prints_the_resnet50_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(["plan", "tests.models:resnet50", "--shards", "2", "--summary"]) == 0
     out = capsys.readouterr().out
-    assert "169 entries, 161 tensors, 25557032 elements, 2 shard(s)" in out
-    assert "shard 0: 29 entries, params arena 52301760 B" in out
-    assert "shard 1: 140 entries, params arena 49926400 B" in out
-    assert "imbalance 2.32%" in out
+    assert "170 entries, 161 tensors, 25557032 elements, 2 shard(s)" in out
+    assert "shard 0: 29 entries, dense 51113920 B, params arena 51113920 B" in out
+    assert "shard 1: 141 entries, dense 51114240 B, params arena 51114240 B" in out
+    assert "imbalance 0.00% (dense bytes" in out
 
 
 def test_cli_table_and_options(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,20 +6,24 @@ Layout rules, and why:
   the forward pass), so a worker can push a prefix of an arena as soon as it is complete.
   Without sample inputs, registration order stands in for forward order.
 * Split. A tensor larger than ``chunk_bytes`` becomes chunks of whole rows (slices along
-  its first dimension, ``t[a:b]``) of at most ``chunk_bytes``, the last one shorter; a
-  chunk's bytes are a multiple of the alignment, so consecutive chunks stay byte-contiguous,
-  and any run of chunks (a shard's part of a tensor) is itself a slice of whole rows with
-  the tensor's number of dimensions. A 1-D tensor is split into runs of elements. A tensor
-  whose smallest aligned group of rows is larger than ``chunk_bytes`` is not split.
-* Shard. The ordered sequence is cut into ``num_shards`` contiguous runs of near-equal
-  bytes. Shard ``k+1``'s arena continues where shard ``k``'s ends in the global sequence, so
-  when arenas are carved from one block (the default) every tensor, even one split across
-  two shards, is a single view: binding is zero-copy for every dense tensor.
+  its first dimension, ``t[a:b]``) of at most ``chunk_bytes``; a chunk's bytes are a
+  multiple of the alignment (but for a tensor's last chunk), so consecutive chunks stay
+  byte-contiguous, and any run of chunks (a shard's part of a tensor) is itself a slice of
+  whole rows with the tensor's number of dimensions. A 1-D tensor is split into runs of
+  elements. A tensor whose smallest aligned group of rows is larger than ``chunk_bytes`` is
+  not chunked (it may still be cut between shards).
+* Shard. The dense sequence is cut into ``num_shards`` contiguous runs whose dense bytes
+  are within one cut step (an aligned group of whole rows) of the mean, cutting a tensor
+  between two shards where the balance needs it (:mod:`tensorx._analyzer.balance` has the
+  rule and the bound). Shard ``k+1``'s arena continues where shard ``k``'s ends in the
+  sequence, so when arenas are carved from one block (the default) every tensor, even one
+  cut across shards, is a single view: binding is zero-copy for every dense tensor. Sparse
+  tables stay whole and are spread by size over the shards that no tensor runs through.
 """
 
 from __future__ import annotations
 
-import bisect
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorx._analyzer import balance
 from tensorx._analyzer.layout import (
     HEADER_BYTES,
     INDEX_BYTES,
@@ -74,6 +79,7 @@ class _Unit:
     chunk: int
     start: int
     numel: int
+    shard: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -118,10 +124,7 @@ class GraphAnalyzer:
         return out
 
     def plan(self) -> TransferPlan:
-        units = _split(self.tensors(), self.options.chunk_bytes, self.options.alignment)
-        sizes = [align_up(u.nbytes, self.options.alignment) for u in units]
-        cuts = _cuts(sizes, self.options.num_shards)
-        entries = _place(units, sizes, cuts)
+        entries = _place(_units(self.tensors(), self.options), self.options)
         return TransferPlan(entries, self.options, _dynamic(entries, self.options))
 
     def _forward_rank(self, names: list[str]) -> dict[str, tuple[int, int]]:
@@ -163,24 +166,61 @@ def _info(name: str, t: torch.Tensor, role: str, sparse: bool, index: int) -> Te
     return TensorInfo(name, tuple(t.shape), dtype, role, sparse, index)
 
 
-def _split(infos: list[TensorInfo], chunk_bytes: int, alignment: int) -> list[_Unit]:
-    """Chunks of whole rows for dense tensors above ``chunk_bytes``; sparse tensors, and
-    tensors too wide to be cut into aligned groups of rows, stay whole."""
-    units = []
+def _units(infos: list[TensorInfo], opts: PlanOptions) -> list[_Unit]:
+    """The plan's pieces in gradient-ready order: dense tensors cut at ``chunk_bytes`` and
+    at the shard cuts (see :mod:`tensorx._analyzer.balance`), sparse tables whole."""
+    dense = [i for i in infos if not i.sparse]
+    cuts = balance.dense_cuts(dense, opts.num_shards, opts.alignment)
+    units: list[_Unit] = []
+    sparse: list[_Unit] = []
+    position = 0
     for info in infos:
-        step = _chunk_numel(info, chunk_bytes, alignment)
-        if info.sparse or info.numel <= step or step == 0:
-            units.append(_Unit(info, 0, 0, info.numel))
+        if info.sparse:
+            sparse.append(_Unit(info, 0, 0, info.numel))
+            units.append(sparse[-1])
             continue
-        starts = range(0, info.numel, step)
-        units += [_Unit(info, i, s, min(step, info.numel - s)) for i, s in enumerate(starts)]
-    return units
+        units += _pieces(info, position, cuts, opts)
+        position += balance.padded(info, opts.alignment)
+    shards = balance.place_sparse([balance.padded(u.info, opts.alignment) for u in sparse],
+                                  _uncrossed(units, opts.num_shards), opts.num_shards)
+    where = dict(zip(map(id, sparse), shards, strict=True))
+    return [dataclasses.replace(u, shard=where[id(u)]) if u.info.sparse else u for u in units]
+
+
+def _pieces(info: TensorInfo, position: int, cuts: list[int],
+            opts: PlanOptions) -> list[_Unit]:
+    """``info`` (at ``position`` in the padded dense sequence) cut into chunks of whole rows
+    at most ``chunk_bytes`` long (when a group of aligned rows fits) and at shard cuts."""
+    size = info.itemsize
+    step = _chunk_numel(info, opts.chunk_bytes, opts.alignment)
+    bounds = {0, info.numel}
+    if step and info.numel > step:
+        bounds.update(range(step, info.numel, step))
+    end = position + info.numel * size
+    bounds.update((c - position) // size for c in cuts if position < c < end)
+    edges = sorted(bounds)
+    if len(edges) == 1:  # an empty tensor
+        return [_Unit(info, 0, 0, 0, balance.shard_of(cuts, position))]
+    return [_Unit(info, i, a, b - a, balance.shard_of(cuts, position + a * size))
+            for i, (a, b) in enumerate(itertools.pairwise(edges))]
+
+
+def _uncrossed(units: list[_Unit], num_shards: int) -> list[int]:
+    """Shards that no tensor runs through (a cut tensor's pieces must meet at arena edges,
+    so nothing else may sit in a shard it spans)."""
+    crossed: set[int] = set()
+    span: dict[str, list[int]] = {}
+    for u in units:
+        span.setdefault(u.info.name, []).append(u.shard)
+    for shards in span.values():
+        crossed.update(range(shards[0] + 1, shards[-1]))
+    return [s for s in range(num_shards) if s not in crossed]
 
 
 def _chunk_numel(info: TensorInfo, chunk_bytes: int, alignment: int) -> int:
     """Elements per chunk: the most whole rows within ``chunk_bytes`` whose bytes are a
     multiple of ``alignment`` (0: not even one such group of rows fits)."""
-    row = numel_of(info.shape[1:]) if len(info.shape) > 1 else 1
+    row = balance.row_numel(info)
     row_bytes = row * info.itemsize
     if row_bytes == 0:
         return 0
@@ -188,35 +228,34 @@ def _chunk_numel(info: TensorInfo, chunk_bytes: int, alignment: int) -> int:
     return chunk_bytes // (row_bytes * group) * group * row
 
 
-def _cuts(sizes: list[int], num_shards: int) -> list[int]:
-    """Unit indices where each shard starts (plus the end): contiguous, near-equal bytes."""
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    cuts = [0]
-    for k in range(1, num_shards):
-        target = prefix[-1] * k / num_shards
-        i = bisect.bisect_left(prefix, target, lo=cuts[-1])
-        if i > cuts[-1] and (i == len(prefix) or target - prefix[i - 1] <= prefix[i] - target):
-            i -= 1
-        cuts.append(min(i, len(sizes)))
-    return [*cuts, len(sizes)]
-
-
-def _place(units: list[_Unit], sizes: list[int], cuts: list[int]) -> list[PlanEntry]:
+def _place(units: list[_Unit], opts: PlanOptions) -> list[PlanEntry]:
+    """Offsets, shard after shard. In a shard, pieces keep gradient-ready order, except that
+    a piece continued from the shard before comes first and one continued on the next
+    shard last, so a cut tensor is contiguous across adjacent arenas."""
     entries = []
-    for shard, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+    for shard in range(opts.num_shards):
+        mine = [(_edge(units, i), i) for i, u in enumerate(units) if u.shard == shard]
         offset = 0
-        for unit, size in zip(units[lo:hi], sizes[lo:hi], strict=True):
-            entries.append(_entry(unit, shard, offset))
-            offset += size
+        for _, i in sorted(mine):
+            entries.append(_entry(units[i], offset))
+            offset += align_up(units[i].nbytes, opts.alignment)
     return entries
 
 
-def _entry(u: _Unit, shard: int, offset: int) -> PlanEntry:
+def _edge(units: list[_Unit], i: int) -> int:
+    """0: continues a tensor from an earlier shard; 2: continues on a later one; else 1."""
+    u = units[i]
+    if u.start > 0 and units[i - 1].shard != u.shard:
+        return 0
+    if u.start + u.numel < u.info.numel and units[i + 1].shard != u.shard:
+        return 2
+    return 1
+
+
+def _entry(u: _Unit, offset: int) -> PlanEntry:
     kind = "dynamic" if u.info.sparse else "static"
     return PlanEntry(u.info.name, u.chunk, u.start, u.numel, u.info.shape, u.info.dtype,
-                     u.nbytes, kind, shard, "params", offset, u.info.role, u.info.index)
+                     u.nbytes, kind, u.shard, "params", offset, u.info.role, u.info.index)
 
 
 def _dynamic(entries: list[PlanEntry], opts: PlanOptions) -> list[DynamicEntry]:

@@ -37,7 +37,13 @@ def decode_plan(cls: type[TransferPlan], data: bytes) -> TransferPlan:
         raise ProtocolError("not a transfer plan: wrong shape")
     version, opts, entries, dynamic, fingerprint = fields_
     if version != PLAN_VERSION:
-        raise ProtocolError(f"plan version {version!r}; this tensorx reads {PLAN_VERSION}")
+        older = isinstance(version, int) and version < PLAN_VERSION
+        raise ProtocolError(
+            f"plan version {version!r}; this tensorx reads {PLAN_VERSION}"
+            + (" (the plan was made by an older tensorx, which shards and chunks tensors "
+               "differently: plan with one tensorx version everywhere; a checkpoint that "
+               "holds such a plan can only be resumed by the tensorx that wrote it)"
+               if older else ""))
     plan = cls([_entry(r) for r in _rows(entries)], _options(opts),
                [_dynamic(r) for r in _rows(dynamic)])
     if plan.fingerprint != fingerprint:
@@ -235,7 +241,9 @@ def summarize_plan(plan: TransferPlan) -> str:
              f"alignment {plan.alignment} B, chunk {plan.options.chunk_bytes} B"]
     for s in range(plan.num_shards):
         n = len(plan.shard_entries(s))
-        lines.append(f"  shard {s}: {n} entries, params arena {plan.arena_bytes(s)} B, "
+        lines.append(f"  shard {s}: {n} entries, dense {plan.dense_bytes(s)} B, "
+                     f"params arena {plan.arena_bytes(s)} B, "
                      f"grads arena {plan.arena_bytes(s)} B, headers {plan.header_bytes(s)} B")
-    lines.append(f"  imbalance {plan.imbalance * 100:.2f}% (largest arena over mean)")
+    lines.append(f"  imbalance {plan.imbalance * 100:.2f}% (dense bytes: largest shard over mean, "
+                 "minus 1)")
     return "\n".join(lines)
