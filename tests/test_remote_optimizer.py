@@ -34,10 +34,11 @@ LINKS = [pytest.param("tcp", True, id="tcp"),
 
 
 def adamw_groups(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """Weight decay for the weight matrices only (told apart by size: the same rule on the
-    server's views and on the model)."""
-    decay = [p for p in params if p.numel() > 16]
-    rest = [p for p in params if p.numel() <= 16]
+    """Weight decay for the weight matrices only, told apart by ``dim()``: the same rule on
+    the model and on the server's views, where a matrix cut between shards (balancing cuts
+    even small tensors at whole rows) is still a matrix, but not necessarily a large one."""
+    decay = [p for p in params if p.dim() > 1]
+    rest = [p for p in params if p.dim() <= 1]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                               {"params": rest, "weight_decay": 0.0}], lr=0.02,
                              betas=(0.9, 0.95))
