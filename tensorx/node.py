@@ -34,6 +34,7 @@ from tensorx.transport import cuda_ipc as cuda_ipc_lane
 from tensorx.transport import handshake
 from tensorx.transport._tcp_lane import TcpLane
 from tensorx.transport.base import DataLane, LaneFactory
+from tensorx.transport.gpu_route import GpuViaTcp
 from tensorx.transport.tcp import Connection, TcpListener, open_socket
 
 __all__ = ["Node"]
@@ -238,7 +239,7 @@ class Node:
         if not isinstance(region, MemoryRegion):
             region = MemoryRegion.register(region, writable="w" in access)
         keys: dict[str, Any] = {}
-        if self._factory is not None:
+        if self._factory is not None and (not region.is_cuda or self._factory_gpu()):
             keys[self._factory.name] = self._factory.register(region)
         if region.is_cuda and self._cuda_ipc:
             ipc = cuda_ipc_lane.export_keys(region)
@@ -397,12 +398,20 @@ class Node:
             return lane
         return cuda_ipc_lane.CudaIpcLane(lane, pid)
 
+    def _factory_gpu(self) -> bool:
+        """Whether the UCX factory can register and move GPU memory."""
+        return bool(getattr(self._factory, "gpu_memory", True))
+
     async def _try_ucx(self, conn: Connection, timeout: float | None) -> DataLane | None:
         peer_info = conn.peer_caps.get("ucx")
         if self._factory is None or not isinstance(peer_info, dict):
             return None
         try:
-            return await self._factory.open_lane(peer_info, peer=conn.peer, timeout=timeout)
+            lane = await self._factory.open_lane(peer_info, peer=conn.peer, timeout=timeout)
+            if _cuda.available() and (not self._factory_gpu() or peer_info.get("gpu") is False):
+                return GpuViaTcp(lane, TcpLane(conn, "GPU memory UCX cannot move"),
+                                 self._factory_gpu())
+            return lane
         except TransportUnavailableError as exc:
             if self.transport == "ucx" or self.require is not None:
                 raise

@@ -134,6 +134,9 @@ class UcxFactory(LaneFactory):
         self._ctx = _ucp.ucxx_context(DEFAULT_OPTIONS, tls, options)
         self.context_handle = int(self._ctx.context.handle)
         self.transports = self._check_transports()
+        # GPU memory: without cuda_copy UCX can neither register nor move it; the node then
+        # exports GPU regions without UCX keys and sends their ops over TCP (gpu_route.py)
+        self.gpu_memory = "cuda_copy" in self.transports
         self.worker_handle = int(self._ctx.worker.handle)
         self._address = bytes(self._ctx.worker_address.tobytes())
         settings = {**DEFAULT_OPTIONS, **(options or {}), "TLS": str(self._ctx.config["TLS"])}
@@ -191,7 +194,7 @@ class UcxFactory(LaneFactory):
     def local_info(self) -> dict[str, Any]:
         return {"worker_address": self._address, "error_handling": self.error_handling,
                 "host": socket.gethostname(), "pid": os.getpid(),
-                "ucx": self._ucp.version()}
+                "ucx": self._ucp.version(), "gpu": self.gpu_memory}
 
     async def open_lane(self, peer_info: dict[str, Any], *, peer: str,
                         timeout: float | None) -> UcxLane:
