@@ -34,8 +34,8 @@ from tensorx.errors import TensorxError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
-__all__ = ["GUARD", "FaultyProxy", "OwnerProcess", "authenticate", "digest", "pattern",
-           "raw_socket", "recv_frame"]
+__all__ = ["GUARD", "FaultyProxy", "OwnerProcess", "authenticate", "check_timed_out_reads",
+           "digest", "pattern", "raw_socket", "recv_frame"]
 
 GUARD = 4096
 GUARD_BYTE = 0xA5
@@ -48,6 +48,30 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 def digest(data: Any) -> str:
     return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+async def check_timed_out_reads(ep: Endpoint, big: RegionDescriptor, small: RegionDescriptor,
+                                small_seed: int) -> int:
+    """Read ``big`` (64 MiB) with ever longer timeouts; after each read that timed out,
+    check that its late reply never lands in the buffer (a read of ``small``, written with
+    :func:`pattern` of ``small_seed``, is ordered after it) and the endpoint stays usable.
+    Returns how many timed out (a caller asserts at least one did). The shortest timeout
+    fires before the reply starts even on a loaded host."""
+    timed_out = 0
+    for timeout in (0.0002, 0.001, 0.005, 0.01, 0.02, 0.05):
+        out = np.zeros(big.nbytes, np.uint8)
+        try:
+            await ep.read(MemoryRegion.register(out), big, timeout=timeout)
+        except TimeoutError:
+            timed_out += 1
+            before = out.copy()
+            check = np.zeros(small.nbytes, np.uint8)  # stream order: after the late reply
+            await ep.read(MemoryRegion.register(check), small, timeout=30)
+            assert np.array_equal(check, pattern(small.nbytes, small_seed))
+            await asyncio.sleep(0.1)
+            assert np.array_equal(out, before), "a timed-out read wrote the buffer later"
+        assert not ep.closed
+    return timed_out
 
 
 def raw_socket(address: str, timeout: float = 5.0) -> socket.socket:
