@@ -48,11 +48,17 @@ OpSpec = tuple[MemoryRegion, "RegionDescriptor | bytes", int, int, "int | None"]
 class Endpoint:
     """A connection to one peer; both sides of a connection get one and can use it fully."""
 
-    def __init__(self, node: Node, conn: Connection, lane: DataLane, address: str) -> None:
+    def __init__(self, node: Node, conn: Connection, lane: DataLane, address: str, *,
+                 notes: dict[str, str] | None = None, bypassed: bool = False) -> None:
         self._node = node
         self._conn = conn
         self._lane = lane
         self.address = address
+        self._notes = dict(notes or {})  # e.g. why there is no same-host lane
+        # Whether either side's lane may reach the other's memory without its code (UCX,
+        # CMA). Symmetric by construction: each owner then holds closed regions until the
+        # peer acknowledges, and each peer acknowledges (after its ops on them finished).
+        self.bypassed = lane.bypasses_owner or bypassed
         self._validated: dict[tuple[int, int], tuple[int, str]] = {}
         self._revoked: set[int] = set()
         conn.on_revoke = self._revoke
@@ -76,8 +82,9 @@ class Endpoint:
 
     @property
     def info(self) -> dict[str, Any]:
-        """``{"transport", "lanes", "why", "peer", "address", "stats", "socket"}``."""
-        return {**self._lane.info, "peer": self.peer, "address": self.address,
+        """``{"transport", "lanes", "why", "host", "peer", "address", "stats", "socket"}``
+        (``"gpu"`` too where GPU memory has a path of its own)."""
+        return {**self._lane.info, **self._notes, "peer": self.peer, "address": self.address,
                 "stats": self.stats.snapshot(), "socket": dict(self._conn.stats)}
 
     @contextlib.contextmanager
@@ -212,7 +219,7 @@ class Endpoint:
         self._revoked.add(region_id)
         for key in [k for k in self._validated if k[0] == region_id]:
             del self._validated[key]
-        if self._lane.bypasses_owner:
+        if self.bypassed:
             task = asyncio.get_running_loop().create_task(self._ack_revoke(region_id))
             self._acks.add(task)
             task.add_done_callback(self._acks.discard)

@@ -15,6 +15,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,6 +31,7 @@ from tensorx.errors import (
     UsageError,
 )
 from tensorx.memregion import ExportTable, MemoryRegion, RegionDescriptor, host_id
+from tensorx.transport import cma as cma_lane
 from tensorx.transport import cuda_ipc as cuda_ipc_lane
 from tensorx.transport import handshake
 from tensorx.transport._tcp_lane import TcpLane
@@ -97,6 +99,11 @@ class Node:
     ``cuda_ipc``: GPU regions between same-host peers that both use CUDA travel device to
     device over CUDA IPC (reported in ``ep.info["gpu"]``); ``None`` reads
     ``$TENSORX_CUDA_IPC`` (on unless ``0``). See docs/transports.md, "GPU memory".
+
+    ``same_host``: host memory between two nodes on one host moves by cross-memory attach
+    (``process_vm_writev/readv``: one copy; reported in ``ep.info["host"]``) where both allow
+    it; ``None`` means on under ``transport="auto"`` unless ``$TENSORX_SAME_HOST=0``.
+    See docs/transports.md, "Same host".
     """
 
     def __init__(self, listen: str | None = "tcp://127.0.0.1:0", *, transport: str = "auto",
@@ -105,7 +112,7 @@ class Node:
                  insecure: bool = False, handshake_timeout: float = 5.0,
                  max_handshakes: int = 64,
                  notify_queue: tuple[int, int] = (4096, 64 << 20),
-                 cuda_ipc: bool | None = None) -> None:
+                 cuda_ipc: bool | None = None, same_host: bool | None = None) -> None:
         if transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         require = require if require is not None else os.environ.get("TENSORX_REQUIRE") or None
@@ -126,6 +133,8 @@ class Node:
         self._ucx_options = dict(ucx_options or {})
         self._insecure = insecure
         self._cuda_ipc = cuda_ipc_lane.enabled(cuda_ipc)
+        self._cma = cma_lane.Probe() if cma_lane.enabled(same_host, transport) else None
+        self._cma_pool: Executor | None = None
         self._exports = ExportTable(self.id)
         self._factory: LaneFactory | None = None
         self._factory_why = ""
@@ -199,6 +208,8 @@ class Node:
             await asyncio.gather(*(ep.aclose() for ep in list(self._endpoints)),
                                  return_exceptions=True)
         finally:
+            if self._cma_pool is not None:  # every lane has waited for its copies
+                self._cma_pool.shutdown(wait=False)
             if self._factory is not None:
                 await self._factory.aclose()
 
@@ -261,7 +272,7 @@ class Node:
         holders = set()
         for ep in self._endpoints:
             ep._conn.revoke(region.region_id)
-            if ep._lane.bypasses_owner and not ep.closed:
+            if ep.bypassed and not ep.closed:
                 holders.add(ep)
         if not (exported and holders):
             return
@@ -299,6 +310,8 @@ class Node:
             caps[self._factory.name] = self._factory.local_info()
         if self._cuda_ipc and _cuda.available():
             caps[cuda_ipc_lane.KEY] = {"host": host_id(), "pid": os.getpid()}
+        if self._cma is not None:
+            caps[cma_lane.KEY] = self._cma.caps()
         return caps
 
     async def connect(self, address: str, *, timeout: float | None = DEFAULT) -> Endpoint:
@@ -367,26 +380,44 @@ class Node:
             "oldest (raise Node(max_handshakes=) if real peers need more)"))
 
     async def _finish(self, conn: Connection, address: str, timeout: float | None) -> Endpoint:
-        lane = await self._choose_lane(conn, timeout)
-        ep = Endpoint(self, conn, lane, address)
+        lane, notes = await self._choose_lane(conn, timeout)
+        bypassed = cma_lane.offered(self._cma, conn.peer_caps.get(cma_lane.KEY))
+        ep = Endpoint(self, conn, lane, address, notes=notes, bypassed=bypassed)
         conn.on_notify = lambda c, payload: self.notifications.put((ep, payload))
         conn.on_closed = lambda c, exc: self._on_broken(ep, exc)
         conn.on_query = self._answer
         conn.on_revoke_ack = lambda region_id: self._revoke_acked(ep, region_id)
         conn.start()
         self._endpoints.add(ep)
-        info = lane.info
-        logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s why=%s%s", self.id,
-                    conn.peer, address, info["transport"], ",".join(info["lanes"]),
-                    printable(info["why"]), f"; gpu={info['gpu']}" if "gpu" in info else "")
+        info = ep.info
+        logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s why=%s%s; host=%s",
+                    self.id, conn.peer, address, info["transport"], ",".join(info["lanes"]),
+                    printable(info["why"]), f"; gpu={info['gpu']}" if "gpu" in info else "",
+                    printable(info["host"]))
         return ep
 
-    async def _choose_lane(self, conn: Connection, timeout: float | None) -> DataLane:
+    async def _choose_lane(self, conn: Connection, timeout: float | None
+                           ) -> tuple[DataLane, dict[str, str]]:
         lane = await self._try_ucx(conn, timeout)
         if lane is None:
             lane = TcpLane(conn, self._tcp_why(conn))
         self._enforce_require(lane)
-        return self._with_cuda_ipc(conn, lane)
+        lane, notes = self._with_cma(conn, lane)
+        return self._with_cuda_ipc(conn, lane), notes
+
+    def _with_cma(self, conn: Connection, lane: DataLane) -> tuple[DataLane, dict[str, str]]:
+        """Same-host peers that may read each other's memory get the CMA lane for host
+        memory; otherwise ``ep.info["host"]`` says why not (a WARNING where it should have
+        worked: the peer is on this host and offered it)."""
+        pid, why, loud = cma_lane.check(self._cma, conn.peer_caps.get(cma_lane.KEY))
+        if pid is None:
+            if loud:
+                logger.warning("endpoint to %s: no same-host lane, host memory goes over %s: "
+                               "%s", conn.peer, lane.name, why)
+            return lane, {"host": why}
+        if self._cma_pool is None:
+            self._cma_pool = cma_lane.make_pool()
+        return cma_lane.CmaLane(lane, conn, pid, self._cma_pool), {}
 
     def _with_cuda_ipc(self, conn: Connection, lane: DataLane) -> DataLane:
         """Same-host peers that both use CUDA get the CUDA IPC lane for GPU memory."""

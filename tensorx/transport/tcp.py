@@ -342,9 +342,26 @@ class Connection:
         await self._await(req, pending, timeout, "read")
 
     async def request_validate(self, rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
+        n, access, _ = await self._validate({"rid": rid, "ck": ck}, timeout)
+        return n, access
+
+    async def request_address(self, rid: int, ck: int, timeout: float | None
+                              ) -> tuple[int, str, int | None]:
+        """(nbytes, access, address) of the owner's region: the address of host memory
+        (None for GPU memory), for a same-host lane. Only a peer that offered such a lane
+        is asked (an older owner would not answer with one)."""
+        return await self._validate({"rid": rid, "ck": ck, "addr": True}, timeout)
+
+    async def _validate(self, fields: dict[str, Any], timeout: float | None
+                        ) -> tuple[int, str, int | None]:
         req, pending = self._new_request()
-        self._enqueue([_wire.encode(Kind.VALIDATE, {"req": req, "rid": rid, "ck": ck})])
-        result: tuple[int, str] = await self._await(req, pending, timeout, "descriptor check")
+        try:
+            self._enqueue([_wire.encode(Kind.VALIDATE, {"req": req, **fields})])
+        except BaseException:
+            self._pending.pop(req, None)
+            raise
+        result: tuple[int, str, int | None] = await self._await(req, pending, timeout,
+                                                                "descriptor check")
         return result
 
     async def request_query(self, what: str, timeout: float | None) -> dict[str, Any]:
@@ -473,7 +490,11 @@ class Connection:
         self._resolve(h["req"], None)
 
     async def _on_valid(self, h: dict[str, Any], payload_len: int) -> None:
-        self._resolve(h["req"], (h["n"], h["access"]))
+        addr = h.get("addr")
+        if addr is not None and (not isinstance(addr, int) or isinstance(addr, bool)
+                                 or not 0 <= addr < 2**64):
+            raise ProtocolError("VALID carries a malformed address")
+        self._resolve(h["req"], (h["n"], h["access"], addr))
 
     async def _on_error(self, h: dict[str, Any], payload_len: int) -> None:
         exc = ERROR_CODES.get(h["code"], BrokenError)(
@@ -496,7 +517,10 @@ class Connection:
             self._reply_error(h["req"], exc)
             return
         desc = export.descriptor
-        self._send_frame(Kind.VALID, {"req": h["req"], "n": desc.nbytes, "access": desc.access})
+        reply = {"req": h["req"], "n": desc.nbytes, "access": desc.access}
+        if h.get("addr") is True and not export.region.is_cuda:  # for a same-host lane
+            reply["addr"] = export.region.address
+        self._send_frame(Kind.VALID, reply)
 
     async def _on_query(self, h: dict[str, Any], payload_len: int) -> None:
         try:

@@ -1,0 +1,390 @@
+"""The same-host lane for host memory: cross-memory attach (CMA).
+
+Two tensorx processes on one host move a write or read of host memory with one copy, by the
+kernel, straight between the two address spaces: ``process_vm_writev`` / ``process_vm_readv``
+on the owner's registered memory. The owner's code never runs for an op (one-sided), so the
+lane has ``bypasses_owner``: the endpoint validates every descriptor with the owner first, and
+the owner keeps a closed region's memory until we acknowledge its revocation.
+
+Addresses come from the owner only, never from the descriptor: on first use of a
+(region, cookie) the lane asks the owner over the control channel (a VALIDATE request that
+also asks for the address), and caches the answer.
+
+The lane wraps the endpoint's other lane (TCP or UCX), which keeps everything else: GPU
+memory, zero-byte ops, notifications. It is chosen when both peers offer it, are on the same
+host (:func:`tensorx._shm.host_id`) and a ``process_vm_readv`` of the peer's probe buffer
+returns the token it advertised: that proves we may read its memory (yama ``ptrace_scope``,
+containers, pid namespaces) and that the pid is the peer's.
+
+Trust model: ``process_vm_*`` needs the same permission as ``ptrace`` (same uid, and yama
+allowing it). A peer that has it could already attach a debugger to us; the lane adds no
+access that the kernel did not grant. The lane never calls ``prctl(PR_SET_PTRACER)``: where
+permission is missing it is not used and the endpoint says why (a WARNING when the peer is on
+this host and offered it).
+
+Peer death is seen by the control channel: ops then fail with ``BrokenError`` before any
+syscall (a reused pid is never written). Enabled under ``transport="auto"`` only; switch it
+off with ``Node(same_host=False)`` or ``TENSORX_SAME_HOST=0``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any
+
+from tensorx._shm import host_id
+from tensorx.errors import BrokenError, ClosedError, RegionError, TimeoutError, UsageError
+from tensorx.transport.base import DataLane, Op
+from tensorx.transport.tcp import Connection
+
+__all__ = ["KEY", "CmaLane", "Probe", "enabled", "make_pool", "offered"]
+
+logger = logging.getLogger(__name__)
+
+KEY = "cma"
+POOL_ABOVE = 256 << 10  # ops larger than this run in the pool, not on the event loop
+PIECE = 8 << 20  # bytes per syscall: a cancelled or closed op stops at the next piece
+MAX_IOV = 1024  # UIO_MAXIOV
+MAX_CACHED = 4096  # owner-given addresses kept per lane
+HOW = ("cma (process_vm_writev/readv: one copy, same host; peer death seen by the control "
+       "channel)")
+
+Segment = tuple[int, int, int]  # (local address, remote address, nbytes)
+
+
+def enabled(setting: bool | None, transport: str) -> bool:
+    """``Node(same_host=...)``: None means on under ``transport="auto"`` unless
+    ``TENSORX_SAME_HOST=0``; an explicit transport keeps meaning exactly that lane."""
+    if setting is None:
+        off = os.environ.get("TENSORX_SAME_HOST", "1").strip().lower() in (
+            "0", "no", "off", "false")
+        return transport == "auto" and not off
+    if setting and transport != "auto":
+        raise UsageError(f"same_host=True needs transport='auto' (transport={transport!r} "
+                         "means exactly that lane)")
+    return setting
+
+
+def make_pool() -> Executor:
+    """The small pool large copies run in (the syscalls release the GIL)."""
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="tx-cma")
+
+
+# -- the syscalls ---------------------------------------------------------------------------
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_calls: dict[bool, Any] = {}
+
+
+def _syscall(to_remote: bool) -> Any:
+    """``process_vm_writev`` (to_remote) or ``process_vm_readv``, bound once."""
+    if not _calls:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for write, name in ((True, "process_vm_writev"), (False, "process_vm_readv")):
+            fn = getattr(libc, name)
+            fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                           ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+            fn.restype = ctypes.c_ssize_t
+            _calls[write] = fn
+    return _calls[to_remote]
+
+
+def copy(pid: int, segments: Sequence[Segment], to_remote: bool,
+         stop: Callable[[], BaseException | None]) -> None:
+    """Move every segment (loops on partial counts), at most :data:`PIECE` bytes and
+    :data:`MAX_IOV` segments per syscall; ``stop()`` is asked before each one and what it
+    returns is raised. Errors leave as ``tensorx.errors``."""
+    fn = _syscall(to_remote)
+    i, skip = 0, 0  # the segment to continue, and how much of it is done
+    while i < len(segments):
+        halt = stop()
+        if halt is not None:
+            raise halt
+        local, remote, count = _batch(segments, i, skip)
+        done = fn(pid, local, count, remote, count, 0)
+        if done <= 0:
+            raise _error(ctypes.get_errno() if done < 0 else errno.EFAULT, segments[i], skip)
+        while done:
+            n = segments[i][2]
+            take = min(n - skip, done)
+            skip, done = skip + take, done - take
+            if skip == n:
+                i, skip = i + 1, 0
+
+
+def _batch(segments: Sequence[Segment], i: int, skip: int) -> tuple[Any, Any, int]:
+    """The iovecs of the next syscall, from segment ``i`` (``skip`` bytes into it)."""
+    size = min(MAX_IOV, len(segments) - i)
+    local, remote = (_Iovec * size)(), (_Iovec * size)()
+    k = total = 0
+    while i < len(segments) and k < size and total < PIECE:
+        la, ra, n = segments[i]
+        take = min(n - skip, PIECE - total)
+        local[k].base, local[k].len = la + skip, take
+        remote[k].base, remote[k].len = ra + skip, take
+        k, total = k + 1, total + take
+        i, skip = i + 1, 0
+    return local, remote, k
+
+
+def _error(code: int, segment: Segment, skip: int) -> BrokenError:
+    start = segment[1] + skip
+    where = f"remote [{start:#x}, {segment[1] + segment[2]:#x})"
+    if code in (errno.ESRCH, errno.EPERM):
+        return BrokenError(f"cma: the peer process is gone ({os.strerror(code)})")
+    if code == errno.EFAULT:  # the owner holds revoked memory until we acknowledged
+        return BrokenError(f"cma: {where} is not mapped in the peer (a bug or a dying peer)")
+    exc = BrokenError(f"cma: copy of {where} failed: {os.strerror(code)}")
+    exc.__cause__ = OSError(code, os.strerror(code))
+    return exc
+
+
+# -- choosing the lane ----------------------------------------------------------------------
+class Probe:
+    """Our 16-byte random token at a known address: a peer that reads it back through
+    ``process_vm_readv`` has proved it may use this lane to us."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_bytes(16)
+        self._buf = ctypes.create_string_buffer(self.token, 16)
+
+    def caps(self) -> dict[str, Any]:
+        return {"host": host_id(), "pid": os.getpid(), "probe": ctypes.addressof(self._buf),
+                "token": self.token}
+
+
+def offered(ours: Probe | None, theirs: Any) -> bool:
+    """Both peers offer the lane and share a host: each may bypass the other (so each
+    holds closed regions for the other until it acknowledges)."""
+    host = host_id()
+    return (ours is not None and isinstance(theirs, dict) and bool(host)
+            and theirs.get("host") == host)
+
+
+def check(ours: Probe | None, theirs: Any) -> tuple[int | None, str, bool]:
+    """(the peer's pid, "", False) when we may use the lane to it; else (None, why, loud):
+    loud when the peer is on this host and offered it (permission is missing)."""
+    if ours is None:
+        return None, "off (same_host disabled here)", False
+    if not isinstance(theirs, dict):
+        return None, "none (the peer does not offer cma)", False
+    if not offered(ours, theirs):
+        return None, "none (the peer is on another host)", False
+    pid, probe, token = theirs.get("pid"), theirs.get("probe"), theirs.get("token")
+    if not (isinstance(pid, int) and isinstance(probe, int) and isinstance(token, bytes)
+            and len(token) == 16 and 0 < pid < 2**31 and 0 < probe < 2**64):
+        return None, "none (the peer's cma offer is malformed)", True
+    got = ctypes.create_string_buffer(16)
+    try:
+        copy(pid, [(ctypes.addressof(got), probe, 16)], False, lambda: None)
+    except BrokenError as exc:
+        return None, (f"none (process_vm_readv of the peer's memory failed: {exc}; "
+                      "yama ptrace_scope, another user or a container?)"), True
+    if got.raw != token:
+        return None, "none (the peer's probe did not read back its token: another pid " \
+                     "namespace?)", True
+    return pid, "", False
+
+
+# -- the lane -------------------------------------------------------------------------------
+class CmaLane(DataLane):
+    """Host-memory ops to a same-host peer by ``process_vm_writev/readv``; every other op
+    goes to ``inner``."""
+
+    bypasses_owner = True
+
+    def __init__(self, inner: DataLane, conn: Connection, pid: int, pool: Executor) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._conn = conn
+        self._pid = pid
+        self._pool = pool
+        self._addrs: dict[tuple[int, int], asyncio.Future[int | None]] = {}
+        self._inflight: set[asyncio.Future[None]] = set()
+        self._halt: BaseException | None = None  # set once closed or the peer is gone
+        self.ops = 0  # ops this lane carried itself (instrumentation, tests)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return {**self.inner.info, "host": HOW}
+
+    # -- which ops are ours ---------------------------------------------------------------
+    @staticmethod
+    def _ours(op: Op) -> bool:
+        return op.nbytes > 0 and not op.local.is_cuda and op.remote.device != "cuda"
+
+    async def _address(self, op: Op, timeout: float | None) -> int | None:
+        """The owner's address of ``op.remote`` (None: not host memory, the inner lane)."""
+        key = (op.remote.region_id, op.remote.cookie)
+        fut = self._addrs.get(key)
+        if fut is None:
+            if len(self._addrs) >= MAX_CACHED:
+                self._addrs = {k: f for k, f in self._addrs.items() if not f.done()}
+            fut = self._addrs[key] = asyncio.ensure_future(self._ask(key, op.remote.nbytes))
+            fut.add_done_callback(_retrieve)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"cma: the owner's address of region {key[0]:#x} did not "
+                               f"come within {timeout} s") from None
+        except BaseException:
+            if fut.done() and (fut.cancelled() or fut.exception() is not None):
+                self._addrs.pop(key, None)  # ask again next time
+            raise
+
+    async def _ask(self, key: tuple[int, int], nbytes: int) -> int | None:
+        n, _, addr = await self._conn.request_address(*key, None)
+        if n != nbytes:
+            raise RegionError(f"descriptor of region {key[0]:#x} does not match what its "
+                              "owner exported")
+        return addr
+
+    async def _split(self, ops: Sequence[Op], timeout: float | None
+                     ) -> tuple[list[Segment], list[Op], list[Op]]:
+        """(our segments, their ops, the ops for the inner lane)."""
+        mine: list[Segment] = []
+        ours: list[Op] = []
+        rest: list[Op] = []
+        for op in ops:
+            addr = await self._address(op, timeout) if self._ours(op) else None
+            if addr is None:
+                rest.append(op)
+            else:
+                ours.append(op)
+                mine.append((op.local.address + op.local_offset, addr + op.remote_offset,
+                             op.nbytes))
+        return mine, ours, rest
+
+    # -- the contract ---------------------------------------------------------------------
+    async def write(self, op: Op, *, timeout: float | None) -> None:
+        await self.write_many([op], timeout=timeout)
+
+    async def read(self, op: Op, *, timeout: float | None) -> None:
+        async with self._tracked():
+            mine, ours, rest = await self._split([op], timeout)
+            if rest:
+                await self.inner.read(op, timeout=timeout)
+            else:
+                await self._copy(mine, ours, False, timeout)
+
+    async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
+        async with self._tracked():
+            mine, ours, rest = await self._split(ops, timeout)
+            if not rest:
+                await self._copy(mine, ours, True, timeout)
+            elif not mine:
+                await self.inner.write_many(ops, timeout=timeout)
+            else:
+                await asyncio.gather(self._copy(mine, ours, True, timeout),
+                                     self.inner.write_many(rest, timeout=timeout))
+
+    async def write_notify(self, ops: Sequence[Op], payload: bytes, *,
+                           timeout: float | None) -> bool:
+        if any(self._ours(op) for op in ops):
+            return False  # the endpoint writes, flushes and notifies
+        return await self.inner.write_notify(ops, payload, timeout=timeout)
+
+    async def flush(self, *, timeout: float | None) -> None:
+        """Every op started before (reads too: a revocation is acknowledged after this)
+        has finished, here and on the inner lane."""
+        pending = list(self._inflight)
+        if pending:
+            try:
+                await asyncio.wait_for(asyncio.gather(*pending), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"cma: ops did not finish within {timeout} s") from None
+        await self.inner.flush(timeout=timeout)
+
+    async def aclose(self) -> None:
+        if self._halt is None:
+            self._halt = ClosedError("lane closed")
+        await self.inner.aclose()
+
+    def abort(self) -> None:
+        if self._halt is None:
+            self._halt = ClosedError("lane aborted")
+        self.inner.abort()
+
+    def peer_gone(self, why: str) -> None:
+        if self._halt is None or isinstance(self._halt, ClosedError):
+            self._halt = BrokenError(f"peer gone: {why}")
+        self.inner.peer_gone(why)
+
+    # -- copies ---------------------------------------------------------------------------
+    def _stopped(self) -> BaseException | None:
+        halt = self._halt
+        return None if halt is None else type(halt)(str(halt))
+
+    @contextlib.asynccontextmanager
+    async def _tracked(self) -> AsyncIterator[None]:
+        """Count the op in flight (for :meth:`flush`) from its start, address wait included."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inflight.add(done)
+        try:
+            yield
+        finally:
+            self._inflight.discard(done)
+            done.set_result(None)
+
+    async def _copy(self, segments: list[Segment], ops: list[Op], to_remote: bool,
+                    timeout: float | None) -> None:
+        halt = self._stopped()
+        if halt is not None:
+            raise halt
+        if sum(s[2] for s in segments) <= POOL_ABOVE:
+            copy(self._pid, segments, to_remote, self._stopped)
+        else:
+            await self._in_pool(segments, ops, to_remote, timeout)
+        self.ops += len(segments)
+
+    async def _in_pool(self, segments: list[Segment], ops: list[Op], to_remote: bool,
+                       timeout: float | None) -> None:
+        """Copy in the pool; on a timeout or cancellation stop at the next piece and wait
+        for the syscall in flight, so the caller's memory is never touched after we raise."""
+        cancelled: list[BaseException] = []
+
+        def stop() -> BaseException | None:
+            return cancelled[0] if cancelled else self._stopped()
+
+        for op in ops:
+            op.local._pin()  # a local region closed meanwhile stays mapped until we are done
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, copy, self._pid, segments, to_remote, stop)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            cancelled.append(TimeoutError(f"cma: copy did not finish within {timeout} s"))
+            await _settle(fut)
+            raise TimeoutError(f"cma: copy did not finish within {timeout} s") from None
+        except asyncio.CancelledError:
+            cancelled.append(ClosedError("cma: copy cancelled"))
+            await _settle(fut)
+            raise
+        finally:
+            for op in ops:
+                op.local._unpin()
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a shared future's error as seen (its waiters may all have timed out)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def _settle(fut: asyncio.Future[None]) -> None:
+    """Wait until ``fut`` (a copy in the pool) has finished, whatever else is cancelled."""
+    while not fut.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(fut)
+    if not fut.cancelled():
+        fut.exception()  # retrieved: the caller raises its own error
