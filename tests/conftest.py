@@ -30,6 +30,17 @@ def transports() -> list[object]:
         not HAVE_UCX, reason="ucxx not installed")])]
 
 
+def lanes() -> list[object]:
+    """:func:`transports` and the same-host lane: ``"cma"`` is ``transport="auto"`` (the
+    default) between two nodes of this host, which then move host memory by CMA."""
+    return [*transports(), "cma"]
+
+
+def node_transport(lane: str) -> str:
+    """The ``Node(transport=)`` of a :func:`lanes` parameter."""
+    return "auto" if lane == "cma" else lane
+
+
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """Tiny ops on a shared 2-core box: OpenMP spinning costs more than it brings. For

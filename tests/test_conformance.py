@@ -11,23 +11,28 @@ import pytest
 import tensorx as tx
 from tensorx.testing import OwnerProcess, check_timed_out_reads, digest, pattern
 
-from .conftest import transports
+from .conftest import lanes, node_transport
 
-pytestmark = pytest.mark.parametrize("transport", transports())
+pytestmark = pytest.mark.parametrize("transport", lanes())
 
 
 @contextlib.asynccontextmanager
 async def session(transport: str, token: str | None = None):
-    async with OwnerProcess(transport, token=token) as owner, \
-            tx.Node(listen=None, transport=transport, token=token) as node:
+    mode = node_transport(transport)
+    async with OwnerProcess(mode, token=token) as owner, \
+            tx.Node(listen=None, transport=mode, token=token) as node:
         ep = await node.connect(owner.address)
+        if transport == "cma":
+            assert ep.info["host"].startswith("cma"), ep.info["host"]
+        else:
+            assert ep.info["transport"] == transport
+            assert not ep.info["host"].startswith("cma")
         yield owner, node, ep
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4096, 16 << 20, 256 << 20])
 async def test_write_then_read_roundtrip(transport: str, nbytes: int) -> None:
     async with session(transport) as (owner, _, ep):
-        assert ep.info["transport"] == transport
         desc = await owner.export(nbytes, seed=1)
         data = pattern(nbytes, seed=2)
         await ep.write(tx.MemoryRegion.register(data), desc)
@@ -242,8 +247,8 @@ async def test_connections_leak_no_fds(transport: str) -> None:
     """Connect, move bytes, close, five times: the owner ends with the fds it had after the
     first round (what a transport sets up once is not a leak; a UCX endpoint the owner kept
     after its peer left used to keep a socket on both sides)."""
-    async with OwnerProcess(transport) as owner, \
-            tx.Node(listen=None, transport=transport) as node:
+    async with OwnerProcess(node_transport(transport)) as owner, \
+            tx.Node(listen=None, transport=node_transport(transport)) as node:
         desc = await owner.export(4096)
         buf = tx.MemoryRegion.register(np.zeros(4096, np.uint8))
 

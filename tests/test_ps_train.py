@@ -123,6 +123,32 @@ async def test_sync_equals_single_process(opt: OptFactory, num_shards: int,
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+async def test_sync_equals_single_process_over_the_same_host_lane() -> None:
+    """``share_memory=False`` under ``transport="auto"``: every push and pull is a one-sided
+    op of the same-host CMA lane, and training is still exactly single-process training."""
+    from tensorx.transport.cma import CmaLane
+
+    data = batches(16, 2)
+    models = [make_model(), make_model(seed=99)]
+    async with servers(2, 2, "auto", mode="sync", optimizer=ADAM, share_memory=False) \
+            as shards, workers(models, [ps.address for ps in shards], "auto",
+                               verify=True) as ws:
+        for step in data:
+            for w, m, (x, y) in zip(ws, models, step, strict=True):
+                w.zero_grad()
+                backward(m, x, y)
+            await asyncio.gather(*(w.step() for w in ws))
+        eps = [ep for w in ws for ep in w.node.endpoints]
+        assert eps and all(ep.info["host"].startswith("cma") for ep in eps)
+        for ep in eps:
+            lane = ep._lane
+            while not isinstance(lane, CmaLane) and hasattr(lane, "inner"):
+                lane = lane.inner  # (under a CUDA IPC lane on a GPU host)
+            assert isinstance(lane, CmaLane) and lane.ops >= 16
+    for g, want in zip(models[1].parameters(), train_single(ADAM, 16), strict=True):
+        torch.testing.assert_close(g.detach(), want, rtol=1e-5, atol=1e-6)
+
+
 async def test_two_shards_equal_one_shard() -> None:
     one = await train_sync(ADAM, 20, 1, "tcp")
     two = await train_sync(ADAM, 20, 2, "tcp")

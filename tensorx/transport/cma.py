@@ -385,6 +385,6 @@ async def _settle(fut: asyncio.Future[None]) -> None:
     """Wait until ``fut`` (a copy in the pool) has finished, whatever else is cancelled."""
     while not fut.done():
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(fut)
+            await asyncio.wait((fut,))  # never raises fut's error
     if not fut.cancelled():
         fut.exception()  # retrieved: the caller raises its own error

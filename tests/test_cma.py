@@ -1,0 +1,219 @@
+"""The same-host CMA lane (process_vm_writev/readv): real owner processes, real sockets.
+
+The conformance suite also runs over it (tests/test_conformance.py, the ``cma`` param);
+these are the lane's own cases: odd ranges through both paths (inline and the pool),
+owner death, forged descriptors, revocation while ops are in flight, loud fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorx as tx
+from tensorx.testing import OwnerProcess, digest, pattern
+from tensorx.transport import cma
+from tensorx.transport.base import DataLane
+
+
+def cma_lane(ep: tx.Endpoint) -> cma.CmaLane:
+    lane: DataLane | None = ep._lane
+    while lane is not None and not isinstance(lane, cma.CmaLane):
+        lane = getattr(lane, "inner", None)
+    assert lane is not None, f"no CMA lane under {ep._lane!r}"
+    return lane
+
+
+async def pair(owner: OwnerProcess, node: tx.Node) -> tx.Endpoint:
+    ep = await node.connect(owner.address)
+    assert ep.info["host"].startswith("cma"), ep.info["host"]
+    return ep
+
+
+RANGES = [  # (local offset, remote offset, nbytes): inline, pool, many pieces, odd everywhere
+    (0, 0, 1), (1, 3, 7), (5, 1000, 4093), (3, 77, (256 << 10) - 1), (7, 5, (256 << 10) + 1),
+    (11, 13, 3 << 20), (1, 2, (17 << 20) + 5),
+]
+
+
+async def test_odd_ranges_byte_for_byte_both_ways() -> None:
+    size = (18 << 20) + 37
+    async with OwnerProcess("auto") as owner, tx.Node(listen=None) as node:
+        ep = await pair(owner, node)
+        desc = await owner.export(size, seed=1)
+        remote = pattern(size, 1)
+        src = pattern(size, 2)
+        region = tx.MemoryRegion.register(src)
+        for off, roff, n in RANGES:
+            await ep.write(region, desc, off, roff, n)
+            remote[roff:roff + n] = src[off:off + n]
+        assert await owner.call("digest", desc.region_id) == digest(remote)
+        out = np.zeros(size, np.uint8)
+        dst = tx.MemoryRegion.register(out)
+        for off, roff, n in RANGES:
+            await ep.read(dst, desc, off, roff, n)
+            assert np.array_equal(out[off:off + n], remote[roff:roff + n]), (off, roff, n)
+        assert await owner.call("guards_intact")
+        assert cma_lane(ep).ops == 2 * len(RANGES)
+
+
+async def test_write_many_of_more_segments_than_one_syscall_takes() -> None:
+    """1500 scattered 7-byte writes (more iovecs than one syscall takes) in one call."""
+    async with OwnerProcess("auto") as owner, tx.Node(listen=None) as node:
+        ep = await pair(owner, node)
+        desc = await owner.export(1500 * 11, seed=3)
+        remote = pattern(1500 * 11, 3)
+        src = pattern(1500 * 7, 4)
+        region = tx.MemoryRegion.register(src)
+        ops = [(region, desc, i * 7, i * 11 + 1, 7) for i in range(1500)]
+        await ep.write_many(ops)
+        for i in range(1500):
+            remote[i * 11 + 1:i * 11 + 8] = src[i * 7:i * 7 + 7]
+        assert await owner.call("digest", desc.region_id) == digest(remote)
+        assert await owner.call("guards_intact")
+
+
+async def test_owner_killed_is_broken_and_the_node_keeps_serving_others() -> None:
+    async with OwnerProcess("auto") as doomed, OwnerProcess("auto") as other, \
+            tx.Node(listen=None) as node:
+        ep, ep2 = await pair(doomed, node), await pair(other, node)
+        desc = await doomed.export(16 << 20)
+        desc2 = await other.export(16 << 20, seed=5)
+        big = tx.MemoryRegion.register(np.zeros(16 << 20, np.uint8))
+        started = asyncio.Event()
+
+        async def hammer() -> None:
+            while True:
+                await ep.read(big, desc, timeout=20)
+                started.set()
+
+        task = asyncio.ensure_future(hammer())
+        await asyncio.wait_for(started.wait(), 20)
+        doomed.kill()
+        with pytest.raises(tx.BrokenError):
+            await asyncio.wait_for(task, 25)
+        with pytest.raises(tx.BrokenError):
+            await ep.write(big, desc, nbytes=8)
+        out = np.zeros(16 << 20, np.uint8)
+        await ep2.read(tx.MemoryRegion.register(out), desc2)
+        assert np.array_equal(out, pattern(16 << 20, 5))
+
+
+async def test_forged_descriptors_are_refused_by_the_owner() -> None:
+    async with OwnerProcess("auto") as owner, tx.Node(listen=None) as node:
+        ep = await pair(owner, node)
+        desc = await owner.export(4096, seed=6)
+        src = tx.MemoryRegion.register(pattern(1 << 20, 7))
+        for forged in (dataclasses.replace(desc, cookie=desc.cookie ^ 1),
+                       dataclasses.replace(desc, nbytes=1 << 20),
+                       dataclasses.replace(desc, region_id=desc.region_id ^ 1)):
+            with pytest.raises(tx.RegionError):
+                await ep.write(src, forged)
+            with pytest.raises(tx.RegionError):
+                await ep.read(src, forged)
+        with pytest.raises(tx.RegionError):  # out of range of the real one
+            await ep.write(src, desc, remote_offset=4000, nbytes=97)
+        assert await owner.call("digest", desc.region_id) == digest(pattern(4096, 6))
+        assert await owner.call("guards_intact")
+
+
+async def test_a_region_closed_under_an_op_in_flight_is_held_until_acknowledged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner closes (and drops, and replaces) a region while our copy into it is
+    stalled in the pool: its memory is held, not reused, until we acknowledge, which we
+    do once the copy has finished."""
+    gate = threading.Event()
+    real = cma.copy
+
+    def stalled(pid: int, segments: Any, to_remote: bool, stop: Any) -> None:
+        if sum(s[2] for s in segments) > cma.POOL_ABOVE:
+            gate.wait(30)
+        real(pid, segments, to_remote, stop)
+
+    monkeypatch.setattr(cma, "copy", stalled)
+    async with OwnerProcess("auto") as owner, tx.Node(listen=None) as node:
+        ep = await pair(owner, node)
+        n = 8 << 20
+        desc = tx.RegionDescriptor.from_bytes(await owner.call("export_allocated", n, 8))
+        await ep.write(tx.MemoryRegion.register(pattern(16, 9)), desc)  # addresses known
+        write = asyncio.ensure_future(ep.write(tx.MemoryRegion.register(pattern(n, 10)), desc))
+        await asyncio.sleep(0.05)
+        fresh = tx.RegionDescriptor.from_bytes(await owner.call("replace", desc.region_id, 11))
+        for _ in range(100):
+            if await owner.call("held") == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert await owner.call("held") == 1  # we have not acknowledged: still held
+        assert not write.done()
+        gate.set()
+        await write  # landed in the held (old) memory
+        for _ in range(200):
+            if await owner.call("held") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert await owner.call("held") == 0
+        assert await owner.call("digest", fresh.region_id) == digest(pattern(n, 11))
+        with pytest.raises(tx.RegionError, match="closed"):
+            await ep.write(tx.MemoryRegion.register(pattern(16, 9)), desc)
+
+
+def _forged_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = cma.Probe.caps
+
+    def caps(self: cma.Probe) -> dict[str, Any]:
+        return {**real(self), "token": bytes(16)}  # not what the probe buffer holds
+
+    monkeypatch.setattr(cma.Probe, "caps", caps)
+
+
+async def test_a_failed_probe_falls_back_loudly(monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    _forged_probe(monkeypatch)
+    caplog.set_level(logging.INFO, "tensorx")
+    async with tx.Node() as server, tx.Node(listen=None) as client:
+        ep = await client.connect(server.address)
+        assert ep.info["host"].startswith("none (the peer's probe"), ep.info["host"]
+        assert not isinstance(ep._lane, cma.CmaLane)
+        region = tx.MemoryRegion.register(np.zeros(64, np.uint8))
+        desc = server.export(region)
+        await ep.write(tx.MemoryRegion.register(pattern(64, 1)), desc)  # the inner lane
+        assert np.array_equal(region.view(np.uint8), pattern(64, 1))
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING
+              and "no same-host lane" in r.getMessage()]
+    assert len(warned) == 2  # each side says it
+    assert any("host=none (the peer's probe" in r.getMessage() for r in caplog.records)
+
+
+async def test_explicit_transports_never_get_the_same_host_lane(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with tx.Node(transport="tcp") as server, \
+            tx.Node(listen=None, transport="tcp") as client:
+        ep = await client.connect(server.address)
+        assert ep.info["transport"] == "tcp"
+        assert ep.info["host"].startswith("off"), ep.info["host"]
+    async with tx.Node() as server, tx.Node(listen=None, transport="tcp") as client:
+        ep = await client.connect(server.address)  # only one side offers it
+        assert not ep.info["host"].startswith("cma")
+    with pytest.raises(tx.UsageError):
+        tx.Node(transport="tcp", same_host=True)
+    monkeypatch.setenv("TENSORX_SAME_HOST", "0")
+    async with tx.Node() as server, tx.Node(listen=None) as client:
+        ep = await client.connect(server.address)
+        assert ep.info["host"].startswith("off")
+
+
+async def test_same_process_peers_use_it_too() -> None:
+    async with tx.Node() as server, tx.Node(listen=None, same_host=True) as client:
+        ep = await client.connect(server.address)
+        assert ep.info["host"].startswith("cma")
+        region = tx.MemoryRegion.register(np.zeros(1 << 20, np.uint8))
+        desc = server.export(region)
+        await ep.write(tx.MemoryRegion.register(pattern(1 << 20, 2)), desc)
+        assert np.array_equal(region.view(np.uint8), pattern(1 << 20, 2))
+        assert cma_lane(ep).ops == 1
