@@ -41,6 +41,9 @@ SYSTEMS = {  # tensorx rows: ParameterServer and Worker defaults but for what th
                                "tensorx", ("--transport", "ucx-shm")),
     "tensorx-tcp": System("tensorx tcp (defaults, share_memory=False)", "tensorx",
                           ("--transport", "tcp")),
+    # transport="auto", the default: on one host, host memory over the same-host CMA lane
+    "tensorx-auto": System("tensorx auto (defaults, share_memory=False)", "tensorx",
+                           ("--transport", "auto")),
     # tensorx's default: on one host the worker maps the PS's arenas (the others copy)
     "tensorx-shm": System("tensorx shm (defaults)", "tensorx",
                           ("--transport", "tcp", "--share-memory", "on")),

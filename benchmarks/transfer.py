@@ -1,11 +1,13 @@
 """One-sided write/read bandwidth and small-op latency, against the raw-socket limit.
 
 Everything is measured in one run on this machine, between two processes on loopback:
-tensorx over each available transport, and blocking raw sockets doing the same transfers
-(``benchmarks/rawsock.py``). For UCX it also runs ``ucx_perftest`` on the same lanes, when
+tensorx over each available transport and over ``auto`` (the default: on one host, host
+memory moves over the same-host CMA lane), blocking raw sockets doing the same transfers
+(``benchmarks/rawsock.py``) and a single-threaded ``memcpy`` of the same sizes (the bound of
+a one-copy lane). For UCX it also runs ``ucx_perftest`` on the same lanes, when
 that helper is present. Prints a markdown table; writes a PNG chart with ``--plot``.
 
-    python benchmarks/transfer.py                 # tcp (+ ucx when installed)
+    python benchmarks/transfer.py                 # tcp, auto (+ ucx when installed)
     python benchmarks/transfer.py --sizes 64M --repeat 9
 """
 
@@ -100,6 +102,24 @@ def bench_raw(sizes: list[int], repeat: int) -> dict[str, object]:
         client.close()
 
 
+def bench_memcpy(sizes: list[int], repeat: int) -> dict[str, object]:
+    """One single-threaded copy of each size between two buffers of this process."""
+    src = np.ones(max(sizes), np.uint8)
+    dst = np.zeros(max(sizes), np.uint8)
+    results: dict[str, object] = {}
+    for n in sizes:
+        reps = repeats_for(n, repeat)
+        results[f"write {n}"] = median_time(lambda n=n: _copy(dst[:n], src[:n]), reps)
+        results[f"read {n}"] = median_time(lambda n=n: _copy(src[:n], dst[:n]), reps)
+    results["latency"] = median_time(lambda: _copy(dst[:8], src[:8]), 500)
+    return results
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> float:
+    np.copyto(dst, src)
+    return 0.0
+
+
 def ucx_perftest_report(size: int, rounds: int) -> str:
     """tensorx (Endpoint) against ucx_perftest on the same lanes, both UCX configurations
     tensorx uses, interleaved (``benchmarks/ucx_perftest.py``); empty without the binary."""
@@ -146,6 +166,15 @@ def table(sizes: list[int], systems: dict[str, dict[str, object]]) -> str:
             w, r = gbps(n, res[f"write {n}"]), gbps(n, res[f"read {n}"])
             rw, rr = w / gbps(n, raw[f"write {n}"]), r / gbps(n, raw[f"read {n}"])
             lines.append(f"| {human(n)} | {name} | {w:.2f} | {r:.2f} | {rw:.0%} | {rr:.0%} |")
+    if "memcpy" in systems:
+        lines += ["", "| size | system | write vs memcpy | read vs memcpy |", "|---|---|---|---|"]
+        mem = systems["memcpy"]
+        for n in sizes:
+            for name, res in systems.items():
+                if name != "memcpy":
+                    lines.append(f"| {human(n)} | {name} | "
+                                 f"{float(mem[f'write {n}']) / float(res[f'write {n}']):.0%} | "  # type: ignore[arg-type]
+                                 f"{float(mem[f'read {n}']) / float(res[f'read {n}']):.0%} |")  # type: ignore[arg-type]
     lines.append("")
     lines.append("| system | 8 B write, round trip (us) |")
     lines.append("|---|---|")
@@ -177,7 +206,7 @@ def plot(sizes: list[int], systems: dict[str, dict[str, object]], path: str) -> 
 def available_transports() -> list[str]:
     import importlib.util
 
-    return ["tcp", "ucx"] if importlib.util.find_spec("ucxx") else ["tcp"]
+    return ["tcp", "ucx", "auto"] if importlib.util.find_spec("ucxx") else ["tcp", "auto"]
 
 
 def main() -> None:
@@ -194,13 +223,15 @@ def main() -> None:
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}: raw sockets", flush=True)
         runs.setdefault("raw socket", []).append(bench_raw(sizes, args.repeat))
+        runs.setdefault("memcpy", []).append(bench_memcpy(sizes, args.repeat))
         for transport in args.transports.split(","):
             print(f"round {r + 1}/{args.rounds}: tensorx over {transport}", flush=True)
             res = asyncio.run(bench_tensorx(transport, sizes, args.repeat))
             if r == 0:
                 info = res["info"]
-                print(f"  endpoint: {info['transport']} lanes={info['lanes']}", flush=True)
-            runs.setdefault(f"tensorx {transport}", []).append(res)
+                print(f"  endpoint: {info['transport']} lanes={info['lanes']} "
+                      f"host={info.get('host')}", flush=True)
+            runs.setdefault(f"tensorx {_label(transport)}", []).append(res)
     systems = {name: merge(rounds) for name, rounds in runs.items()}
     print()
     print(table(sizes, systems))
@@ -211,6 +242,10 @@ def main() -> None:
         print(ucx_perftest_report(size, args.rounds))
     if args.plot:
         plot(sizes, systems, args.plot)
+
+
+def _label(transport: str) -> str:
+    return "auto (same-host lane)" if transport == "auto" else transport
 
 
 if __name__ == "__main__":

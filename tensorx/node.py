@@ -133,8 +133,9 @@ class Node:
         self._ucx_options = dict(ucx_options or {})
         self._insecure = insecure
         self._cuda_ipc = cuda_ipc_lane.enabled(cuda_ipc)
-        self._cma = cma_lane.Probe() if cma_lane.enabled(same_host, transport) else None
+        self._cma = cma_lane.enabled(same_host, transport)
         self._cma_pool: Executor | None = None
+        self._probes: dict[Connection, cma_lane.Probe] = {}  # per connection, while it lives
         self._exports = ExportTable(self.id)
         self._factory: LaneFactory | None = None
         self._factory_why = ""
@@ -304,14 +305,19 @@ class Node:
         return self._exports.regions()
 
     # -- endpoints ----------------------------------------------------------------------
-    def _caps(self) -> dict[str, Any]:
+    def _caps_for(self, conn: Connection) -> Callable[[bytes], dict[str, Any]]:
+        """Our capabilities on ``conn``, given its handshake binding (see _caps)."""
+        return lambda binding: self._caps(conn, binding)
+
+    def _caps(self, conn: Connection | None = None, binding: bytes = b"") -> dict[str, Any]:
         caps: dict[str, Any] = {"transport": self.transport}
         if self._factory is not None:
             caps[self._factory.name] = self._factory.local_info()
         if self._cuda_ipc and _cuda.available():
             caps[cuda_ipc_lane.KEY] = {"host": host_id(), "pid": os.getpid()}
-        if self._cma is not None:
-            caps[cma_lane.KEY] = self._cma.caps()
+        if self._cma and conn is not None:  # the probe token belongs to this connection
+            probe = self._probes[conn] = cma_lane.Probe(binding, self.id)
+            caps[cma_lane.KEY] = probe.caps()
         return caps
 
     async def connect(self, address: str, *, timeout: float | None = DEFAULT) -> Endpoint:
@@ -326,9 +332,10 @@ class Node:
             raise TimeoutError(f"connecting to {address} timed out") from None
         conn = Connection(sock, self._exports, f"{self.id}->{address}")
         try:
-            await handshake.initiate(conn, self.id, self._token, self._caps(), left())
+            await handshake.initiate(conn, self.id, self._token, self._caps_for(conn), left())
             return await self._finish(conn, address, left())
         except BaseException:
+            self._probes.pop(conn, None)
             conn.abort()
             raise
 
@@ -345,8 +352,10 @@ class Node:
         except TensorxError as exc:
             if conn not in self._dropped:  # (a dropped one was reported when dropped)
                 self._failures.failed(peer.rsplit(":", 1)[0], exc)
+            self._probes.pop(conn, None)
             conn.abort()
         except BaseException:
+            self._probes.pop(conn, None)
             conn.abort()
             raise
         finally:
@@ -361,7 +370,7 @@ class Node:
         self._handshaking[conn] = peer
         timeout = _least(self.timeout, self.handshake_timeout)
         try:
-            await handshake.accept(conn, self.id, self._token, self._caps(), timeout)
+            await handshake.accept(conn, self.id, self._token, self._caps_for(conn), timeout)
         finally:
             self._handshaking.pop(conn, None)
 
@@ -409,7 +418,8 @@ class Node:
         """Same-host peers that may read each other's memory get the CMA lane for host
         memory; otherwise ``ep.info["host"]`` says why not (a WARNING where it should have
         worked: the peer is on this host and offered it)."""
-        pid, why, loud = cma_lane.check(self._cma, conn.peer_caps.get(cma_lane.KEY))
+        expected = cma_lane.token(conn.binding, conn.peer)
+        pid, why, loud = cma_lane.check(self._cma, conn.peer_caps.get(cma_lane.KEY), expected)
         if pid is None:
             if loud:
                 logger.warning("endpoint to %s: no same-host lane, host memory goes over %s: "
@@ -486,6 +496,7 @@ class Node:
         if exc is not None:
             logger.warning("endpoint to %s broke: %s", ep.peer, printable(str(exc)))
         ep._lane.peer_gone(str(exc or "the peer closed the endpoint"))
+        self._probes.pop(ep._conn, None)
         if ep in self._endpoints:
             self._endpoints.discard(ep)
             self.disconnected.put_nowait(ep)
@@ -493,6 +504,7 @@ class Node:
 
     def _forget(self, ep: Endpoint) -> None:
         self._endpoints.discard(ep)
+        self._probes.pop(ep._conn, None)
         self._release_held(ep)
 
     def _release_held(self, ep: Endpoint) -> None:

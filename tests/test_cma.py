@@ -8,6 +8,7 @@ owner death, forged descriptors, revocation while ops are in flight, loud fallba
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import logging
 import threading
@@ -163,18 +164,26 @@ async def test_a_region_closed_under_an_op_in_flight_is_held_until_acknowledged(
             await ep.write(tx.MemoryRegion.register(pattern(16, 9)), desc)
 
 
-def _forged_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+ZEROS = ctypes.create_string_buffer(16)  # 16 known bytes at a known address
+
+
+def _forge(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     real = cma.Probe.caps
 
     def caps(self: cma.Probe) -> dict[str, Any]:
-        return {**real(self), "token": bytes(16)}  # not what the probe buffer holds
+        if how == "token":  # not what the probe buffer holds
+            return {**real(self), "token": bytes(16)}
+        # memory of known content (here: of this process; a third process of the user's,
+        # for an attacker): it matches what is advertised, but is not this connection's
+        return {**real(self), "token": bytes(16), "probe": ctypes.addressof(ZEROS)}
 
     monkeypatch.setattr(cma.Probe, "caps", caps)
 
 
-async def test_a_failed_probe_falls_back_loudly(monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("how", ["token", "known-bytes"])
+async def test_a_failed_probe_falls_back_loudly(how: str, monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    _forged_probe(monkeypatch)
+    _forge(monkeypatch, how)
     caplog.set_level(logging.INFO, "tensorx")
     async with tx.Node() as server, tx.Node(listen=None) as client:
         ep = await client.connect(server.address)

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="the server's port (client)")
     p.add_argument("--address", default="", help="the server's tensorx address (client)")
-    p.add_argument("--transport", default="tcp", help="tensorx: tcp | ucx | ucx-shm")
+    p.add_argument("--transport", default="tcp", help="tensorx: tcp | ucx | ucx-shm | auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--variant", default="",
                    help="experiments: raw: pipelined; tensorx: one-part, per-tensor (flat=False), "

@@ -9,7 +9,8 @@ arena back into the worker's model, notify. Exactly what a PS user gets.
 
 ``--transport``: ``tcp``, ``ucx`` (the default UCX settings: peer error handling, which on
 one host means UCX's tcp lanes) or ``ucx-shm`` (UCX with ``error_handling=False``: cma/posix
-lanes on one host; the ``node_options`` of ``ParameterServer`` and ``Worker``).
+lanes on one host; the ``node_options`` of ``ParameterServer`` and ``Worker``) or ``auto``
+(the default: on one host, host memory over the same-host CMA lane).
 
 ``--share-memory on``: the PS and worker options of that name (tensorx's default): on one
 host (same host id: not across network namespaces) the worker maps the PS's arenas and a
@@ -89,7 +90,7 @@ async def _client(args: argparse.Namespace) -> None:
         mapped = all(worker.mapped)
         common.announce({"system": f"tensorx {args.transport}", "mapped": mapped,
                          "lanes": (["shm-mapped"] if mapped else []) + info["lanes"],
-                         "transport": info["transport"]})
+                         "transport": info["transport"], "same_host": info.get("host")})
         loop = asyncio.get_running_loop()
         while True:
             line = await loop.run_in_executor(None, _readline)

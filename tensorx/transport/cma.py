@@ -14,7 +14,10 @@ The lane wraps the endpoint's other lane (TCP or UCX), which keeps everything el
 memory, zero-byte ops, notifications. It is chosen when both peers offer it, are on the same
 host (:func:`tensorx._shm.host_id`) and a ``process_vm_readv`` of the peer's probe buffer
 returns the token it advertised: that proves we may read its memory (yama ``ptrace_scope``,
-containers, pid namespaces) and that the pid is the peer's.
+containers, pid namespaces) and that the pid is the peer's. The token is bound to the
+connection (a hash of both handshake nonces and the peer's node id), so no other process
+holds it: a peer cannot point us at a third process of ours (a pid and an address of known
+content there) and have us write into it.
 
 Trust model: ``process_vm_*`` needs the same permission as ``ptrace`` (same uid, and yama
 allowing it). A peer that has it could already attach a debugger to us; the lane adds no
@@ -33,9 +36,9 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import hashlib
 import logging
 import os
-import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
@@ -45,7 +48,7 @@ from tensorx.errors import BrokenError, ClosedError, RegionError, TimeoutError, 
 from tensorx.transport.base import DataLane, Op
 from tensorx.transport.tcp import Connection
 
-__all__ = ["KEY", "CmaLane", "Probe", "enabled", "make_pool", "offered"]
+__all__ = ["KEY", "CmaLane", "Probe", "check", "enabled", "make_pool", "offered", "token"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,12 +153,18 @@ def _error(code: int, segment: Segment, skip: int) -> BrokenError:
 
 
 # -- choosing the lane ----------------------------------------------------------------------
-class Probe:
-    """Our 16-byte random token at a known address: a peer that reads it back through
-    ``process_vm_readv`` has proved it may use this lane to us."""
+def token(binding: bytes, node_id: str) -> bytes:
+    """The probe token of node ``node_id`` on the connection with ``binding`` (both
+    handshake nonces): 16 bytes no process could hold before this handshake."""
+    return hashlib.sha256(b"tensorx-cma\0" + binding + node_id.encode()).digest()[:16]
 
-    def __init__(self) -> None:
-        self.token = secrets.token_bytes(16)
+
+class Probe:
+    """Our token for one connection at a known address: a peer that reads it back
+    through ``process_vm_readv`` has proved it may use this lane to us."""
+
+    def __init__(self, binding: bytes, node_id: str) -> None:
+        self.token = token(binding, node_id)
         self._buf = ctypes.create_string_buffer(self.token, 16)
 
     def caps(self) -> dict[str, Any]:
@@ -163,18 +172,18 @@ class Probe:
                 "token": self.token}
 
 
-def offered(ours: Probe | None, theirs: Any) -> bool:
+def offered(ours: bool, theirs: Any) -> bool:
     """Both peers offer the lane and share a host: each may bypass the other (so each
     holds closed regions for the other until it acknowledges)."""
     host = host_id()
-    return (ours is not None and isinstance(theirs, dict) and bool(host)
-            and theirs.get("host") == host)
+    return ours and isinstance(theirs, dict) and bool(host) and theirs.get("host") == host
 
 
-def check(ours: Probe | None, theirs: Any) -> tuple[int | None, str, bool]:
-    """(the peer's pid, "", False) when we may use the lane to it; else (None, why, loud):
-    loud when the peer is on this host and offered it (permission is missing)."""
-    if ours is None:
+def check(ours: bool, theirs: Any, expected: bytes) -> tuple[int | None, str, bool]:
+    """(the peer's pid, "", False) when we may use the lane to it (its probe holds
+    ``expected``, see :func:`token`); else (None, why, loud): loud when the peer is on
+    this host and offered it (permission is missing)."""
+    if not ours:
         return None, "off (same_host disabled here)", False
     if not isinstance(theirs, dict):
         return None, "none (the peer does not offer cma)", False
@@ -190,7 +199,7 @@ def check(ours: Probe | None, theirs: Any) -> tuple[int | None, str, bool]:
     except BrokenError as exc:
         return None, (f"none (process_vm_readv of the peer's memory failed: {exc}; "
                       "yama ptrace_scope, another user or a container?)"), True
-    if got.raw != token:
+    if got.raw != expected or token != expected:
         return None, "none (the peer's probe did not read back its token: another pid " \
                      "namespace?)", True
     return pid, "", False

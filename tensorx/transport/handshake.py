@@ -14,6 +14,7 @@ import collections
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tensorx import _auth
@@ -29,15 +30,22 @@ logger = logging.getLogger(__name__)
 PEER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
-async def initiate(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any],
+Caps = dict[str, Any] | Callable[[bytes], dict[str, Any]]
+"""Capabilities, or a function of the connection's binding (both nonces, see
+``Connection.binding``) that returns them: for values that must belong to this connection."""
+
+
+async def initiate(conn: Connection, node_id: str, token: bytes, caps: Caps,
                    timeout: float | None) -> None:
-    """Client side. Sets ``conn.peer`` and ``conn.peer_caps``; AuthError on a bad token."""
+    """Client side. Sets ``conn.peer``, ``conn.peer_caps`` and ``conn.binding``; AuthError
+    on a bad token."""
     await _within(_initiate(conn, node_id, token, caps), timeout, conn.label)
 
 
-async def accept(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any],
+async def accept(conn: Connection, node_id: str, token: bytes, caps: Caps,
                  timeout: float | None) -> None:
-    """Server side. Sets ``conn.peer`` and ``conn.peer_caps``; AuthError on a bad proof."""
+    """Server side. Sets ``conn.peer``, ``conn.peer_caps`` and ``conn.binding``; AuthError
+    on a bad proof."""
     await _within(_accept(conn, node_id, token, caps), timeout, conn.label)
 
 
@@ -55,7 +63,13 @@ def _peer_id(value: str) -> str:
     return value
 
 
-async def _initiate(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any]) -> None:
+def _caps(caps: Caps, conn: Connection, client_nonce: bytes, server_nonce: bytes
+          ) -> dict[str, Any]:
+    conn.binding = client_nonce + server_nonce
+    return caps(conn.binding) if callable(caps) else caps
+
+
+async def _initiate(conn: Connection, node_id: str, token: bytes, caps: Caps) -> None:
     nonce = _auth.new_nonce()
     await conn.send_now(Kind.HELLO, {"id": node_id, "nonce": nonce})
     ch = await conn.recv_frame(Kind.CHALLENGE)
@@ -67,11 +81,11 @@ async def _initiate(conn: Connection, node_id: str, token: bytes, caps: dict[str
     if not _auth.verify_proof(expected, welcome["proof"]):
         raise AuthError(f"{conn.label}: the peer could not prove the shared token "
                         "(different TENSORX_TOKEN / token= on the two sides?)")
-    await conn.send_now(Kind.CAPS, {"caps": caps})
+    await conn.send_now(Kind.CAPS, {"caps": _caps(caps, conn, nonce, ch["nonce"])})
     conn.peer, conn.peer_caps = peer, welcome["caps"]
 
 
-async def _accept(conn: Connection, node_id: str, token: bytes, caps: dict[str, Any]) -> None:
+async def _accept(conn: Connection, node_id: str, token: bytes, caps: Caps) -> None:
     try:
         hello = await conn.recv_frame(Kind.HELLO)
         peer = _peer_id(hello["id"])
@@ -86,7 +100,8 @@ async def _accept(conn: Connection, node_id: str, token: bytes, caps: dict[str, 
         await _refuse(conn, "authentication failed: wrong token", "auth")
         raise AuthError(f"{conn.label}: peer {peer} failed authentication (wrong token)")
     proof = _auth.make_proof(token, b"server", hello["nonce"], nonce, peer, node_id)
-    await conn.send_now(Kind.WELCOME, {"proof": proof, "caps": caps})
+    await conn.send_now(Kind.WELCOME, {"proof": proof,
+                                       "caps": _caps(caps, conn, hello["nonce"], nonce)})
     conn.peer, conn.peer_caps = peer, (await conn.recv_frame(Kind.CAPS))["caps"]
 
 

@@ -87,6 +87,7 @@ class Connection:
         self.label = label
         self.peer = ""
         self.peer_caps: dict[str, Any] = {}
+        self.binding = b""  # both handshake nonces: what is unique to this connection
         self._exports = exports
         self._loop = asyncio.get_running_loop()
         self._reader = FrameReader(sock)
