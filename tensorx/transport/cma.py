@@ -236,6 +236,8 @@ class CmaLane(DataLane):
         """The owner's address of ``op.remote`` (None: not host memory, the inner lane)."""
         key = (op.remote.region_id, op.remote.cookie)
         fut = self._addrs.get(key)
+        if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            return fut.result()  # the usual case: no event-loop hop
         if fut is None:
             if len(self._addrs) >= MAX_CACHED:
                 self._addrs = {k: f for k, f in self._addrs.items() if not f.done()}
