@@ -45,6 +45,7 @@ from typing import Any
 
 from tensorx._shm import host_id
 from tensorx.errors import BrokenError, ClosedError, RegionError, TimeoutError, UsageError
+from tensorx.memregion import check_bounds
 from tensorx.transport.base import DataLane, Op
 from tensorx.transport.tcp import Connection
 
@@ -270,7 +271,8 @@ class CmaLane(DataLane):
             addr = await self._address(op, timeout) if self._ours(op) else None
             if addr is None:
                 rest.append(op)
-            else:
+            else:  # the endpoint checked the range against the owner's size; defence:
+                check_bounds(op.remote.nbytes, op.remote_offset, op.nbytes)
                 ours.append(op)
                 mine.append((op.local.address + op.local_offset, addr + op.remote_offset,
                              op.nbytes))
