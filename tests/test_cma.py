@@ -124,11 +124,13 @@ async def test_forged_descriptors_are_refused_by_the_owner() -> None:
         assert await owner.call("guards_intact")
 
 
+@pytest.mark.parametrize("owner_ucx", ["ucx", "tcp-only"])
 async def test_a_region_closed_under_an_op_in_flight_is_held_until_acknowledged(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        owner_ucx: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The owner closes (and drops, and replaces) a region while our copy into it is
     stalled in the pool: its memory is held, not reused, until we acknowledge, which we
-    do once the copy has finished."""
+    do once the copy has finished. Also for an owner without UCX (no lane factory: the
+    node pins the region itself)."""
     gate = threading.Event()
     real = cma.copy
 
@@ -138,8 +140,11 @@ async def test_a_region_closed_under_an_op_in_flight_is_held_until_acknowledged(
         real(pid, segments, to_remote, stop)
 
     monkeypatch.setattr(cma, "copy", stalled)
-    async with OwnerProcess("auto") as owner, tx.Node(listen=None) as node:
+    env = {"TENSORX_UCX_TCP": "0"} if owner_ucx == "tcp-only" else {}
+    async with OwnerProcess("auto", env=env) as owner, tx.Node(listen=None) as node:
         ep = await pair(owner, node)
+        if owner_ucx == "tcp-only":
+            assert ep.info["transport"] == "tcp"
         n = 8 << 20
         desc = tx.RegionDescriptor.from_bytes(await owner.call("export_allocated", n, 8))
         await ep.write(tx.MemoryRegion.register(pattern(16, 9)), desc)  # addresses known
