@@ -217,6 +217,8 @@ class Node:
     def abort(self) -> None:
         for ep in list(self._endpoints):
             ep.abort()
+        if self._cma_pool is not None:  # its threads finish the piece they copy, then end
+            self._cma_pool.shutdown(wait=False)
         self._state = "closed"
 
     async def __aenter__(self) -> Node:

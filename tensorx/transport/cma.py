@@ -410,7 +410,12 @@ class CmaLane(DataLane):
         for op in ops:
             op.local._pin()  # a local region closed meanwhile stays mapped until we are done
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, copy, self._pid, segments, to_remote, stop)
+        try:
+            fut = loop.run_in_executor(self._pool, copy, self._pid, segments, to_remote, stop)
+        except RuntimeError as exc:  # the node closed its pool (an endpoint that came late)
+            for op in ops:
+                op.local._unpin()
+            raise ClosedError("cma: the node is closed") from exc
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
