@@ -83,7 +83,9 @@ def shard_metrics(servers: tuple[ParameterServer, ...]) -> Iterator[Any]:
                  ("nonfinite", "Pushed gradients holding NaN or Inf (never applied, see "
                   "on_nonfinite)"),
                  ("checkpoint_failures", "Checkpoints that failed to write (the previous one "
-                  "stays)"))}
+                  "stays)"),
+                 ("arena_moves", "Async/bounded updates that went to a copy of the "
+                  "parameters because an answer still read the arena"))}
     version = GaugeMetricFamily("tensorx_ps_version", "Parameter version (updates since "
                                 "the start, checkpoints included)", labels=shard)
     hists = {key: _histogram(f"tensorx_ps_{key}_seconds", doc, shard) for key, doc in

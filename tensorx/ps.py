@@ -12,8 +12,9 @@ Same host, sync mode (``share_memory=True``, the default): the parameter arena a
 slots live in /dev/shm, a worker on this host maps them and its model's tensors are views
 of them, so neither write happens; a step is ``notify(push)``, apply, ``notify(params)``.
 
-The shard handles one event at a time, so an update never runs while parameters are being
-written out of the arena: a worker never sees a half-applied update, and since a push
+The shard handles one event at a time, and an update never runs on an arena that
+parameters are being written out of (async and bounded answers in flight keep theirs, see
+:mod:`tensorx._ps.outbox`): a worker never sees a half-applied update, and since a push
 notification is ordered after its gradient write, a partial gradient is never applied.
 
 A worker that goes away (killed mid-push, crashed, cut off) loses what it had pushed for
@@ -43,6 +44,7 @@ from tensorx._ps.losses import LossWatch
 from tensorx._ps.nonfinite import NonFiniteGuard
 from tensorx._ps.normx import NormExchange
 from tensorx._ps.optim_service import OptimService
+from tensorx._ps.outbox import Outbox
 from tensorx._ps.plan import PlanHolder
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
@@ -127,8 +129,10 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
     parameters (or its welcome, or an error) may take. A worker that misses it (stopped,
     hung, or on a link too slow for it) is dropped at once, its connection aborted, and
     treated as departed: async and bounded modes go on without it, sync mode per
-    ``on_worker_loss``; with ``reconnect`` it rejoins when it can. So a stopped worker
-    holds the others up for at most this long, once.
+    ``on_worker_loss``; with ``reconnect`` it rejoins when it can. In async and bounded
+    modes a slow worker holds nobody up meanwhile (each answer is sent on its own; an update
+    due while one is in flight goes to a copy of the arena: :mod:`tensorx._ps.outbox`); a
+    sync round waits for it at most this long, once.
     ``on_nonfinite`` (``"skip"``, the default, or ``"refuse"``): what to do with a pushed
     gradient that holds NaN or Inf (never applied; logged with its rank, counted in
     ``stats["nonfinite"]``); see :mod:`tensorx._ps.nonfinite`.
@@ -206,6 +210,8 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
         self.sharing = Sharing(shard, mode, share_memory, self.device)  # same-host mapping
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
         self._events = Inbox(f"ps shard {shard}")  # bounded per peer
+        # async and bounded modes: answers in flight, and the arenas they read
+        self.outbox = Outbox(shard, limit=max(1, num_workers - 1))
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._closed = False
@@ -215,7 +221,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
                       "max_version_lag": 0, "apply_s": 0.0,
                       "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,
                       "worker_losses": 0, "nonfinite": 0,
-                      "checkpoint_failures": 0}
+                      "checkpoint_failures": 0, "arena_moves": 0}
         self.timings = ShardTimings(sync=mode == "sync")
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
@@ -308,6 +314,8 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
         finally:
             if self._norms is not None:
                 await self._norms.aclose()
+            await self.outbox.aclose(None if self.state is None
+                                     else self.state.params_region)
             await self.node.aclose()
             if self.state is not None:
                 self.state.close()

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorx.endpoint import Endpoint
-from tensorx.memregion import RegionDescriptor
+from tensorx.memregion import MemoryRegion, RegionDescriptor
 
-__all__ = ["Peer", "apply_in_parts", "send_params"]
+__all__ = ["Peer", "apply_in_parts", "last_part", "send_params"]
 
 
 @dataclass
@@ -51,17 +51,23 @@ async def apply_in_parts(state: Any, ranks: list[int], copies: list[Peer],
     return sending
 
 
-async def send_params(state: Any, peer: Peer, msg: bytes,
-                      sent: list[asyncio.Future[None]] | None, timeout: float | None) -> None:
-    """The new parameters (or, after :func:`apply_in_parts`, their last part; nothing for a
-    mapped worker) with ``msg`` as the notification, ordered after every part sent before.
-    Raises the first error of any of the writes."""
+def last_part(state: Any) -> tuple[int, int]:
+    """(offset, nbytes) of the part :func:`send_params` sends after :func:`apply_in_parts`."""
+    return state.part_bytes(state.num_parts - 1)  # type: ignore[no-any-return]
+
+
+async def send_params(region: MemoryRegion, peer: Peer, msg: bytes,
+                      sent: list[asyncio.Future[None]] | None, last: tuple[int, int],
+                      timeout: float | None) -> None:
+    """The new parameters in ``region`` (or, after :func:`apply_in_parts`, their ``last``
+    part; nothing for a mapped worker) with ``msg`` as the notification, ordered after every
+    part sent before. Raises the first error of any of the writes."""
     ops: list[tuple[Any, ...]] = []
     if sent is not None:
-        off, nbytes = state.part_bytes(state.num_parts - 1)
-        ops = [(state.params_region, peer.params, off, off, nbytes)]
+        off, nbytes = last
+        ops = [(region, peer.params, off, off, nbytes)]
     elif not peer.mapped:
-        ops = [(state.params_region, peer.params)]
+        ops = [(region, peer.params)]
     results = await asyncio.gather(peer.ep.write_many(ops, notify=msg, timeout=timeout),
                                    *(sent or []), return_exceptions=True)
     for result in results:

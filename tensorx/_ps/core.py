@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from tensorx._ps.nonfinite import NonFiniteGuard
     from tensorx._ps.normx import NormExchange
     from tensorx._ps.optim_service import OptimService
+    from tensorx._ps.outbox import Outbox
     from tensorx._ps.schedule import Decision, Scheduler
     from tensorx._ps.shard import OptimizerFactory, SchedulerFactory, ShardState
     from tensorx._ps.sharing import Sharing
@@ -61,6 +62,7 @@ class ShardCore(abc.ABC):
     grads: GradProcessing
     sharing: Sharing
     optim: OptimService
+    outbox: Outbox
     timings: ShardTimings
     _norms: NormExchange | None
     # the plan and the state built from it

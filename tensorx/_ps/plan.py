@@ -76,7 +76,14 @@ class PlanHolder(ShardCore):
         self._header_descs.clear()
         for rank in range(self.num_workers):
             self.losses.back(rank)  # a fresh shard waits for its first workers silently
-        if state is not None:
-            state.close()
-        if sparse is not None:
-            sparse.close()
+
+        def close() -> None:
+            if state is not None:
+                state.close()
+            if sparse is not None:
+                sparse.close()
+
+        if state is None:
+            close()
+        else:  # answers to workers that left may still read the arena
+            self.outbox.release(state.params_region, close)

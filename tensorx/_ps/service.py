@@ -1,6 +1,7 @@
 """The service loop of a shard: every notification, disconnect and loss becomes an
 :class:`~tensorx._ps.inbox.Event` that one consumer handles at a time, so that an update
-and the writes out of the arena never interleave."""
+and the writes out of its arena never interleave (async and bounded answers go on after
+their event, from an arena the next update leaves alone: :mod:`tensorx._ps.outbox`)."""
 
 from __future__ import annotations
 

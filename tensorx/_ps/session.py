@@ -84,18 +84,29 @@ class Sessions(ShardCore):
                                     f"{self._plan.fingerprint}")
 
     async def _welcome(self, peer: Peer) -> None:
+        """Write ``peer`` the parameters with its welcome; in async and bounded modes
+        without waiting for it to take them (see :mod:`tensorx._ps.outbox`)."""
         assert self.state is not None
-        try:
-            # Written even when mapping is offered: the worker may yet fail to map and copy.
-            await peer.ep.write(self.state.params_region, peer.params, notify=protocol.encode(
-                "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
-                headers=self._header_descs[peer.rank], version=self.state.version,
-                mode=self.mode, checksum=self.state.checksum(),
-                share=self.sharing.offer_message(self.state, peer),
-                optim=self.optim.welcome(peer.ep, self.state)),
-                timeout=self.send_timeout)
-        except TensorxError as exc:
-            self._drop(peer, "at welcome", exc)
+        region = self.state.params_region
+        # Written even when mapping is offered: the worker may yet fail to map and copy.
+        msg = protocol.encode(
+            "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
+            headers=self._header_descs[peer.rank], version=self.state.version,
+            mode=self.mode, checksum=self.state.checksum(),
+            share=self.sharing.offer_message(self.state, peer),
+            optim=self.optim.welcome(peer.ep, self.state))
+
+        async def send() -> None:
+            try:
+                await peer.ep.write(region, peer.params, notify=msg, timeout=self.send_timeout)
+            except TensorxError as exc:
+                if self._peers.get(peer.ep) is peer:
+                    self._drop(peer, "at welcome", exc)
+
+        if self.mode == "sync":
+            await send()
+        else:
+            self.outbox.send(peer.rank, region, send)
 
     def _drop(self, peer: Peer, when: str, exc: TensorxError) -> None:
         """A send to ``peer`` failed or missed ``send_timeout``: abort its connection at

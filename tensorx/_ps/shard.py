@@ -2,8 +2,9 @@
 
 No I/O on the wire here; :mod:`tensorx.ps` moves the bytes. The parameter arena is the
 memory the optimizer updates *and* the memory the shard writes to workers from, so the
-service never applies an update while a write from the arena is in flight (it handles one
-event at a time), and a worker never sees a half-applied update.
+service never applies an update while a write from the arena is in flight (sync mode: it
+handles one event at a time; async and bounded: the update goes to a copy of the arena,
+:meth:`ShardState.move_params`), and a worker never sees a half-applied update.
 """
 
 from __future__ import annotations
@@ -214,6 +215,32 @@ class ShardState:
             p.grad = g  # no parameter may keep the old slot's memory as its gradient
         old.close()
         return new
+
+    def new_arena(self) -> MemoryRegion:
+        """Fresh memory the size of the parameter arena, where it lives (private: never
+        offered for mapping), for :meth:`move_params`."""
+        (region,) = _allocate(self.layout.nbytes, 1, False, self.device)
+        return region
+
+    def move_params(self, new: MemoryRegion) -> MemoryRegion:
+        """Copy the parameters into ``new`` and make it the arena: the optimizer's
+        parameters (and the flat update's ranges) view it from now on, and the next update
+        goes there. Returns the old arena, left exactly as it was and no longer the state's
+        (the caller closes it once nothing reads it: :mod:`tensorx._ps.outbox`). The
+        optimizer's state is kept by parameter, so momentum and the like carry over."""
+        old, n = self.params_region, self.layout.nbytes
+        if n:
+            with torch.no_grad():
+                new.view(torch.uint8, (n,), 0).copy_(old.view(torch.uint8, (n,), 0))
+        for p, v in zip(self.params, self._split(new), strict=True):
+            p.data = v
+        if self._fast is not None:
+            for p, v in zip(self._fast.flat, self._fast.views(new), strict=True):
+                p.data = v
+        self.views = views(self.layout, new)
+        self.params_region = new
+        fence(self.device)  # copied before the update (or a send) reads the new arena
+        return old
 
     @property
     def num_parts(self) -> int:

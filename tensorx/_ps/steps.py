@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tensorx._ps import protocol
-from tensorx._ps.answer import Peer, apply_in_parts, send_params
+from tensorx._ps.answer import Peer, apply_in_parts, last_part, send_params
 from tensorx._ps.core import ShardCore
 from tensorx._ps.schedule import Decision
 from tensorx.endpoint import Endpoint
@@ -57,7 +58,10 @@ class Steps(ShardCore):
             if self.grads.active and not await self._process_grads(decision.apply, targets):
                 return
             self.optim.before_update(decision.apply, self.state)
-            copies = [p for p in targets if not p.mapped]
+            if self.mode != "sync":  # answers still in flight keep the arena they read
+                await self.outbox.make_room(self.state)
+                self.stats["arena_moves"] = self.outbox.moves
+            copies = [p for p in targets if not p.mapped and not self.outbox.pending(p.rank)]
             if copies and self.state.num_parts > 1:
                 sending = await apply_in_parts(self.state, decision.apply, copies,
                                                self.send_timeout)
@@ -68,9 +72,26 @@ class Steps(ShardCore):
             if self.checkpoint_every and self.state.version % self.checkpoint_every == 0:
                 self.checkpoint()
         self.stats["max_gap"] = self.scheduler.max_gap
+        if self.mode != "sync":  # each answer on its own: see tensorx._ps.outbox
+            for p in targets:
+                self._answer_later(p, sending.get(p.rank))
+            return
         t0 = time.perf_counter()
         await asyncio.gather(*(self._send_params(p, sending.get(p.rank)) for p in targets))
         self.stats["send_s"] += self.timings.sent(t0, len(targets))
+
+    def _answer_later(self, peer: Peer, sent: list[asyncio.Future[None]] | None) -> None:
+        """Send ``peer`` the parameters as they are now, without waiting for it to take
+        them (what it is sent, and from which arena, is fixed here)."""
+        assert self.state is not None
+        send = self._params_sender(peer, sent)
+
+        async def answer() -> None:
+            t0 = time.perf_counter()
+            await send()
+            self.stats["send_s"] += self.timings.sent(t0, 1)
+
+        self.outbox.send(peer.rank, self.state.params_region, answer)
 
     async def _process_grads(self, ranks: list[int], targets: list[Peer]) -> bool:
         """Hook and clip the averaged gradient, if asked; False (and the error to the
@@ -104,12 +125,24 @@ class Steps(ShardCore):
 
     async def _send_params(self, peer: Peer,
                            sent: list[asyncio.Future[None]] | None = None) -> None:
+        await self._params_sender(peer, sent)()
+
+    def _params_sender(self, peer: Peer, sent: list[asyncio.Future[None]] | None
+                       ) -> Callable[[], Awaitable[None]]:
+        """The answer to ``peer`` as of now (arena, version, checksum, hyperparameters),
+        to be sent by awaiting the result; a failed or late send drops ``peer``."""
         assert self.state is not None
         msg = protocol.encode("params", version=self.state.version, step=peer.step,
                               checksum=self.state.checksum(),
                               hyper=self.optim.answer(peer.ep, self.state))
-        try:
-            await send_params(self.state, peer, msg, sent, self.send_timeout)
-        except TensorxError as exc:
-            self._drop(peer, "", exc)
+        region, last = self.state.params_region, last_part(self.state)
+
+        async def send() -> None:
+            try:
+                await send_params(region, peer, msg, sent, last, self.send_timeout)
+            except TensorxError as exc:
+                if self._peers.get(peer.ep) is peer:  # else it has left already
+                    self._drop(peer, "", exc)
+
+        return send
 
