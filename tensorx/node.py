@@ -43,6 +43,8 @@ __all__ = ["Node"]
 
 logger = logging.getLogger(__name__)
 
+SHM_KEY = "shm"  # a descriptor's /dev/shm name and host, for Node.attach
+
 TRANSPORTS = ("auto", "tcp", "ucx")
 REQUIREMENTS = (None, "ucx", "rdma")
 MAX_DISCONNECTED = 1024  # disconnect events kept for a user who never reads them
@@ -259,10 +261,54 @@ class Node:
             ipc = cuda_ipc_lane.export_keys(region)
             if ipc is not None:
                 keys[cuda_ipc_lane.KEY] = ipc
+        if region.shared_name is not None and region._shm is not None:  # our /dev/shm file
+            keys[SHM_KEY] = {"host": host_id(), "name": region.shared_name}
         desc = self._exports.add(region, access, keys)
         region.add_close_callback(self.unexport)
         logger.debug("exported %r as %s", region, access)
         return desc
+
+    def attach(self, desc: RegionDescriptor | bytes, *,
+               private: bool | None = None) -> MemoryRegion:
+        """Map a region a peer on this host exported, instead of copying to and from it.
+
+        Same-host peers only, and only regions their owner allocated in shared memory
+        (``MemoryRegion.allocate(nbytes, shared=True)``): the descriptor of such a region
+        carries its /dev/shm name and its owner's :func:`host_id` (same kernel, /dev/shm and
+        network namespace). The file is private to the uid that created it, so only
+        processes of that uid can map it. Loads and stores then go straight to the owner's
+        memory: no lane, no copy, no notification (order them with ``ep.notify`` or your own
+        protocol). ``private``: map copy-on-write (the owner's writes show, ours stay ours,
+        see :meth:`MemoryRegion.drop_own_writes`); the default for a region exported
+        read-only (``access="r"``), which cannot be mapped shared. Closing the mapping only
+        unmaps it. When the owner closes the region its file is unlinked but our mapping
+        stays valid (it holds the old memory, which nobody else writes any more).
+
+        UsageError when ``desc`` has no shared memory or its owner is on another host;
+        RegionError when the file is gone or not the owner's."""
+        if isinstance(desc, bytes | bytearray | memoryview):
+            desc = RegionDescriptor.from_bytes(bytes(desc))
+        if not isinstance(desc, RegionDescriptor):
+            raise UsageError(f"attach() takes a RegionDescriptor or its bytes, not "
+                             f"{type(desc).__name__}")
+        shm = desc.keys.get(SHM_KEY)
+        if not (isinstance(shm, dict) and isinstance(shm.get("host"), str)
+                and isinstance(shm.get("name"), str)):
+            raise UsageError(f"region {desc.region_id:#x} is not in shared memory (its owner "
+                             "allocated it without shared=True): read or write it through "
+                             "an endpoint")
+        if shm["host"] != host_id():
+            raise UsageError(f"region {desc.region_id:#x} is on another host (or network "
+                             "namespace): read or write it through an endpoint")
+        writable = "w" in desc.access
+        private = not writable if private is None else private
+        if not private and not writable:
+            raise UsageError(f"region {desc.region_id:#x} was exported read-only: attach it "
+                             "with private=True (copy-on-write)")
+        region = MemoryRegion.attach(shm["name"], desc.nbytes, private=private)
+        logger.debug("attached %s (%s) as %r", printable(shm["name"]),
+                     "private" if private else "shared", region)
+        return region
 
     def unexport(self, region: MemoryRegion) -> None:
         """Stop serving ``region`` and tell every connected peer to drop it.

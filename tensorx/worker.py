@@ -204,7 +204,7 @@ class Worker:
         for s, w in enumerate(welcomes):
             self._accept_params(s, w)
         assert self._shared is not None
-        self.binding = self._shared.map(self.binding, welcomes)
+        self.binding = self._shared.map(self.binding, welcomes, self.node)
         logger.info("worker rank %d/%d joined %d shard(s), mode=%s, version=%s", self.rank,
                     self.num_workers, self.num_shards, self.mode, self.version)
 

@@ -27,7 +27,7 @@ from tensorx.errors import ProtocolError, UsageError
 __all__ = ["MAX_CONTROL", "PROTOCOL", "SHARE_OFFER", "check_hello", "decode", "encode",
            "optim_info", "share_offer"]
 
-PROTOCOL = 4  # 4: checksums are tensorx._ps.checksum's, no longer CRC-32
+PROTOCOL = 5  # 5: a share offer is two descriptors (Node.attach); 4: tensorx checksums
 MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
 
 _OPT_INT = (int, type(None))
@@ -76,9 +76,10 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # makes `version`, averaged over `ranks` (see tensorx._ps.normx)
     "gnorm": {"shard": int, "version": int, "ranks": list, "sumsq": float},
 }
-# welcome["share"] when the shard offers mapping: its host_id(), the /dev/shm names of its
-# parameter arena and of this worker's gradient slot, and their size
-SHARE_OFFER: dict[str, type] = {"host": str, "params": str, "slot": str, "nbytes": int}
+# welcome["share"] when the shard offers mapping: the descriptors of its parameter arena
+# (exported read-only) and of this worker's gradient slot, both in shared memory, for the
+# worker's Node.attach (see tensorx._ps.shared)
+SHARE_OFFER: dict[str, type] = {"params": bytes, "slot": bytes}
 
 
 def share_offer(welcome: dict[str, Any]) -> dict[str, Any] | None:
@@ -88,7 +89,7 @@ def share_offer(welcome: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if set(offer) != set(SHARE_OFFER) or not all(
             isinstance(offer[k], t) and not isinstance(offer[k], bool)
-            for k, t in SHARE_OFFER.items()) or offer["nbytes"] < 0:
+            for k, t in SHARE_OFFER.items()):
         raise ProtocolError(f"welcome message: malformed share offer {offer!r}")
     return dict(offer)
 

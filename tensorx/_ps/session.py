@@ -93,7 +93,8 @@ class Sessions(ShardCore):
             "welcome", slot=self._slot_descs[peer.rank].to_bytes(),
             headers=self._header_descs[peer.rank], version=self.state.version,
             mode=self.mode, checksum=self.state.checksum(),
-            share=self.sharing.offer_message(self.state, peer),
+            share=self.sharing.offer_message(self.state, peer, self.node,
+                                             self._slot_descs[peer.rank]),
             optim=self.optim.welcome(peer.ep, self.state))
 
         async def send() -> None:

@@ -1,7 +1,8 @@
 """The worker's side of same-host mapping: bind the model straight into a shard's memory.
 
-In sync mode a shard on this host may offer (in its welcome) the /dev/shm names of its
-parameter arena and of this worker's gradient slot. :class:`SharedArenas` maps them and
+In sync mode a shard on this host may offer (in its welcome) the descriptors of its
+parameter arena and of this worker's gradient slot, both in shared memory, which the
+worker maps with :meth:`tensorx.Node.attach`. :class:`SharedArenas` maps them and
 rebinds the model as views into them, without copying: the parameters are the shard's, and
 autograd writes gradients into the slot the shard reads. Pushes then write nothing and the
 shard writes nothing back. Anything that stands in the way leaves that shard on the copy
@@ -17,7 +18,7 @@ from tensorx._analyzer.binding import ARENAS, Binding
 from tensorx._ps import protocol
 from tensorx._shm import SHM_DIR, host_id
 from tensorx.errors import ProtocolError, TensorxError
-from tensorx.memregion import MemoryRegion
+from tensorx.memregion import MemoryRegion, RegionDescriptor
 
 __all__ = ["SharedArenas", "plan_obstacle"]
 
@@ -61,8 +62,9 @@ class SharedArenas:
         """Ask the shards for mapping (hello ``share``)?"""
         return not self.obstacle
 
-    def map(self, binding: Binding, welcomes: list[dict[str, Any]]) -> Binding:
-        """Map what the welcomes offer; return the binding the model now has."""
+    def map(self, binding: Binding, welcomes: list[dict[str, Any]], node: Any) -> Binding:
+        """Map what the welcomes offer (with ``node.attach``); return the binding the model
+        now has."""
         assert not self._attached, "unmap before mapping again"
         if self.obstacle:
             logger.info("worker rank %d: arenas not mapped, copying: %s", self.rank,
@@ -70,7 +72,7 @@ class SharedArenas:
             return binding
         for shard, welcome in enumerate(welcomes):
             try:
-                self._attached[shard] = self._attach(shard, welcome)
+                self._attached[shard] = self._attach(shard, welcome, node)
             except (TensorxError, _NotMapped) as exc:
                 logger.info("worker rank %d: shard %d's arenas not mapped, copying: %s",
                             self.rank, shard, exc)
@@ -105,27 +107,27 @@ class SharedArenas:
         self.mapped = [False] * self.plan.num_shards
         return new
 
-    def _attach(self, shard: int, welcome: dict[str, Any]
+    def _attach(self, shard: int, welcome: dict[str, Any], node: Any
                 ) -> tuple[MemoryRegion, MemoryRegion]:
         try:
             offer = protocol.share_offer(welcome)
+            if offer is None:
+                raise _NotMapped(NOT_OFFERED)
+            params, slot = (RegionDescriptor.from_bytes(offer[k]) for k in ("params", "slot"))
         except ProtocolError as exc:
             raise _NotMapped(str(exc)) from exc
-        if offer is None:
-            raise _NotMapped(NOT_OFFERED)
-        if offer["host"] != host_id():
-            raise _NotMapped("the server is on another host (or network namespace)")
         nbytes = self.plan.arena_bytes(shard)
-        if offer["nbytes"] != nbytes:
-            raise _NotMapped(f"the server offers {offer['nbytes']} B, the plan needs {nbytes} B")
-        # copy-on-write: an edit of the model in place stays ours (see refresh)
-        params = MemoryRegion.attach(offer["params"], nbytes, private=True)
+        for desc in (params, slot):
+            if desc.nbytes != nbytes:
+                raise _NotMapped(f"the server offers {desc.nbytes} B, the plan needs "
+                                 f"{nbytes} B")
+        # the parameters copy-on-write: an edit of the model in place stays ours (refresh)
+        mapped = node.attach(params, private=True)
         try:
-            return params, MemoryRegion.attach(offer["slot"], nbytes)
+            return mapped, node.attach(slot)
         except BaseException:
-            params.close()
+            mapped.close()
             raise
-
 
     def refresh(self, shard: int) -> None:
         """Before reading a pull from a mapped shard: drop what this process wrote into the

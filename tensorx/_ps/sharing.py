@@ -6,6 +6,10 @@ a pull copies nothing). The worker maps the parameter arena copy-on-write
 (:mod:`tensorx._ps.shared`), so an edit it makes in place never reaches the shard or any
 other worker, and is dropped at its next pull, as on the copy path.
 
+The offer is no PS-private mechanism: it is the two regions' descriptors, which carry their
+/dev/shm names because the arenas were allocated in shared memory, and the worker maps them
+with :meth:`tensorx.Node.attach`, as any two nodes on one host can.
+
 Only host memory is mapped: a shard whose arenas are on a GPU (``device="cuda:N"``) offers
 nothing, says so once, and its workers copy (straight to and from its GPU memory).
 """
@@ -17,7 +21,7 @@ from typing import Any
 
 from tensorx._ps.answer import Peer
 from tensorx.errors import ProtocolError
-from tensorx.memregion import host_id
+from tensorx.memregion import RegionDescriptor
 
 __all__ = ["Sharing"]
 
@@ -32,6 +36,7 @@ class Sharing:
         self.mode = mode
         self.enabled = enabled
         self.device = device
+        self._params: tuple[Any, RegionDescriptor] | None = None  # arena, its export
         if enabled and mode == "sync" and device != "cpu":
             logger.info("ps shard %d: same-host mapping (share_memory) is not offered: the "
                         "arenas are on %s and only host memory can be mapped; workers "
@@ -59,12 +64,16 @@ class Sharing:
                         self.shard, rank, why)
         return not why
 
-    def offer_message(self, state: Any, peer: Peer) -> dict[str, Any]:
-        """The welcome's ``share`` field: {} or the names and size of what to map."""
+    def offer_message(self, state: Any, peer: Peer, node: Any,
+                      slot: RegionDescriptor) -> dict[str, Any]:
+        """The welcome's ``share`` field: {} or the descriptors to attach (``node.attach``):
+        the parameter arena, exported read-only (once per arena), and the peer's ``slot``."""
         if not peer.offered:
             return {}
-        return {"host": host_id(), "params": state.params_region.shared_name,
-                "slot": state.slot_region(peer.rank).shared_name, "nbytes": state.layout.nbytes}
+        region = state.params_region
+        if self._params is None or self._params[0] is not region or region.closed:
+            self._params = (region, node.export(region, access="r"))
+        return {"params": self._params[1].to_bytes(), "slot": slot.to_bytes()}
 
     def check_mapped(self, peer: Peer, mapped: bool) -> None:
         """A push says whether its sender mapped our arenas: believe it only if offered."""
