@@ -12,6 +12,7 @@ __all__ = [
     "AuthError",
     "BrokenError",
     "ClosedError",
+    "OptimizerError",
     "PlanMismatchError",
     "ProtocolError",
     "RankTakenError",
@@ -61,6 +62,11 @@ class TransportUnavailableError(TensorxError):
 
 class PlanMismatchError(UsageError):
     """Two processes planned different tensors; the message names the first difference."""
+
+
+class OptimizerError(UsageError):
+    """The parameter server's optimizer refused an update (say, Adam given a table's sparse
+    gradient); the message names the tensor. Fix the optimizer the server was given."""
 
 
 class RankTakenError(UsageError):

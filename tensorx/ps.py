@@ -77,6 +77,12 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
     ``mode``: ``"sync"``, ``"async"`` or ``"bounded"`` (with ``staleness``).
     ``optimizer``: ``lambda params: torch.optim.X(params, ...)``, called once on tensors that
     view the shard's arena; ``lr_scheduler``: ``lambda opt: ...``, stepped after each update.
+    A sparse table (``nn.Embedding(sparse=True)``, ``EmbeddingBag``) gets a sparse gradient,
+    as in one process: the rows the update's workers touched, averaged (see
+    :mod:`tensorx._ps.rows`), so ``SGD``, ``Adagrad`` and ``SparseAdam`` step O(rows
+    touched). A step the optimizer refuses (Adam given a sparse gradient) is not applied,
+    and every worker of that update gets :class:`~tensorx.errors.OptimizerError` naming the
+    tensor.
     Initial parameters come from the checkpoint in ``checkpoint_dir`` when there is one, else
     from worker rank 0. ``checkpoint_every``: also checkpoint every N updates;
     ``checkpoint_keep``: checkpoints kept (a damaged newest one falls back to the one before;
@@ -90,7 +96,8 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
     one fused or ``foreach`` pass over each contiguous range of the arena (one or more per
     param group, of at most 16 MiB), which gives the same parameters as stepping each
     tensor, many times faster for many small tensors, and is applied range by range while
-    finished ranges are already being written back to the workers; otherwise per tensor.
+    finished ranges are already being written back to the workers (sparse tables are left
+    out and step first, per tensor, with their sparse gradients); otherwise per tensor.
     Either way the optimizer sees the model's named, shaped parameters, and its
     ``state_dict``, checkpoints, LR schedulers and :class:`~tensorx.RemoteOptimizer` work
     as with ``flat=False``. One INFO line per shard says which update runs and why. A

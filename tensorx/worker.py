@@ -40,6 +40,7 @@ from tensorx.errors import (
     AuthError,
     BrokenError,
     ClosedError,
+    OptimizerError,
     PlanMismatchError,
     ProtocolError,
     RankTakenError,
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 _ERRORS: dict[str, type[TensorxError]] = {
     cls.__name__: cls for cls in (PlanMismatchError, RankTakenError, UsageError, ProtocolError,
-                                  AuthError, RegionError, BrokenError)
+                                  AuthError, RegionError, BrokenError, OptimizerError)
 }
 _GONE: dict[str, Any] = {"t": "_gone"}
 BACKOFF_FIRST = 0.1  # seconds before the second rejoin attempt; doubles up to BACKOFF_CAP

@@ -40,7 +40,12 @@ async def apply_in_parts(state: Any, ranks: list[int], copies: list[Peer],
     sending: dict[int, list[asyncio.Future[None]]] = {p.rank: [] for p in copies}
     last = state.num_parts - 1
     for k in range(last + 1):
-        await asyncio.to_thread(state.apply_part, ranks, k)
+        try:
+            await asyncio.to_thread(state.apply_part, ranks, k)
+        except BaseException:  # the parts on their way are waited for, their errors dropped
+            await asyncio.gather(*(f for fs in sending.values() for f in fs),
+                                 return_exceptions=True)
+            raise
         if k == last:
             break
         off, nbytes = state.part_bytes(k)

@@ -82,17 +82,23 @@ def ranges(specs: Sequence[ParamSpec], group_of: Sequence[int],
            part_bytes: int) -> list[Range]:
     """Maximal runs of parameters adjacent in the arena (padding between them included: it
     is zero in every arena) with the same group and dtype, of at most ``part_bytes`` each
-    (or one parameter, when it is larger)."""
+    (or one parameter, when it is larger). A parameter whose group is negative is left
+    out, and no range spans it."""
     out: list[Range] = []
     order = sorted(range(len(specs)), key=lambda i: specs[i].offset)
+    cut = False
     for i in order:
+        if group_of[i] < 0:
+            cut = True
+            continue
         s, size = specs[i], specs[i].dtype.itemsize
         last = out[-1] if out else None
         end = s.offset + s.numel * size
-        if (last is None or last.group != group_of[i] or last.dtype != s.dtype
+        if (cut or last is None or last.group != group_of[i] or last.dtype != s.dtype
                 or (s.offset - last.start) % size or end - last.start > part_bytes):
             last = Range(group_of[i], s.dtype, s.offset)
             out.append(last)
+            cut = False
         last.members.append((i, (s.offset - last.start) // size))
         last.nbytes = end - last.start
     return out
@@ -121,7 +127,10 @@ class FlatUpdate:
         self.params = list(params)
         group_index = {id(p): g for g, group in enumerate(optimizer.param_groups)
                        for p in group["params"]}
-        self.ranges = ranges(specs, [group_index[id(p)] for p in params], part_bytes)
+        # sparse tables step on their own, with sparse gradients (see tensorx._ps.rows)
+        self.left_out = sum(bool(getattr(s, "sparse", False)) for s in specs)
+        self.ranges = ranges(specs, [-1 if getattr(s, "sparse", False) else group_index[id(p)]
+                                     for p, s in zip(params, specs, strict=True)], part_bytes)
         self.flat = [torch.nn.Parameter(t, requires_grad=True) for t in self.views(region)]
         kernel = _kernel(optimizer, self.flat[0].device, {r.dtype for r in self.ranges})
         groups = [{**self._hp(r), **kernel, "params": [p]}
@@ -143,8 +152,9 @@ class FlatUpdate:
 
     def describe(self) -> str:
         groups = len({r.group for r in self.ranges})
+        sparse = f"; {self.left_out} sparse table(s) per tensor" if self.left_out else ""
         return (f"flat over {len(self.ranges)} range(s) ({type(self.face).__name__}, "
-                f"elementwise, {groups} group(s), {self.kernel})")
+                f"elementwise, {groups} group(s), {self.kernel}){sparse}")
 
     def views(self, region: Any) -> list[torch.Tensor]:
         """One flat tensor per range of ``region`` (a gradient slot, the accumulator)."""

@@ -40,10 +40,14 @@ POLICIES = ("skip", "refuse")
 
 
 def finite(state: Any, rank: int) -> bool:
-    """Is every value in ``rank``'s gradient slot finite?"""
+    """Is every value in ``rank``'s gradient slot, and every sparse row it pushed, finite?"""
     layout = state.layout
     region = state.slot_region(rank)
     dtypes = {s.dtype for s in layout.slots}
+    if state.rows:  # the tables' part of the slot is never written: O(rows), not O(table)
+        tensors = [region.view(s.dtype, (s.numel,), s.offset) for s in layout.param_specs()
+                   if not s.sparse and s.dtype.is_floating_point]
+        return state.rows.finite(rank) and _all_finite(tensors)
     if len(dtypes) == 1:
         (dtype,) = dtypes
         if not dtype.is_floating_point:
@@ -52,6 +56,10 @@ def finite(state: Any, rank: int) -> bool:
         tensors = [region.view(dtype, (layout.nbytes // size,))]  # padding is zero or ours
     else:
         tensors = [v for v in views(layout, region) if v.is_floating_point()]
+    return _all_finite(tensors)
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
     with torch.no_grad():
         for t in tensors:
             acc = torch.float64 if t.dtype == torch.float64 else torch.float32

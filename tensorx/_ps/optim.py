@@ -25,7 +25,7 @@ import torch
 
 from tensorx.errors import UsageError
 
-__all__ = ["ParamSpec", "build_optimizer", "param_specs", "plan_params"]
+__all__ = ["ParamSpec", "build_optimizer", "param_specs", "plan_params", "step_failure"]
 
 NAMED = "named_params"
 
@@ -42,6 +42,7 @@ class ParamSpec:
     whole: bool = True
     shard: int = 0
     chunk: int = 0  # the plan's first chunk of it
+    sparse: bool = False  # a table whose gradient arrives as rows (see tensorx._ps.rows)
 
     @property
     def label(self) -> str:
@@ -57,18 +58,19 @@ class ParamSpec:
         return n
 
 
-def param_specs(entries: Sequence[Any], to_dtype: Callable[[Any], torch.dtype]
-                ) -> tuple[ParamSpec, ...]:
+def param_specs(entries: Sequence[Any], to_dtype: Callable[[Any], torch.dtype],
+                rows: bool = False) -> tuple[ParamSpec, ...]:
     """One spec per tensor among a shard's plan ``entries`` (its chunks on this shard are
-    adjacent in the arena), in model order."""
+    adjacent in the arena), in model order; with ``rows`` (the plan's sparse gradients take
+    the dynamic path), its dynamic entries are sparse."""
     runs: dict[str, list[Any]] = {}
     for e in sorted(entries, key=lambda e: e.offset):
         runs.setdefault(e.name, []).append(e)
     ordered = sorted(runs.values(), key=lambda run: (getattr(run[0], "index", -1), run[0].name))
-    return tuple(_spec(run, to_dtype) for run in ordered)
+    return tuple(_spec(run, to_dtype, rows) for run in ordered)
 
 
-def _spec(run: list[Any], to_dtype: Callable[[Any], torch.dtype]) -> ParamSpec:
+def _spec(run: list[Any], to_dtype: Callable[[Any], torch.dtype], rows: bool) -> ParamSpec:
     first, shape = run[0], tuple(run[0].shape)
     numel = sum(e.numel for e in run)
     whole = first.start == 0 and numel == _numel(shape)
@@ -76,7 +78,8 @@ def _spec(run: list[Any], to_dtype: Callable[[Any], torch.dtype]) -> ParamSpec:
     if not whole:
         shape = (numel // row, *shape[1:]) if row and numel % row == 0 else (numel,)
     return ParamSpec(first.name, first.offset, shape, to_dtype(first.dtype), first.start, whole,
-                     first.shard, first.chunk)
+                     first.shard, first.chunk,
+                     rows and whole and getattr(first, "kind", "") == "dynamic")
 
 
 def plan_params(plan: Any) -> list[ParamSpec]:
@@ -149,3 +152,18 @@ def check_params(optimizer: torch.optim.Optimizer,
         "per-layer LR), optimizer=lambda named_params: torch.optim.AdamW([...groups built "
         "from named_params...], ...), where named_params is [(name, parameter), ...] as "
         "model.named_parameters() gives them")
+
+
+def step_failure(optimizer: Any, named: list[tuple[str, torch.nn.Parameter]],
+                 exc: Exception) -> str:
+    """Why a step of ``optimizer`` over ``named`` failed, naming the tensors whose kind of
+    gradient (sparse or dense) torch's message refuses, else every tensor that had one."""
+    text = str(exc).lower()
+    refused = [k for k in ("sparse", "dense") if f" {k} grad" in text]
+    stepped = [(n, p.grad.is_sparse) for n, p in named if p.grad is not None]
+    kind = refused[0] if len(refused) == 1 else None
+    names = [n for n, sparse in stepped if kind is None or sparse == (kind == "sparse")]
+    shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    what = f"the {kind} gradient of " if kind else ""
+    return (f"the server's optimizer ({type(optimizer).__name__}) failed on {what}{shown}: "
+            f"{type(exc).__name__}: {exc}")

@@ -22,8 +22,10 @@ from tensorx._ps import checkpoint, parts
 from tensorx._ps.checksum import checksum
 from tensorx._ps.device import fence, is_cuda
 from tensorx._ps.flat import FlatUpdate, elementwise
-from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs
-from tensorx.errors import RegionError, UsageError
+from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs, step_failure
+from tensorx._ps.rows import Rows, SparseRows, no_invariant_checks
+from tensorx._ps.sparse import dynamic_path_ok
+from tensorx.errors import OptimizerError, RegionError, UsageError
 from tensorx.memregion import MemoryRegion
 
 __all__ = ["OptimizerFactory", "SchedulerFactory", "ShardLayout", "ShardState", "checksum"]
@@ -67,7 +69,7 @@ class ShardLayout:
         entries = sorted(plan.shard_entries(shard), key=lambda e: e.offset)
         slots = tuple(Slot(entry_key(e), e.offset, e.numel, to_dtype(e.dtype)) for e in entries)
         return cls(shard, plan.num_shards, plan.arena_bytes(shard), slots, plan.fingerprint,
-                   param_specs(entries, to_dtype))
+                   param_specs(entries, to_dtype, dynamic_path_ok(plan)))
 
 
 def entry_key(entry: Any) -> str:
@@ -121,6 +123,8 @@ class ShardState:
     of one per tensor (named ``"flat.0"``, ...): right for elementwise optimizers only.
     (Large shards get a few flat ranges or parameters of at most ``parts.PART_BYTES``
     each, so that the update can be applied and sent part by part: :meth:`apply_part`.)
+    Sparse tables (:mod:`tensorx._ps.rows`) get sparse gradients, as in torch: the flat
+    update leaves them out and steps them on their own, as the first parts.
     ``shared=True`` puts the parameter arena and the slots in /dev/shm, so that workers on
     this host can map them (:attr:`shared` says whether that worked; else private memory).
     ``device="cuda:N"`` puts all of it, and the optimizer's state, on that GPU (see
@@ -140,9 +144,11 @@ class ShardState:
         self.shared = self.params_region.shared_name is not None
         self._acc_region = MemoryRegion.allocate(layout.nbytes, device=device)
         self.views = views(layout, self.params_region)  # one per plan entry, for checkpoints
-        dtype = _single_dtype(layout) if flat else None
+        self.rows = SparseRows(layout.param_specs(), device)
+        dtype = _single_dtype(layout) if flat and not self.rows else None
         if flat and dtype is None and layout.slots:
-            logger.warning("flat=True needs one dtype in the arena; optimizing per tensor")
+            logger.warning("flat=True needs one dtype in the arena and no sparse table; "
+                           "optimizing per tensor")
         self.flat = dtype is not None
         split = _flat_splitter(layout, dtype) if dtype is not None else _param_splitter(layout)
         self._split = split
@@ -152,8 +158,7 @@ class ShardState:
             else [p.name for p in layout.param_specs()]
         self._acc = split(self._acc_region)
         self._slots = [split(r) for r in self.slot_regions]
-        for p, g in zip(self.params, self._acc, strict=True):
-            p.grad = g
+        self._reset_grads()
         # a shard the plan left empty still counts versions, with nothing to optimize
         self.optimizer = build_optimizer(optimizer, self.named_parameters()) \
             if self.params else None
@@ -175,10 +180,12 @@ class ShardState:
             return "none (no parameters on this shard)"
         if flat is not None:
             return "per-tensor (flat=False)" if not flat else \
-                "per-tensor (flat=True needs one dtype in the arena)"
+                "per-tensor (flat=True needs one dtype in the arena and no sparse table)"
         why = elementwise(self.optimizer)
         if why is not None:
             return f"per-tensor ({why})"
+        if len(self.rows) == len(self.params):
+            return "per-tensor (only sparse tables on this shard)"
         if self.params_region.is_cuda:  # measured and tested on the H200 per tensor only
             return ("per-tensor (the automatic flat update is not yet verified on a GPU "
                     "shard; flat=True opts in)")
@@ -211,8 +218,8 @@ class ShardState:
         self._slots[rank] = self._split(new)
         if self._fast is not None:
             self._fast_slots[rank] = self._fast.views(new)
-        for p, g in zip(self.params, self._acc, strict=True):
-            p.grad = g  # no parameter may keep the old slot's memory as its gradient
+        self._reset_grads()  # no parameter may keep the old slot's memory as its gradient
+        self.rows.drop(rank)
         old.close()
         return new
 
@@ -244,15 +251,18 @@ class ShardState:
 
     @property
     def num_parts(self) -> int:
-        """Parts the update can be applied in, one after another (flat; else 1)."""
+        """Parts the update can be applied in, one after another (flat: the sparse tables
+        first, one part each, then the flat ranges; else 1)."""
         if self.fast is not None:
-            return len(self.fast.ranges)
+            return len(self.rows) + len(self.fast.ranges)
         return len(self.params) if self.flat else 1
 
     def part_bytes(self, k: int) -> tuple[int, int]:
         """(offset, nbytes) of part ``k`` in the arena."""
         if self.fast is not None:
-            r = self.fast.ranges[k]
+            if k < len(self.rows):
+                return self.rows.span(self._tables[k])
+            r = self.fast.ranges[k - len(self.rows)]
             return r.start, r.nbytes
         if not self.flat:
             return 0, self.layout.nbytes
@@ -264,52 +274,61 @@ class ShardState:
         they may be changed (hook, clipping) before :meth:`apply` or :meth:`apply_part` step
         with them; the slots are left as the workers wrote them."""
         ranks = list(ranks)
+        self.rows.gather(ranks)
         with torch.no_grad():
             for i, acc in enumerate(self._acc):
+                if i in self.rows:
+                    continue
                 if len(ranks) == 1:
                     acc.copy_(self._slots[ranks[0]][i])
                 else:
                     self._average(ranks, i)
-        for p, g in zip(self.params, self._acc, strict=True):
-            p.grad = g
         self._gathered = True
+        for i, p in enumerate(self.params):
+            p.grad = self._grad(ranks, i)
 
     def ungather(self) -> None:
         """Forget a :meth:`gather` whose update will not be made."""
         self._gathered = False
+        self.rows.ungather()
+
+    def put_rows(self, rank: int, rows: dict[str, Rows]) -> None:
+        """``rank``'s sparse rows of its latest push, whole (see :mod:`tensorx._ps.rows`)."""
+        self.rows.put(rank, rows)
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """(model name, averaged gradient) in model order, after :meth:`gather`."""
-        return list(zip(self.names, self._acc, strict=True))
+        """(model name, averaged gradient) in model order, after :meth:`gather`; a sparse
+        table's is sparse (coalesced), and absent when no rank touched it."""
+        grads = [(n, self._grad([], i)) for i, n in enumerate(self.names)]
+        return [(n, g) for n, g in grads if g is not None]
 
     def grad_sumsq(self) -> float:
         """Sum of squares of the gathered gradient, for a global norm: each tensor's 2-norm
         in its own dtype, squared and summed in float64, as ``clip_grad_norm_`` combines
         per-tensor norms (and no float64 copy of the gradient)."""
-        if not self._acc:
+        grads = [_dense_part(g) for _, g in self.named_grads()]
+        if not grads:
             return 0.0
         with torch.no_grad():  # one transfer of the norms to host, not one per tensor
-            norms = torch.stack([torch.linalg.vector_norm(g).double() for g in self._acc])
+            norms = torch.stack([torch.linalg.vector_norm(g).double() for g in grads])
             return math.fsum(n * n for n in norms.tolist())
 
     def scale_grads(self, factor: float) -> None:
         with torch.no_grad():
-            for g in self._acc:
-                g.mul_(factor)
+            for _, g in self.named_grads():
+                _dense_part(g).mul_(factor)
 
     def apply(self, ranks: Iterable[int]) -> None:
         """Average the gradients in ``ranks``' slots (unless :meth:`gather` did) and take
         one optimizer step."""
         ranks = list(ranks)
         if self.fast is not None:
-            self.fast.step([self._fast_grad(ranks, k) for k in range(self.num_parts)])
+            self._step_tables(ranks, self._tables)
+            self._fast_step([self._fast_grad(ranks, k) for k in range(len(self.fast.ranges))])
         else:
-            grads = self._acc if self._gathered else self._slots[ranks[0]] if len(ranks) == 1 \
-                else [self._average(ranks, i) for i in range(len(self._acc))]
-            for p, g in zip(self.params, grads, strict=True):
-                p.grad = g
-            if self.optimizer is not None:
-                self.optimizer.step()
+            for i, p in enumerate(self.params):
+                p.grad = self._grad(ranks, i)
+            self._step()
         self.finish_update()
         fence(self.device)  # the update is in the arena before a byte of it leaves
 
@@ -319,16 +338,19 @@ class ShardState:
         optimizers ``flat`` is meant for. The other parts' gradients are unset meanwhile, so
         the optimizer skips them. Runs in a worker thread while the event loop sends."""
         if self.fast is not None:
-            self.fast.step([self._fast_grad(ranks, k) if i == k else None
-                            for i in range(self.num_parts)])
+            if k < len(self.rows):
+                self._step_tables(ranks, [self._tables[k]])
+            else:
+                k -= len(self.rows)
+                self._fast_step([self._fast_grad(ranks, k) if i == k else None
+                                 for i in range(len(self.fast.ranges))])
             fence(self.device)
             return
         grad = self._acc[k] if self._gathered else self._slots[ranks[0]][k] \
             if len(ranks) == 1 else self._average(ranks, k)
         for i, p in enumerate(self.params):
             p.grad = grad if i == k else None
-        if self.optimizer is not None:
-            self.optimizer.step()
+        self._step()
         # part k is written out as soon as this returns: its kernels (queued by this
         # thread, on its current stream) must be done; an event, not a device-wide sync
         fence(self.device)
@@ -336,13 +358,64 @@ class ShardState:
     def finish_update(self) -> None:
         """After the last part: step the schedule, count the version."""
         if self.fast is None:  # the flat update leaves the parameters' .grad as it is
-            for p, g in zip(self.params, self._acc, strict=True):
-                p.grad = g
+            self._reset_grads()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._gathered = False
+        self.rows.ungather()
         self.version += 1
         self._checksum = None
+
+    def _reset_grads(self) -> None:
+        """Dense parameters' ``.grad``: the accumulator; sparse tables': none."""
+        for i, (p, g) in enumerate(zip(self.params, self._acc, strict=True)):
+            p.grad = None if i in self.rows else g
+
+    @property
+    def _tables(self) -> list[int]:
+        return list(self.rows)
+
+    def _grad(self, ranks: list[int], i: int) -> torch.Tensor | None:
+        """Parameter ``i``'s gradient for an update of ``ranks``: gathered, a sparse table's
+        rows, one slot, or the mean."""
+        if i in self.rows:
+            return self.rows.grad(ranks, i)
+        if self._gathered:
+            return self._acc[i]
+        return self._slots[ranks[0]][i] if len(ranks) == 1 else self._average(ranks, i)
+
+    def _step_tables(self, ranks: list[int], tables: list[int]) -> None:
+        """Step the sparse ``tables`` alone (the face of a flat update): every other
+        parameter's ``.grad`` is unset meanwhile, so the optimizer skips it."""
+        saved = [p.grad for p in self.params]
+        try:
+            for i, p in enumerate(self.params):
+                p.grad = self._grad(ranks, i) if i in tables else None
+            self._step()
+        finally:
+            for p, g in zip(self.params, saved, strict=True):
+                p.grad = g
+
+    def _step(self) -> None:
+        """One optimizer step; its failure, as an :class:`OptimizerError` naming the tensors."""
+        if self.optimizer is None:
+            return
+        try:
+            with no_invariant_checks():
+                self.optimizer.step()
+        except Exception as exc:
+            raise OptimizerError(self._failure(exc)) from exc
+
+    def _fast_step(self, grads: list[torch.Tensor | None]) -> None:
+        assert self.fast is not None
+        try:
+            self.fast.step(grads)
+        except Exception as exc:
+            raise OptimizerError(self._failure(exc)) from exc
+
+    def _failure(self, exc: Exception) -> str:
+        return (f"update {self.version + 1} not applied: "
+                f"{step_failure(self.optimizer, self.named_parameters(), exc)}")
 
     def _fast_grad(self, ranks: list[int], k: int) -> torch.Tensor:
         """Range ``k``'s gradient for the flat update: gathered, one slot, or the mean."""
@@ -453,6 +526,11 @@ class ShardState:
     def close(self) -> None:
         for region in (self.params_region, self._acc_region, *self.slot_regions):
             region.close()
+
+
+def _dense_part(grad: torch.Tensor) -> torch.Tensor:
+    """The values of a (coalesced) sparse gradient; a dense one itself."""
+    return grad.values() if grad.is_sparse else grad
 
 
 def _allocate(nbytes: int, count: int, shared: bool, where: str = "cpu") -> list[MemoryRegion]:

@@ -4,8 +4,9 @@ Worker: stages each sparse gradient (indices, then rows) in a registered staging
 exports it read-only, writes the header slots into its header region on the shard, and
 names any new staging region in the push message. Shard: for each dynamic entry, decodes
 the header, reads ``nbytes`` straight out of the worker's staging region (one-sided), checks
-the indices and scatters the rows into that worker's dense gradient slot, so averaging and
-the optimizer see an ordinary dense gradient. Only the touched rows cross the network.
+the indices and keeps a copy of the rows; the rows of a push are handed over only once all
+of them arrived (:mod:`tensorx._ps.rows` makes the optimizer's sparse gradient of them).
+Only the touched rows cross the network, and the shard's work scales with them.
 """
 
 from __future__ import annotations
@@ -102,18 +103,15 @@ class SparseReceiver:
                 raise ProtocolError(f"staging announcement for unknown tensor {name!r}")
             self._staging[(rank, name)] = RegionDescriptor.from_bytes(raw)
 
-    async def receive(self, ep: Any, rank: int, slot: MemoryRegion,
-                      timeout: float | None) -> int:
-        """Read every sparse gradient of ``rank``, scatter it into its dense ``slot``;
-        return how many rows came."""
+    async def receive(self, ep: Any, rank: int,
+                      timeout: float | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Every sparse gradient of ``rank``: table name -> (row ids, rows), copies on the
+        shard's device. Raises (handing over nothing) if any read or check fails."""
         from tensorx.graph_analyzer import payload_views, read_header
 
-        rows = 0
+        got = {}
         for entry in self.entries:
             header = read_header(self.headers[rank], entry)
-            dense = slot.view(getattr(torch, entry.dtype), (entry.num_rows, *entry.row_shape),
-                              self._offsets[entry.name])
-            dense.zero_()
             if header.rows == 0:
                 continue
             desc = self._staging.get((rank, entry.name))
@@ -124,11 +122,10 @@ class SparseReceiver:
             indices, values = payload_views(recv, entry, header.rows)
             if bool(((indices < 0) | (indices >= entry.num_rows)).any()):
                 raise RegionError(f"rank {rank}: {entry.name} row index out of range")
-            dense.index_add_(0, indices, values)
-            rows += header.rows
-        # the next rank's rows are read into the same buffers: the scatter must be done
+            got[entry.name] = (indices.clone(), values.clone())
+        # copied before the next rank's rows are read into the same buffers
         fence(self.device)
-        return rows
+        return got
 
     def _buffer(self, name: str, nbytes: int) -> MemoryRegion:
         region = self._recv.get(name)

@@ -14,7 +14,7 @@ from tensorx._ps.answer import Peer, apply_in_parts, last_part, send_params
 from tensorx._ps.core import ShardCore
 from tensorx._ps.schedule import Decision
 from tensorx.endpoint import Endpoint
-from tensorx.errors import ProtocolError, TensorxError
+from tensorx.errors import OptimizerError, ProtocolError, TensorxError
 
 logger = logging.getLogger("tensorx.ps")  # one logger name for the whole server
 
@@ -37,8 +37,9 @@ class Steps(ShardCore):
         self.timings.pushed(peer.rank, peer.step, lag)
         if self._sparse is not None:
             self._sparse.announce(peer.rank, msg["staging"])
-            self.stats["sparse_rows"] += await self._sparse.receive(
-                ep, peer.rank, self.state.slot_region(peer.rank), self.timeout)
+            rows = await self._sparse.receive(ep, peer.rank, self.timeout)
+            self.state.put_rows(peer.rank, rows)
+            self.stats["sparse_rows"] += sum(len(ids) for ids, _ in rows.values())
         await self._act(self.scheduler.push(peer.rank))
         if self.mode == "sync" and peer.rank in self.scheduler.pending:
             await self._tell_waiting([peer])
@@ -62,11 +63,16 @@ class Steps(ShardCore):
                 await self.outbox.make_room(self.state)
                 self.stats["arena_moves"] = self.outbox.moves
             copies = [p for p in targets if not p.mapped and not self.outbox.pending(p.rank)]
-            if copies and self.state.num_parts > 1:
-                sending = await apply_in_parts(self.state, decision.apply, copies,
-                                               self.send_timeout)
-            else:
-                self.state.apply(decision.apply)
+            try:
+                if copies and self.state.num_parts > 1:
+                    sending = await apply_in_parts(self.state, decision.apply, copies,
+                                                   self.send_timeout)
+                else:
+                    self.state.apply(decision.apply)
+            except OptimizerError as exc:
+                self.state.ungather()
+                await self._fail_update(exc, targets)
+                return
             self.stats["apply_s"] += self.timings.apply.since(t0)
             self.stats["updates"] += 1
             if self.checkpoint_every and self.state.version % self.checkpoint_every == 0:
@@ -101,12 +107,18 @@ class Steps(ShardCore):
         except Exception as exc:
             logger.error("ps shard %d: update %d not applied: %s", self.shard,
                          self.version + 1, exc)
-            error = protocol.encode("error", code=type(exc).__name__, msg=str(exc))
-            await asyncio.gather(*(p.ep.notify(error, timeout=self.timeout) for p in targets),
-                                 return_exceptions=True)
+            await self._fail_update(exc, targets)
             return False
         self.stats.update(grad_norm=self.grads.last_norm, norm_exchange_s=self.grads.exchange_s)
         return True
+
+    async def _fail_update(self, exc: Exception, targets: list[Peer]) -> None:
+        """Tell every worker waiting for this update that it failed, and why, at once."""
+        if isinstance(exc, OptimizerError):
+            logger.error("ps shard %d: %s", self.shard, exc)
+        error = protocol.encode("error", code=type(exc).__name__, msg=str(exc))
+        await asyncio.gather(*(p.ep.notify(error, timeout=self.timeout) for p in targets),
+                             return_exceptions=True)
 
     async def _drop_nonfinite(self, decision: Decision, by_rank: dict[int, Peer]) -> Decision:
         """Leave out gradients holding NaN or Inf, per ``on_nonfinite``."""
