@@ -94,7 +94,10 @@ class Outbox:
             return
         while not self._spares and len(self._held(current)) >= self.limit:
             oldest = next(iter(self._held(current).values()))
-            await asyncio.wait(set(oldest[1]))
+            if oldest[1]:
+                await asyncio.wait(set(oldest[1]))
+            else:  # pinned by a transport: it lets go when UCX completes the op
+                await asyncio.sleep(0.001)
             self._collect(current)
         spare = self._spares.pop() if self._spares else state.new_arena()
         old = state.move_params(spare)
@@ -112,9 +115,11 @@ class Outbox:
         return {k: v for k, v in self._readers.items() if v[0] is not current}
 
     def _collect(self, current: MemoryRegion) -> None:
-        """Old arenas nobody reads any more become spares (one kept, the rest closed)."""
+        """Old arenas nobody reads any more become spares (one kept, the rest closed).
+        An arena a transport still has an op on (pinned: an answer that raised while UCX
+        owned its put) stays held until the transport lets go of it."""
         for key, (region, tasks) in list(self._held(current).items()):
-            if tasks:
+            if tasks or region.pinned:
                 continue
             del self._readers[key]
             if self._spares:

@@ -1,0 +1,134 @@
+"""The control channel and its handshake over a socketpair: no processes, no listener.
+
+Both ends are :class:`tensorx.transport.tcp.Connection` objects in this event loop, joined by
+``socket.socketpair()``; what crosses is the real wire format. The same code runs under
+every lane (the data lanes sit beside this channel), so these tests hold for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tensorx import _auth
+from tensorx._wire import Kind
+from tensorx.errors import AuthError, ProtocolError, TimeoutError
+from tensorx.memregion import ExportTable
+from tensorx.transport import handshake
+from tensorx.transport.tcp import Connection
+
+TOKEN = b"a token both sides were given"
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Connection, Connection]]:
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setblocking(False)
+    client = Connection(a, ExportTable("client"), "client")
+    server = Connection(b, ExportTable("server"), "server")
+    yield client, server
+    for conn in (client, server):
+        await conn.aclose()
+
+
+async def shake(client: Connection, server: Connection, client_token: bytes = TOKEN,
+                client_id: str = "client-1", timeout: float = 10.0) -> list[Any]:
+    return await asyncio.gather(
+        handshake.initiate(client, client_id, client_token, {"lane": "c"}, timeout),
+        handshake.accept(server, "server-1", TOKEN, lambda binding: {"lane": "s",
+                                                                     "bound": binding},
+                         timeout),
+        return_exceptions=True)
+
+
+async def test_a_handshake_exchanges_ids_caps_and_one_binding(
+        pair: tuple[Connection, Connection]) -> None:
+    client, server = pair
+    assert await shake(client, server) == [None, None]
+    assert (client.peer, server.peer) == ("server-1", "client-1")
+    assert server.peer_caps == {"lane": "c"}
+    # the server's caps were made for this connection: both nonces, the same on both ends
+    assert client.peer_caps == {"lane": "s", "bound": client.binding}
+    assert client.binding == server.binding and len(client.binding) > 16
+
+
+async def test_a_wrong_token_is_refused_on_both_sides(
+        pair: tuple[Connection, Connection]) -> None:
+    client, server = pair
+    got = await shake(client, server, client_token=b"a guess")
+    assert isinstance(got[0], AuthError) and isinstance(got[1], AuthError)
+    assert client.peer_caps == {} and server.peer_caps == {}  # nothing learned either way
+
+
+async def test_the_client_proves_first(pair: tuple[Connection, Connection]) -> None:
+    """A client that has proved nothing gets a challenge with nothing in it that helps
+    guess the token: no proof, no capabilities; a bad proof gets a refusal, not one."""
+    client, server = pair
+    accepting = asyncio.ensure_future(handshake.accept(server, "server-1", TOKEN,
+                                                       {"secret": "caps"}, 10))
+    await client.send_now(Kind.HELLO, {"id": "guesser", "nonce": _auth.new_nonce()})
+    challenge = await client.recv_frame(Kind.CHALLENGE)
+    assert set(challenge) == {"id", "nonce"}
+    await client.send_now(Kind.AUTH, {"proof": b"\0" * 32})
+    with pytest.raises(AuthError):  # the refusal: an ERROR frame, never a WELCOME
+        await client.recv_frame(Kind.WELCOME)
+    with pytest.raises(AuthError):
+        await accepting
+
+
+@pytest.mark.parametrize("peer_id", ["rank 0 joined\nforged", "", "x" * 65, "é"])
+async def test_a_malformed_peer_id_is_refused_with_the_reason(
+        pair: tuple[Connection, Connection], peer_id: str) -> None:
+    client, server = pair
+    got = await shake(client, server, client_id=peer_id)
+    assert isinstance(got[1], ProtocolError) and "malformed peer id" in str(got[1])
+    assert isinstance(got[0], ProtocolError)  # told why, not left waiting
+    assert "\n" not in str(got[0]) and "\n" not in str(got[1])  # escaped
+
+
+async def test_a_silent_peer_times_the_handshake_out(
+        pair: tuple[Connection, Connection]) -> None:
+    _, server = pair
+    with pytest.raises(TimeoutError, match="handshake timed out"):
+        await handshake.accept(server, "server-1", TOKEN, {}, 0.2)
+
+
+async def test_after_the_handshake_notifications_arrive_in_order_and_close_is_clean(
+        pair: tuple[Connection, Connection]) -> None:
+    client, server = pair
+    assert await shake(client, server) == [None, None]
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+    closed: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    async def on_notify(conn: Connection, payload: bytes) -> None:
+        await got.put(payload)
+
+    server.on_notify = on_notify
+    server.on_closed = lambda conn, exc: closed.done() or closed.set_result(exc)
+    client.start()
+    server.start()
+    for n in range(50):
+        await client.notify(n.to_bytes(2, "little") * (n + 1), timeout=10)
+    for n in range(50):
+        assert await asyncio.wait_for(got.get(), 10) == n.to_bytes(2, "little") * (n + 1)
+    await client.aclose()  # says BYE: the server sees a clean close, not a failure
+    assert await asyncio.wait_for(closed, 10) is None
+    assert server.broken is not None
+
+
+async def test_an_aborted_peer_is_a_failure_for_the_other_side(
+        pair: tuple[Connection, Connection]) -> None:
+    client, server = pair
+    assert await shake(client, server) == [None, None]
+    closed: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    server.on_closed = lambda conn, exc: closed.done() or closed.set_result(exc)
+    client.start()
+    server.start()
+    client.abort()  # no BYE: the socket just ends
+    exc = await asyncio.wait_for(closed, 10)
+    assert exc is not None  # a broken connection, reported as one
