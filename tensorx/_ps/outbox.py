@@ -12,11 +12,13 @@ arena. When an update is due while answers still read the arena, :meth:`Outbox.m
 first moves the parameters to another arena (one copy, then the optimizer's parameters
 point there: :meth:`ShardState.move_params`) and the update goes there; the old arena stays
 exactly as it was until its last answer is done, and then it is the next spare. While no
-answer is in flight (the common case) nothing is copied. Each worker has at most one answer
-in flight, so at most ``num_workers - 1`` old arenas are ever held; ``limit`` bounds them
-further, and an update that finds the limit reached waits for the oldest answers, each
-bounded by ``send_timeout`` (a worker that misses it is dropped, and its answer's arena is
-released).
+answer is in flight (the common case) nothing is copied, and answers that finish within the
+time the copy would take (timed at each move) are waited for instead: the update pays at
+most a copy's time either way, and memory bandwidth is spent only on a slow answer. Each
+worker has at most one answer in flight, so at most ``num_workers - 1`` old arenas are
+ever held; ``limit`` bounds them further, and an update that finds the limit reached waits
+for the oldest answers, each bounded by ``send_timeout`` (a worker that misses it is
+dropped, and its answer's arena is released).
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tensorx.memregion import MemoryRegion
 
 __all__ = ["Outbox"]
+
+COPY_GUESS = 4e9  # bytes/s a move is assumed to copy at, until one was timed
 
 logger = logging.getLogger("tensorx.ps")
 
@@ -44,6 +49,8 @@ class Outbox:
         self._readers: dict[int, tuple[MemoryRegion, set[asyncio.Task[None]]]] = {}
         self._spares: list[MemoryRegion] = []
         self.moves = 0  # updates that had to move the parameters first
+        self.waited = 0  # updates whose answers in flight finished within a copy's time
+        self._copy_rate = COPY_GUESS  # bytes/s of the last move
         self._told = False
         self._retiring: set[asyncio.Task[None]] = set()
 
@@ -92,6 +99,13 @@ class Outbox:
         self._collect(current)
         if not self.busy(current):
             return
+        # answers about to finish cost less to wait for than a copy: wait as long as the
+        # copy would take (what the update pays either way), then copy if still needed
+        await asyncio.wait(set(self._readers[id(current)][1]), timeout=self._copy_s(state))
+        self._collect(current)
+        if not self.busy(current):
+            self.waited += 1
+            return
         while not self._spares and len(self._held(current)) >= self.limit:
             oldest = next(iter(self._held(current).values()))
             if oldest[1]:
@@ -100,7 +114,9 @@ class Outbox:
                 await asyncio.sleep(0.001)
             self._collect(current)
         spare = self._spares.pop() if self._spares else state.new_arena()
+        t0 = time.perf_counter()
         old = state.move_params(spare)
+        self._copy_rate = state.layout.nbytes / max(time.perf_counter() - t0, 1e-6)
         self._readers.setdefault(id(old), (old, set()))
         self.moves += 1
         if not self._told:
@@ -109,6 +125,10 @@ class Outbox:
                         "due; the update went to a copy of the parameters (%d B) so that "
                         "nobody waits for it (said once; counted in stats['arena_moves'])",
                         self.shard, state.version + 1, state.layout.nbytes)
+
+    def _copy_s(self, state: Any) -> float:
+        """How long moving ``state``'s parameters takes, by the last move (first: a guess)."""
+        return float(state.layout.nbytes) / self._copy_rate
 
     def _held(self, current: MemoryRegion) -> dict[int, tuple[MemoryRegion,
                                                               set[asyncio.Task[None]]]]:
