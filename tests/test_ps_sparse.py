@@ -199,3 +199,19 @@ async def test_async_sparse_training_steps_rows(mode: str) -> None:
     first = float(loss_of(sparse_embedding(), ids, target).detach())
     assert float(loss_of(models[0], ids, target).detach()) < first
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("opt", "make"), [
+    pytest.param(ADAGRAD, sparse_embedding, id="adagrad"),
+    pytest.param(SPARSE_ADAM, two_tower, id="sparse-adam"),
+])
+async def test_sync_sparse_on_a_gpu_server(opt: OptFactory, make: Callable[[], nn.Module]) -> None:
+    """The same, with the shards' arenas, rows and optimizer on a GPU (not run here: no GPU)."""
+    with steps_seen() as seen:
+        models = await train(make, opt, "tcp", device="cuda:0")
+    want = single(make, opt)
+    for g, w in zip(models[0].parameters(), want, strict=True):
+        torch.testing.assert_close(g.detach(), w, rtol=1e-5, atol=1e-6)
+    assert any(sparse for step in seen for _, sparse, _ in step)
