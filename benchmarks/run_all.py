@@ -1,10 +1,11 @@
-"""Everything ``make bench`` runs: PS rounds (both placements) and training throughput.
+"""Everything ``make bench`` runs: PS rounds (both placements), training throughput and the
+sparse-embedding step (:mod:`benchmarks.sparse`).
 
 Writes ``OUT/performance.md`` (machine line, tables, target checks: docs/performance.md
 is pasted from it) and ``OUT/ps_round.png``; every number in it comes
 from this one run.
 
-    python benchmarks/run_all.py                 # about 9 minutes on 2 cores
+    python benchmarks/run_all.py                 # about 12 minutes on 2 cores
     python benchmarks/run_all.py --quick         # fewer blocks, a smoke test
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import ps_round, train_throughput
+from benchmarks import ps_round, sparse, train_throughput
 
 
 def machine() -> str:
@@ -61,14 +62,18 @@ def main(argv: list[str] | None = None) -> None:
     blocks = ["--blocks", "2"] if args.quick else []
     rows = ps_round.main(["--out", str(args.out), *blocks])
     train = train_throughput.main(["--out", str(args.out), *blocks])
+    rows_sparse = sparse.main(["--out", str(args.out), "--blocks", "2"])
     report = "\n".join([
         f"Machine: {machine()}.", "",
         "### One PS round (push all gradients, SGD on the PS, pull all parameters)", "",
         ps_round.table(rows),
         "### Training throughput (one PS, two workers, wide MLP, sync)", "",
         train_throughput.table(train), "",
+        "### Sparse embeddings (one PS, two workers, DLRM-shaped, sync)", "",
+        sparse.table(rows_sparse), "",
         "### Targets", "",
-        *ps_round.targets(rows), *train_throughput.targets(train), ""])
+        *ps_round.targets(rows), *train_throughput.targets(train),
+        *sparse.targets(rows_sparse), ""])
     path = args.out / "performance.md"
     path.write_text(report)
     print(f"\n{report}\nreport saved to {path}; whole run {time.monotonic() - t0:.0f} s")

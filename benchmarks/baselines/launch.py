@@ -2,6 +2,7 @@
 
     SYSTEM: tensorx | tensorpipe | grpc | raw (one PS round)
             train-tensorx | train-rpc (PS training, two workers: --rank)
+            sparse-tensorx | sparse-rpc (DLRM-shaped training, two workers: --rank)
             gpu-tensorx | gpu-tensorpipe (one PS round on --device, --workers workers)
     ROLE:   server | client
 """
@@ -27,6 +28,8 @@ ENTRIES = {  # system: (module, server function, client function)
     "train-rpc": ("training", "rpc_serve", "rpc_client"),
     "gpu-tensorx": ("gpu_ps", "tensorx_serve", "tensorx_client"),
     "gpu-tensorpipe": ("gpu_ps", "rpc_serve", "rpc_client"),
+    "sparse-tensorx": ("sparse_train", "tensorx_serve", "tensorx_client"),
+    "sparse-rpc": ("sparse_train", "rpc_serve", "rpc_client"),
 }
 
 
@@ -34,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("system", choices=sorted(ENTRIES))
     p.add_argument("role", choices=("server", "client"))
-    p.add_argument("--model", choices=[*sorted(common.MODELS), "wide-mlp"], default="resnet50")
+    p.add_argument("--model", default="resnet50",
+                   choices=[*sorted(common.MODELS), "wide-mlp", "dlrm", "dlrm-x10"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="the server's port (client)")
     p.add_argument("--address", default="", help="the server's tensorx address (client)")
