@@ -13,10 +13,12 @@ healthy worker run in this test's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import traceback
+from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,46 @@ async def wait_until_stopped(proc: Any, conn: Connection, bound: float = 120.0) 
     raise AssertionError("the victim never stopped itself")
 
 
+@contextlib.asynccontextmanager
+async def stopped_victim(address: str, transport: str,
+                         verify: bool = False) -> AsyncIterator[tuple[Any, Connection]]:
+    """A worker process (rank 1) that pushed and then stopped itself; resumed and reaped on
+    the way out."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    victim = ctx.Process(target=_victim_main, args=(address, transport, child, verify),
+                         daemon=True)
+    victim.start()
+    try:
+        await wait_until_stopped(victim, parent)
+        yield victim, parent
+    finally:
+        if victim.pid is not None and victim.is_alive():
+            os.kill(victim.pid, signal.SIGCONT)
+            victim.kill()
+        victim.join(10)
+
+
+async def healthy_steps(healthy: Worker, model: nn.Module, bound: float) -> None:
+    """HEALTHY_STEPS steps of rank 0; ``bound`` seconds is a hang detector, not a timing."""
+    async def steps() -> None:
+        for n in range(HEALTHY_STEPS):
+            healthy.zero_grad()
+            backward(model, 100 + n)
+            await healthy.step()
+
+    await asyncio.wait_for(steps(), bound)
+    assert healthy.steps == HEALTHY_STEPS
+
+
+async def resume(victim: Any, parent: Connection) -> tuple[str, str]:
+    """SIGCONT the victim; what it reports once done."""
+    os.kill(victim.pid, signal.SIGCONT)
+    assert await asyncio.to_thread(parent.poll, 120), "victim never finished"
+    kind, outcome = parent.recv()
+    return kind, outcome
+
+
 async def _dropped_within(ps: ParameterServer, bound: float) -> bool:
     """Has rank 1 been dropped (within ``bound`` seconds), leaving rank 0 alone?"""
     for _ in range(int(bound * 20)):
@@ -116,27 +158,13 @@ SLOW_PEER_TRANSPORTS = [t if t == "tcp" else pytest.param("ucx", marks=pytest.ma
 
 @pytest.mark.parametrize("transport", SLOW_PEER_TRANSPORTS)
 async def test_a_stopped_worker_does_not_stall_the_others(transport: str) -> None:
-    ctx = mp.get_context("spawn")
     model = make_model()
     async with ParameterServer(num_workers=2, mode="async", transport=transport,
                                send_timeout=SEND_TIMEOUT) as ps:
         async with Worker(model, ps.address, rank=0, num_workers=2, transport=transport,
                           timeout=60, share_memory=False) as healthy:
-            parent, child = ctx.Pipe()
-            victim = ctx.Process(target=_victim_main, args=(ps.address, transport, child),
-                                 daemon=True)
-            victim.start()
-            try:
-                await wait_until_stopped(victim, parent)
-
-                async def steps() -> None:
-                    for n in range(HEALTHY_STEPS):
-                        healthy.zero_grad()
-                        backward(model, 100 + n)
-                        await healthy.step()
-
-                await asyncio.wait_for(steps(), PROGRESS_BOUND)
-                assert healthy.steps == HEALTHY_STEPS
+            async with stopped_victim(ps.address, transport) as (victim, parent):
+                await healthy_steps(healthy, model, PROGRESS_BOUND)
                 # Its answer either missed send_timeout (then the victim was dropped: its
                 # connection is aborted; what had reached its socket buffers, notification
                 # last, may still be read, else it finds the connection broken) or was
@@ -145,19 +173,12 @@ async def test_a_stopped_worker_does_not_stall_the_others(transport: str) -> Non
                 # (the healthy steps no longer wait for that: the drop may come after them)
                 dropped = await _dropped_within(ps, 30 * SEND_TIMEOUT)
                 assert dropped or transport == "ucx"
-                os.kill(victim.pid, signal.SIGCONT)  # type: ignore[arg-type]
-                assert await asyncio.to_thread(parent.poll, 120), "victim never finished"
-                kind, outcome = parent.recv()
+                kind, outcome = await resume(victim, parent)
                 assert kind == "done", outcome
                 assert outcome in (("pulled", "BrokenError") if dropped else ("pulled",))
                 healthy.zero_grad()
                 backward(model, 999)
                 await healthy.step()
-            finally:
-                if victim.pid is not None and victim.is_alive():
-                    os.kill(victim.pid, signal.SIGCONT)
-                    victim.kill()
-                victim.join(10)
 
 
 @pytest.mark.parametrize(("mode", "staleness"), [("async", 0), ("bounded", 2 * HEALTHY_STEPS)])
@@ -168,41 +189,19 @@ async def test_a_stopped_worker_holds_nobody_up_even_with_no_send_timeout(
     answer waits (before: it waited as long as the victim stayed stopped), and the answer
     the victim finally takes is the whole version it was sent, checksum-verified, although
     the parameters were updated meanwhile (the updates went to a copy of the arena)."""
-    ctx = mp.get_context("spawn")
     model = make_model()
     async with ParameterServer(num_workers=2, mode=mode, staleness=staleness,
                                transport=transport, send_timeout=None) as ps:
         async with Worker(model, ps.address, rank=0, num_workers=2, transport=transport,
                           timeout=60, share_memory=False) as healthy:
-            parent, child = ctx.Pipe()
-            victim = ctx.Process(target=_victim_main,
-                                 args=(ps.address, transport, child, True), daemon=True)
-            victim.start()
-            try:
-                await wait_until_stopped(victim, parent)
+            async with stopped_victim(ps.address, transport, verify=True) as (victim, parent):
                 version = ps.version
-
-                async def steps() -> None:
-                    for n in range(HEALTHY_STEPS):
-                        healthy.zero_grad()
-                        backward(model, 100 + n)
-                        await healthy.step()
-
-                # a hang detector, not a timing: before, this never finished
-                await asyncio.wait_for(steps(), 120)
+                await healthy_steps(healthy, model, 120)  # before: never finished
                 assert ps.version >= version + HEALTHY_STEPS
                 assert [p.rank for p in ps._peers.values()] == [0, 1]  # nobody dropped
                 if transport == "tcp":  # (UCX may complete a put into a stopped process)
                     assert ps.stats["arena_moves"] >= 1
-                os.kill(victim.pid, signal.SIGCONT)  # type: ignore[arg-type]
-                assert await asyncio.to_thread(parent.poll, 120), "victim never finished"
-                kind, outcome = parent.recv()
-                assert (kind, outcome) == ("done", "pulled"), outcome
+                assert await resume(victim, parent) == ("done", "pulled")
                 healthy.zero_grad()
                 backward(model, 999)
                 await healthy.step()
-            finally:
-                if victim.pid is not None and victim.is_alive():
-                    os.kill(victim.pid, signal.SIGCONT)
-                    victim.kill()
-                victim.join(10)

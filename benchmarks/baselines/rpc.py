@@ -34,6 +34,15 @@ def network_only() -> dict[str, list[str]]:
     return {}
 
 
+def init_ps_group(rank: int, host: str, port: int, workers: int, timeout: float) -> None:
+    """Join the PS group: rank 0 is ``ps``, the others ``worker1``..``workerN``."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}",
+                                           rpc_timeout=timeout, **network_only())
+    name = "ps" if rank == 0 else f"worker{rank}"
+    rpc.init_rpc(name, rank=rank, world_size=workers + 1, rpc_backend_options=opts)
+
+
 def _init(name: str, rank: int, host: str, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}",

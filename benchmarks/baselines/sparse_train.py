@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -32,7 +31,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from benchmarks.baselines import common
-from benchmarks.baselines.rpc import network_only
+from benchmarks.baselines.rpc import init_ps_group
 
 WORKERS = 2
 BATCH = 256
@@ -178,11 +177,7 @@ def push_pull(dense: list[torch.Tensor], ids: list[torch.Tensor],
 
 
 def _init_rpc(rank: int, host: str, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}",
-                                           rpc_timeout=TIMEOUT, **network_only())
-    name = "ps" if rank == 0 else f"worker{rank}"
-    rpc.init_rpc(name, rank=rank, world_size=WORKERS + 1, rpc_backend_options=opts)
+    init_ps_group(rank, host, port, WORKERS, TIMEOUT)
 
 
 def rpc_serve(args: argparse.Namespace) -> None:
