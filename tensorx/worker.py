@@ -122,6 +122,7 @@ class Worker:
         self._bucket_bytes = bucket_bytes
         self.share_memory = share_memory
         self._shared: SharedArenas | None = None
+        self._dense_cache: dict[int, list[tuple[int, int]]] = {}
         self._pusher: BucketPusher | None = None
         self._sparse: SparseSender | None = None
         self._inbox: list[asyncio.Queue[dict[str, Any]]] = []
@@ -206,6 +207,8 @@ class Worker:
             self._accept_params(s, w)
         assert self._shared is not None
         self.binding = self._shared.map(self.binding, welcomes, self.node)
+        if self._sparse is not None:
+            self._sparse.rebind(self.binding)
         logger.info("worker rank %d/%d joined %d shard(s), mode=%s, version=%s", self.rank,
                     self.num_workers, self.num_shards, self.mode, self.version)
 
@@ -393,9 +396,13 @@ class Worker:
         self.steps += 1
 
     def zero_grad(self) -> None:
-        """Zero the gradient arenas in place (keeps ``param.grad`` bound to them)."""
+        """Zero the gradient arenas in place (keeps ``param.grad`` bound to them); not the
+        parts of sparse tables, whose gradients are rows outside the arenas (an arena of
+        large tables would otherwise be cleared whole at every step)."""
         for s in range(self.num_shards):
-            self._region(s, "grads").view(torch.uint8).zero_()
+            grads = self._region(s, "grads").view(torch.uint8)
+            for start, end in self._dense_ranges(s):
+                grads[start:end].zero_()
         if self._pusher is not None:
             self._pusher.reset()
         for p in self.model.parameters():
@@ -403,9 +410,31 @@ class Worker:
                 p.grad = None  # sparse gradients live outside the arenas; start afresh
 
     # -- helpers --------------------------------------------------------------------------
+    def _dense_ranges(self, shard: int) -> list[tuple[int, int]]:
+        """Byte ranges of ``shard``'s gradient arena that autograd may write: all of it but
+        the sparse tables on the dynamic path (cached per shard)."""
+        cached = self._dense_cache.get(shard)
+        if cached is not None:
+            return cached
+        size = self.plan.arena_bytes(shard)
+        skip = sorted((e.offset, e.offset + e.nbytes) for e in self.plan.entries
+                      if self._sparse is not None and e.kind == "dynamic"
+                      and e.shard == shard)  # the grads arena has the params' layout
+        ranges, at = [], 0
+        for start, end in skip:
+            if start > at:
+                ranges.append((at, start))
+            at = max(at, end)
+        if at < size:
+            ranges.append((at, size))
+        self._dense_cache[shard] = ranges
+        return ranges
+
     def _unmap(self) -> None:
         if self._shared is not None and self.binding is not None:
             self.binding = self._shared.unmap(self.binding)
+            if self._sparse is not None:
+                self._sparse.rebind(self.binding)
             if self._pusher is not None:
                 self._pusher.reset()
 

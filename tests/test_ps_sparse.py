@@ -96,17 +96,20 @@ def steps_seen() -> Iterator[list[list[tuple[tuple[int, ...], bool, torch.Tensor
 
 
 async def train(make: Callable[[], nn.Module], opt: OptFactory, lane: str, num_shards: int = 2,
-                mode: str = "sync", **kw: Any) -> list[nn.Module]:
+                mode: str = "sync", share_memory: bool = False,
+                mapped: list[list[bool]] | None = None, **kw: Any) -> list[nn.Module]:
     models = [make(), make()]
     transport = node_transport(lane)
     async with servers(num_shards, 2, transport, mode=mode, optimizer=opt, **kw) as shards, \
-            workers(models, [ps.address for ps in shards], transport, share_memory=False,
-                    timeout=60) as ws:
+            workers(models, [ps.address for ps in shards], transport,
+                    share_memory=share_memory, timeout=60) as ws:
         for ids, target in data():
             for r, (w, m) in enumerate(zip(ws, models, strict=True)):
                 w.zero_grad()
                 loss_of(m, half(ids, r), half(target, r)).backward()
             await asyncio.gather(*(w.step() for w in ws))
+        if mapped is not None:
+            mapped += [w.mapped for w in ws]
     return models
 
 
@@ -142,6 +145,29 @@ async def test_sync_sparse_equals_single_process(opt: OptFactory, make: Callable
     assert len(rows) == STEPS  # one sparse step of this table per update
     for got_ids, (ids, _) in zip(rows, data(), strict=True):
         assert torch.equal(got_ids, torch.unique(ids % emb.num_embeddings))
+
+
+@pytest.mark.parametrize(("opt", "make"), [
+    pytest.param(SGD, sparse_embedding, id="sgd"),
+    pytest.param(ADAGRAD, sparse_embedding, id="adagrad"),
+    pytest.param(SPARSE_ADAM, two_tower, id="sparse-adam"),
+])
+async def test_sync_sparse_mapped_on_one_host_equals_single_process(
+        opt: OptFactory, make: Callable[[], nn.Module]) -> None:
+    """Same host, share_memory on (the default): the workers map the shard's arenas, tables
+    included, so the server's row updates are in the workers' tables with nothing written
+    back; the rows still travel to the server. Before, a plan with sparse tables was
+    refused the mapping (and every step wrote every whole table back)."""
+    mapped: list[list[bool]] = []
+    with steps_seen() as seen:
+        models = await train(make, opt, "tcp", num_shards=1, share_memory=True, mapped=mapped)
+    assert mapped == [[True], [True]]
+    want = single(make, opt)
+    for got in models:
+        for g, w in zip(got.parameters(), want, strict=True):
+            torch.testing.assert_close(g.detach(), w, rtol=1e-5, atol=1e-6)
+    emb = next(m for m in make().modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag))
+    assert len(table_rows(seen, tuple(emb.weight.shape))) == STEPS
 
 
 @pytest.mark.parametrize("flat", [None, False], ids=["flat-auto", "per-tensor"])

@@ -32,8 +32,6 @@ def plan_obstacle(plan: Any, device: str) -> str:
     """Why this plan on this device cannot be mapped at all; "" when it can."""
     if device != "cpu":
         return f"the model is on {device} (only host memory is mapped)"
-    if plan.dynamic_entries:
-        return "the plan has sparse (dynamic) gradients"
     buffers = [e.name for e in plan.entries if e.role != "param"]
     if buffers:
         return (f"the plan carries buffers ({buffers[0]}, ...) that every worker's forward "

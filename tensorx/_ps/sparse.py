@@ -39,6 +39,12 @@ class SparseSender:
         self._params = dict(model.named_parameters())
         self._exported: dict[str, int] = {}  # name -> region id we last announced
 
+    def rebind(self, binding: Any) -> None:
+        """The model was bound anew (arenas mapped or unmapped): stage into the new
+        binding's regions, and announce them."""
+        self.binding = binding
+        self._exported.clear()
+
     def forget_exports(self) -> None:
         """A new server knows none of our staging regions: announce them all again."""
         self._exported.clear()
