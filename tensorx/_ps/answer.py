@@ -14,10 +14,14 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from tensorx._ps.changed import runs
 from tensorx.endpoint import Endpoint
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
 __all__ = ["Peer", "apply_in_parts", "last_part", "send_params"]
+
+
+GAP_BYTES = 4096  # unchanged table bytes worth resending to save an op (see changed.runs)
 
 
 @dataclass
@@ -28,6 +32,7 @@ class Peer:
     ep: Endpoint
     params: RegionDescriptor
     step: int = 0
+    held: int = -1  # the version its latest push says its arena holds (-1: unknown)
     offered: bool = False  # we offered it our arenas in /dev/shm
     mapped: bool = False   # it said it mapped them: its arena is ours, nothing to write
 
@@ -48,10 +53,19 @@ async def apply_in_parts(state: Any, ranks: list[int], copies: list[Peer],
             raise
         if k == last:
             break
-        off, nbytes = state.part_bytes(k)
+        table = state.part_table(k)
         for peer in copies:
-            sending[peer.rank].append(asyncio.ensure_future(peer.ep.write(
-                state.params_region, peer.params, off, off, nbytes, timeout=timeout)))
+            changed = None if table is None else \
+                state.changed.since(peer.held, state.version, current=True)
+            if changed is None:
+                off, nbytes = state.part_bytes(k)
+                ops = [(state.params_region, peer.params, off, off, nbytes)]
+            else:  # a sparse table: the rows changed since the version the worker holds
+                ops = table_ops(state, state.params_region, peer.params, table,
+                                changed.get(table))
+            if ops:
+                sending[peer.rank].append(asyncio.ensure_future(
+                    peer.ep.write_many(ops, timeout=timeout)))
     state.finish_update()
     return sending
 
@@ -61,16 +75,49 @@ def last_part(state: Any) -> tuple[int, int]:
     return state.part_bytes(state.num_parts - 1)  # type: ignore[no-any-return]
 
 
+def table_ops(state: Any, region: MemoryRegion, desc: RegionDescriptor, table: int,
+              ids: Any) -> list[tuple[Any, ...]]:
+    """Writes of sparse table ``table``'s rows ``ids`` (sorted unique row ids; None: none
+    changed), in runs (see :func:`tensorx._ps.changed.runs`)."""
+    if ids is None or not ids.numel():
+        return []
+    off, nbytes = state.rows.span(table)
+    row_bytes = nbytes // max(1, state.params[table].shape[0])
+    return [(region, desc, off + first * row_bytes, off + first * row_bytes,
+             count * row_bytes) for first, count in runs(ids, row_bytes, GAP_BYTES)]
+
+
+def delta_ops(state: Any, region: MemoryRegion, desc: RegionDescriptor,
+              changed: dict[int, Any]) -> list[tuple[Any, ...]]:
+    """Writes of what differs between the worker's version and ``region``'s: every byte
+    outside the sparse tables, and of each table the rows in ``changed``."""
+    ops: list[tuple[Any, ...]] = []
+    at = 0
+    for off, nbytes, table in sorted((*state.rows.span(i), i) for i in state.rows):
+        if off > at:
+            ops.append((region, desc, at, at, off - at))
+        ops += table_ops(state, region, desc, table, changed.get(table))
+        at = max(at, off + nbytes)
+    if at < state.layout.nbytes:
+        ops.append((region, desc, at, at, state.layout.nbytes - at))
+    return ops
+
+
 async def send_params(region: MemoryRegion, peer: Peer, msg: bytes,
                       sent: list[asyncio.Future[None]] | None, last: tuple[int, int],
-                      timeout: float | None) -> None:
+                      timeout: float | None, changed: dict[int, Any] | None = None,
+                      state: Any = None) -> None:
     """The new parameters in ``region`` (or, after :func:`apply_in_parts`, their ``last``
     part; nothing for a mapped worker) with ``msg`` as the notification, ordered after every
-    part sent before. Raises the first error of any of the writes."""
+    part sent before. ``changed`` (with ``state``): the worker holds a recent version and
+    needs, of the sparse tables, only these rows (see :mod:`tensorx._ps.changed`). Raises
+    the first error of any of the writes."""
     ops: list[tuple[Any, ...]] = []
     if sent is not None:
         off, nbytes = last
         ops = [(region, peer.params, off, off, nbytes)]
+    elif not peer.mapped and changed is not None and state is not None:
+        ops = delta_ops(state, region, peer.params, changed)
     elif not peer.mapped:
         ops = [(region, peer.params)]
     results = await asyncio.gather(peer.ep.write_many(ops, notify=msg, timeout=timeout),

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tensorx._ps import checkpoint, parts
+from tensorx._ps.changed import ChangedRows, row_local
 from tensorx._ps.checksum import checksum
 from tensorx._ps.device import fence, is_cuda
 from tensorx._ps.flat import FlatUpdate, elementwise
@@ -145,6 +146,7 @@ class ShardState:
         self._acc_region = MemoryRegion.allocate(layout.nbytes, device=device)
         self.views = views(layout, self.params_region)  # one per plan entry, for checkpoints
         self.rows = SparseRows(layout.param_specs(), device)
+        self.changed = ChangedRows(list(self.rows))  # rows each update changed (answers)
         dtype = _single_dtype(layout) if flat and not self.rows else None
         if flat and dtype is None and layout.slots:
             logger.warning("flat=True needs one dtype in the arena and no sparse table; "
@@ -257,6 +259,10 @@ class ShardState:
             return len(self.rows) + len(self.fast.ranges)
         return len(self.params) if self.flat else 1
 
+    def part_table(self, k: int) -> int | None:
+        """The sparse table part ``k`` is (its index among the parameters), if it is one."""
+        return self._tables[k] if self.fast is not None and k < len(self.rows) else None
+
     def part_bytes(self, k: int) -> tuple[int, int]:
         """(offset, nbytes) of part ``k`` in the arena."""
         if self.fast is not None:
@@ -365,6 +371,7 @@ class ShardState:
         self.rows.ungather()
         self.version += 1
         self._checksum = None
+        self.changed.finished(self.version)
 
     def _reset_grads(self) -> None:
         """Dense parameters' ``.grad``: the accumulator; sparse tables': none."""
@@ -404,13 +411,17 @@ class ShardState:
             with no_invariant_checks():
                 self.optimizer.step()
         except Exception as exc:
+            self.changed.forget()
             raise OptimizerError(self._failure(exc)) from exc
+        self.changed.stepped(self.params, row_local(self.optimizer,
+                                                    [self.params[i] for i in self.rows]))
 
     def _fast_step(self, grads: list[torch.Tensor | None]) -> None:
         assert self.fast is not None
         try:
             self.fast.step(grads)
         except Exception as exc:
+            self.changed.forget()
             raise OptimizerError(self._failure(exc)) from exc
 
     def _failure(self, exc: Exception) -> str:
@@ -462,6 +473,7 @@ class ShardState:
         return {s.label: s.numel for s in self.layout.param_specs()}
 
     def load_params(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.changed.forget()
         with torch.no_grad():
             for slot, view in zip(self.layout.slots, self.views, strict=True):
                 view.copy_(tensors[slot.key].reshape(-1))
@@ -486,6 +498,7 @@ class ShardState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.changed.forget()
         if state.get("fingerprint") != self.layout.fingerprint:
             raise UsageError("checkpoint was taken for a different plan")
         if bool(state.get("flat")) != self.flat:

@@ -31,6 +31,7 @@ class Steps(ShardCore):
         self.sharing.check_mapped(peer, msg["mapped"])
         self.optim.pushed(peer.rank, msg["hyper"], self.state)
         peer.step = msg["step"]
+        peer.held = msg["version"]
         self.stats["pushes"] += 1
         lag = self.state.version - msg["version"]
         self.stats["max_version_lag"] = max(self.stats["max_version_lag"], lag)
@@ -147,11 +148,16 @@ class Steps(ShardCore):
         msg = protocol.encode("params", version=self.state.version, step=peer.step,
                               checksum=self.state.checksum(),
                               hyper=self.optim.answer(peer.ep, self.state))
-        region, last = self.state.params_region, last_part(self.state)
+        state = self.state
+        region, last = state.params_region, last_part(state)
+        # a worker that holds a recent version gets, of the sparse tables, the changed rows
+        changed = None if peer.mapped or not state.rows else \
+            state.changed.since(peer.held, state.version)
 
         async def send() -> None:
             try:
-                await send_params(region, peer, msg, sent, last, self.send_timeout)
+                await send_params(region, peer, msg, sent, last, self.send_timeout,
+                                  changed, state)
             except TensorxError as exc:
                 if self._peers.get(peer.ep) is peer:  # else it has left already
                     self._drop(peer, "", exc)

@@ -1,0 +1,135 @@
+"""The pull of a sparse model moves rows (issue 17, item 1): a worker that holds a recent
+version is written the dense bytes and only the table rows that changed since, straight into
+its arena, over the transport (``share_memory=False``). Every answer is checked whole on the
+worker (``verify=True``: a checksum of the shard's arena), so a stale row fails the step."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tensorx.ps import ParameterServer
+
+from .conftest import lanes, node_transport
+from .test_ps_train import servers, workers
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ROWS, DIM, BATCH, STEPS = 20_000, 16, 16, 6
+SGD = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+MOMENTUM = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+ADAGRAD = lambda p: torch.optim.Adagrad(p, lr=0.1)  # noqa: E731
+
+
+class Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM, sparse=True)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))  # type: ignore[no-any-return]
+
+
+def make() -> nn.Module:
+    torch.manual_seed(0)
+    return Tables()
+
+
+def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step, both ranks' batches; ids skewed to the low rows, as recommendation traffic."""
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(STEPS):
+        ids = (torch.rand(2 * BATCH, 4, generator=gen) ** 4 * ROWS).long()
+        out.append((ids, torch.rand(2 * BATCH, 1, generator=gen)))
+    return out
+
+
+def loss(model: nn.Module, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(ids), target)
+
+
+def single(opt: Callable[..., torch.optim.Optimizer]) -> list[torch.Tensor]:
+    model = make()
+    optimizer = opt(list(model.parameters()))
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        for ids, target in data():
+            optimizer.zero_grad()
+            loss(model, ids, target).backward()
+            optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def written(ps: ParameterServer) -> int:
+    return sum(ep.stats.nbytes["write"] for ep in ps.node.endpoints)
+
+
+async def train(opt: Callable[..., torch.optim.Optimizer], lane: str
+                ) -> tuple[list[nn.Module], float, int]:
+    """Sync, 2 workers, one shard; the bytes the shard wrote per answer after the first
+    step, and its arena's size."""
+    models = [make(), make()]
+    transport = node_transport(lane)
+    async with servers(1, 2, transport, mode="sync", optimizer=opt) as (ps,), \
+            workers(models, [ps.address], transport, share_memory=False, verify=True,
+                    timeout=60) as ws:
+        before = 0
+        for n, (ids, target) in enumerate(data()):
+            for r, (w, m) in enumerate(zip(ws, models, strict=True)):
+                w.zero_grad()
+                loss(m, ids[r * BATCH:(r + 1) * BATCH],
+                     target[r * BATCH:(r + 1) * BATCH]).backward()
+            await asyncio.gather(*(w.step() for w in ws))
+            if n == 0:
+                before = written(ps)
+        assert ps.state is not None
+        per_answer = (written(ps) - before) / (2 * (STEPS - 1))
+        return models, per_answer, ps.state.layout.nbytes
+
+
+@pytest.mark.parametrize("lane", lanes())
+@pytest.mark.parametrize("opt", [SGD, ADAGRAD], ids=["sgd", "adagrad"])
+async def test_a_step_writes_the_changed_rows_and_equals_one_process(
+        opt: Any, lane: str) -> None:
+    models, per_answer, arena = await train(opt, lane)
+    want = single(opt)
+    for m in models:
+        for g, w in zip(m.parameters(), want, strict=True):
+            torch.testing.assert_close(g.detach(), w, rtol=1e-5, atol=1e-6)
+    # the table is 1.28 MB; a step touches at most 2 x 64 rows (mostly low ones)
+    assert per_answer < arena / 4, (per_answer, arena)
+
+
+async def test_an_optimizer_that_changes_other_rows_gets_whole_tables() -> None:
+    """SGD with momentum keeps moving rows a step did not touch: the answers stay whole."""
+    models, per_answer, arena = await train(MOMENTUM, "tcp")
+    want = single(MOMENTUM)
+    for m in models:
+        for g, w in zip(m.parameters(), want, strict=True):
+            torch.testing.assert_close(g.detach(), w, rtol=1e-5, atol=1e-6)
+    assert per_answer >= arena
+
+
+@pytest.mark.parametrize("mode", ["async", "bounded"])
+async def test_workers_several_versions_behind_get_every_row_since(mode: str) -> None:
+    """Async: a worker's answer covers the rows every update since its version changed
+    (other workers' included); each one passes the whole-arena checksum."""
+    models = [make(), make(), make()]
+    async with servers(1, 3, "tcp", mode=mode, staleness=4, optimizer=SGD) as (ps,), \
+            workers(models, [ps.address], "tcp", share_memory=False, verify=True,
+                    timeout=60) as ws:
+        async def run(r: int) -> None:
+            for ids, target in data():
+                ws[r].zero_grad()
+                loss(models[r], ids[r::3], target[r::3]).backward()
+                await ws[r].step()
+                await asyncio.sleep(0.001 * r)  # uneven paces: versions in between
+
+        await asyncio.gather(*(run(r) for r in range(3)))
+        assert ps.stats["max_version_lag"] >= 1
