@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from tensorx._ps import answer
+from tensorx._ps.changed import runs
 from tensorx.ps import ParameterServer
 
 from .conftest import lanes, node_transport
@@ -96,7 +98,8 @@ async def train(opt: Callable[..., torch.optim.Optimizer], lane: str
 @pytest.mark.parametrize("lane", lanes())
 @pytest.mark.parametrize("opt", [SGD, ADAGRAD], ids=["sgd", "adagrad"])
 async def test_a_step_writes_the_changed_rows_and_equals_one_process(
-        opt: Any, lane: str) -> None:
+        opt: Any, lane: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(answer, "GAP_BYTES", 0)  # runs of changed rows only (no filler)
     models, per_answer, arena = await train(opt, lane)
     want = single(opt)
     for m in models:
@@ -133,3 +136,11 @@ async def test_workers_several_versions_behind_get_every_row_since(mode: str) ->
 
         await asyncio.gather(*(run(r) for r in range(3)))
         assert ps.stats["max_version_lag"] >= 1
+
+
+def test_runs_cover_the_ids_and_bridge_only_small_gaps() -> None:
+    ids = torch.tensor([0, 1, 2, 5, 6, 40, 1000])
+    assert runs(ids, row_bytes=64, gap_bytes=0) == [(0, 3), (5, 2), (40, 1), (1000, 1)]
+    assert runs(ids, row_bytes=64, gap_bytes=64 * 3) == [(0, 7), (40, 1), (1000, 1)]
+    assert runs(ids, row_bytes=64, gap_bytes=64 * 1000) == [(0, 1001)]
+    assert runs(torch.tensor([], dtype=torch.int64), 64, 4096) == []

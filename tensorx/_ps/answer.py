@@ -21,7 +21,7 @@ from tensorx.memregion import MemoryRegion, RegionDescriptor
 __all__ = ["Peer", "apply_in_parts", "last_part", "send_params"]
 
 
-GAP_BYTES = 4096  # unchanged table bytes worth resending to save an op (see changed.runs)
+GAP_BYTES = 64 << 10  # unchanged table bytes worth resending to save an op (changed.runs)
 
 
 @dataclass
@@ -44,30 +44,43 @@ async def apply_in_parts(state: Any, ranks: list[int], copies: list[Peer],
     notification. Returns the writes in flight, by rank."""
     sending: dict[int, list[asyncio.Future[None]]] = {p.rank: [] for p in copies}
     last = state.num_parts - 1
-    for k in range(last + 1):
+    # the sparse tables (the first parts, if any) are stepped together: one thread hop
+    tables = [k for k in range(last) if state.part_table(k) is not None]
+    groups = [tables] if tables else []
+    groups += [[k] for k in range(len(tables), last + 1)]
+    for group in groups:
         try:
-            await asyncio.to_thread(state.apply_part, ranks, k)
+            await asyncio.to_thread(_apply_parts, state, ranks, group)
         except BaseException:  # the parts on their way are waited for, their errors dropped
             await asyncio.gather(*(f for fs in sending.values() for f in fs),
                                  return_exceptions=True)
             raise
-        if k == last:
+        if group[-1] == last:
             break
-        table = state.part_table(k)
         for peer in copies:
-            changed = None if table is None else \
-                state.changed.since(peer.held, state.version, current=True)
-            if changed is None:
-                off, nbytes = state.part_bytes(k)
-                ops = [(state.params_region, peer.params, off, off, nbytes)]
-            else:  # a sparse table: the rows changed since the version the worker holds
-                ops = table_ops(state, state.params_region, peer.params, table,
-                                changed.get(table))
+            ops = []
+            changed = state.changed.since(peer.held, state.version, current=True) \
+                if group is tables else None
+            for k in group:
+                table = state.part_table(k)
+                if changed is None or table is None:
+                    off, nbytes = state.part_bytes(k)
+                    ops.append((state.params_region, peer.params, off, off, nbytes))
+                else:  # a sparse table: the rows changed since the worker's version
+                    ops += table_ops(state, state.params_region, peer.params, table,
+                                     changed.get(table))
             if ops:
                 sending[peer.rank].append(asyncio.ensure_future(
                     peer.ep.write_many(ops, timeout=timeout)))
     state.finish_update()
     return sending
+
+
+def _apply_parts(state: Any, ranks: list[int], parts: list[int]) -> None:
+    if len(parts) > 1:
+        state.apply_tables(ranks, parts)
+    else:
+        state.apply_part(ranks, parts[0])
 
 
 def last_part(state: Any) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from tensorx._ps import checkpoint, parts
 from tensorx._ps.changed import ChangedRows, row_local
 from tensorx._ps.checksum import checksum
 from tensorx._ps.device import fence, is_cuda
+from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
 from tensorx._ps.flat import FlatUpdate, elementwise
 from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs, step_failure
 from tensorx._ps.rows import Rows, SparseRows, no_invariant_checks
@@ -29,14 +30,14 @@ from tensorx._ps.sparse import dynamic_path_ok
 from tensorx.errors import OptimizerError, RegionError, UsageError
 from tensorx.memregion import MemoryRegion
 
-__all__ = ["OptimizerFactory", "SchedulerFactory", "ShardLayout", "ShardState", "checksum"]
+__all__ = ["CHECKPOINT_FORMAT", "OptimizerFactory", "SchedulerFactory", "ShardLayout",
+           "ShardState", "checksum", "load_checkpoint", "read_checkpoint", "to_cpu"]
 
 logger = logging.getLogger(__name__)
 
 # factory(params) or factory(named_params=[(name, param), ...]): see tensorx._ps.optim
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-CHECKPOINT_FORMAT = 2  # 2: optimizer state over the model's parameters, in model order
 
 
 @dataclass(frozen=True)
@@ -361,6 +362,14 @@ class ShardState:
         # thread, on its current stream) must be done; an event, not a device-wide sync
         fence(self.device)
 
+    def apply_tables(self, ranks: list[int], parts: list[int]) -> None:
+        """The update of the sparse-table parts ``parts`` (see :meth:`part_table`) in one
+        optimizer step: the same as :meth:`apply_part` of each, with one pass over the
+        optimizer's parameters instead of one per table."""
+        tables = [self._tables[k] for k in parts]
+        self._step_tables(ranks, tables)
+        fence(self.device)
+
     def finish_update(self) -> None:
         """After the last part: step the schedule, count the version."""
         if self.fast is None:  # the flat update leaves the parameters' .grad as it is
@@ -564,43 +573,6 @@ def _allocate(nbytes: int, count: int, shared: bool, where: str = "cpu") -> list
                 region.close()
             logger.warning("shard arenas in private memory (workers cannot map them): %s", exc)
     return [MemoryRegion.allocate(nbytes) for _ in range(count)]
-
-
-def to_cpu(value: Any) -> Any:
-    """``value`` (an optimizer ``state_dict``, nested dicts and lists) with every tensor
-    copied to host: checkpoints hold CPU tensors whatever the server's device."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True) if value.is_cuda else value
-    if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_cpu(v) for v in value]
-    if type(value) is tuple:
-        return tuple(to_cpu(v) for v in value)
-    return value
-
-
-def read_checkpoint(path: Path) -> Any:
-    """One checkpoint file's contents (tensors and literals only: no pickle); UsageError for
-    a readable file this version cannot resume (an older format)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
-        return state  # not ours at all: reported as damaged
-    if state.get("format") == 1:
-        raise UsageError(
-            f"{path} was written by an older tensorx (checkpoint format 1): its plan chunks "
-            "tensors differently and its optimizer state is per plan entry, so this version "
-            "cannot resume it. Finish that run with the tensorx that wrote it, or start "
-            "without the checkpoint")
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(f"{path}: unknown checkpoint format {state.get('format')!r}")
-    return state
-
-
-def load_checkpoint(path: Path, keep: int = checkpoint.KEEP) -> dict[str, Any] | None:
-    """The newest usable checkpoint at ``path`` or an older generation (None: none exists);
-    UsageError when each one there is damaged or another user could have planted it."""
-    return checkpoint.load(path, read_checkpoint, keep)
 
 
 checkpoint_path = checkpoint.path_for
