@@ -4,6 +4,9 @@ adopted only once its state is built and its worker admitted."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -13,7 +16,10 @@ from torch import nn
 from tensorx import GraphAnalyzer, MemoryRegion, Node
 from tensorx._ps import protocol
 from tensorx.errors import RankTakenError
+from tensorx.memregion import ExportTable
 from tensorx.ps import ParameterServer
+from tensorx.transport import handshake
+from tensorx.transport.tcp import Connection
 from tensorx.worker import Worker
 
 from .conftest import transports
@@ -136,3 +142,53 @@ async def test_a_worker_of_another_model_that_leaves_does_not_lock_the_plan(
                 await stranger.start()
         await honest_pair(ps.address, transport)
         assert ps.stats["updates"] == 3
+
+
+async def test_building_a_large_state_does_not_starve_other_handshakes() -> None:
+    """The first hello builds the shard's state (arenas, the optimizer: seconds for a large
+    model on a busy host). Before, that ran on the server's loop, and a peer whose handshake
+    was under way meanwhile missed its deadline and was refused (seen with a DLRM-sized
+    model under load). Here a peer handshakes (from another thread's loop) while the build
+    runs, and is served before the build is over."""
+    building, built = threading.Event(), threading.Event()
+
+    def slow_optimizer(params: Any) -> torch.optim.Optimizer:
+        building.set()
+        time.sleep(1.5)  # a large state being built (a thread now; before: the loop)
+        built.set()
+        return torch.optim.SGD(params, lr=0.1)
+
+    async with ParameterServer(num_workers=2, mode="sync", transport="tcp",
+                               optimizer=slow_optimizer,
+                               node_options={"handshake_timeout": 5}) as ps:
+        host, port = ps.address.removeprefix("tcp://").rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        sock.setblocking(False)
+        outcome: list[BaseException | None] = []
+
+        def late_peer() -> None:
+            async def run() -> None:
+                building.wait(30)  # the server is building now
+                conn = Connection(sock, ExportTable("late"), "late")
+                try:
+                    await handshake.initiate(conn, "late-peer", ps.node._token, {}, 10)
+                    # served while the build still ran (before: only once it was over)
+                    assert not built.is_set(), "the handshake waited for the build"
+                finally:
+                    await conn.aclose()
+            try:
+                asyncio.run(run())
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=late_peer)
+        thread.start()
+        model = make_model()
+        worker = Worker(model, ps.address, rank=0, num_workers=2, transport="tcp")
+        joining = asyncio.ensure_future(worker.start())  # waits for rank 1: never comes
+        await asyncio.to_thread(thread.join, 60)
+        joining.cancel()
+        await asyncio.gather(joining, return_exceptions=True)
+        await worker.aclose()
+        assert outcome == [None], outcome

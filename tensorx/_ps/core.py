@@ -101,6 +101,9 @@ class ShardCore(abc.ABC):
     def _adopt_plan(self, plan_bytes: bytes) -> TransferPlan: ...
 
     @abc.abstractmethod
+    async def _adopt_plan_async(self, plan_bytes: bytes) -> TransferPlan: ...
+
+    @abc.abstractmethod
     def _release_plan_if_idle(self) -> None: ...
 
     # -- offered by service.ServiceLoop ---------------------------------------------------

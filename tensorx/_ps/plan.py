@@ -3,6 +3,7 @@ a checkpoint, released when every worker leaves before the first update."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,23 @@ class PlanHolder(ShardCore):
                     self.state.version)
 
     def _adopt_plan(self, plan_bytes: bytes) -> TransferPlan:
+        return self._set_plan(*self._build(plan_bytes))
+
+    async def _adopt_plan_async(self, plan_bytes: bytes) -> TransferPlan:
+        """:meth:`_adopt_plan`, with the state (arenas, optimizer: seconds for a large model
+        on a busy host) built in a thread, so that the loop goes on serving, e.g. the
+        handshakes of the other workers, which have their own deadline."""
+        return self._set_plan(*await asyncio.to_thread(self._build, plan_bytes))
+
+    def _set_plan(self, plan: TransferPlan, plan_bytes: bytes, state: ShardState,
+                  sparse: SparseReceiver | None) -> TransferPlan:
+        self.state, self._sparse = state, sparse
+        self._plan, self._plan_bytes = plan, plan_bytes
+        return plan
+
+    def _build(self, plan_bytes: bytes) -> tuple[TransferPlan, bytes, ShardState,
+                                                 SparseReceiver | None]:
+        """The plan and the state for it (nothing of the server's changed)."""
         from tensorx.graph_analyzer import TransferPlan
 
         plan = TransferPlan.from_bytes(plan_bytes)
@@ -58,9 +76,7 @@ class PlanHolder(ShardCore):
         except BaseException:
             state.close()
             raise
-        self.state, self._sparse = state, sparse
-        self._plan, self._plan_bytes = plan, plan_bytes
-        return plan
+        return plan, plan_bytes, state, sparse
 
     def _release_plan_if_idle(self) -> None:
         """No worker left before the first update: forget the plan, so that the next hello

@@ -30,7 +30,7 @@ class Sessions(ShardCore):
         await self._claim(msg["rank"])
         if self._norms is not None:
             self._norms.learn(msg.get("shards"))
-        self._check_plan(msg)
+        await self._check_plan(msg)
         try:
             await self._admit(ep, msg)
         except BaseException:
@@ -73,9 +73,9 @@ class Sessions(ShardCore):
         else:
             self._waiting.append(peer)
 
-    def _check_plan(self, msg: dict[str, Any]) -> None:
+    async def _check_plan(self, msg: dict[str, Any]) -> None:
         if self._plan is None:
-            plan = self._adopt_plan(msg["plan"])
+            plan = await self._adopt_plan_async(msg["plan"])
             logger.info("ps shard %d: %s", self.shard, plan.summary())
             return
         if msg["fingerprint"] != self._plan.fingerprint:
