@@ -80,6 +80,7 @@ SCHEMAS: dict[Kind, dict[str, type]] = {
     Kind.REVOKE: {"rid": _INT},
     Kind.REVOKE_ACK: {"rid": _INT},
 }
+_KINDS = {int(kind): kind for kind in Kind}  # a lookup, not Kind(value): on every frame
 # Kinds whose payload is region data; every other kind but NOTIFY carries none.
 DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
 
@@ -101,10 +102,9 @@ def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[Kind, int, int]
         raise ProtocolError(
             f"peer speaks tensorx protocol v{version}; this process speaks v{PROTOCOL_VERSION}"
         )
-    try:
-        k = Kind(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown frame kind {kind}") from None
+    k = _KINDS.get(kind)
+    if k is None:
+        raise ProtocolError(f"unknown frame kind {kind}")
     if header_len > MAX_HEADER:
         raise ProtocolError(f"header of {header_len} B exceeds the {MAX_HEADER} B limit")
     _check_payload_len(k, payload_len)
@@ -128,7 +128,7 @@ def decode_header(kind: Kind, raw: bytes | bytearray | memoryview,
         raise ProtocolError(f"{kind.name} header is not a map")
     for name, typ in SCHEMAS[kind].items():
         value = header.get(name)
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        if type(value) is not typ:  # msgpack gives exact types (and a bool is no int here)
             raise ProtocolError(f"{kind.name} header field {name!r} missing or not {typ.__name__}")
         if isinstance(value, int) and not 0 <= value < 2**64:
             raise ProtocolError(f"{kind.name} header field {name!r} out of range")

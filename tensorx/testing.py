@@ -91,9 +91,10 @@ def recv_frame(sock: socket.socket) -> tuple[_wire.Kind, dict[str, Any]]:
 
 
 def authenticate(sock: socket.socket, token: bytes, node_id: str = "raw-client",
-                 caps: dict[str, Any] | None = None) -> dict[str, Any]:
+                 caps: dict[str, Any] | None = None, then: bytes = b"") -> dict[str, Any]:
     """The client side of the handshake by hand on a blocking socket (for tests that then
-    misbehave); returns the server's WELCOME header. Raises AssertionError if refused."""
+    misbehave); returns the server's WELCOME header. Raises AssertionError if refused.
+    ``then``: frames sent in the same ``sendall`` as the last handshake frame."""
     from tensorx import _auth
 
     nonce = _auth.new_nonce()
@@ -104,7 +105,7 @@ def authenticate(sock: socket.socket, token: bytes, node_id: str = "raw-client",
     sock.sendall(_wire.encode(_wire.Kind.AUTH, {"proof": proof}))
     kind, welcome = recv_frame(sock)
     assert kind is _wire.Kind.WELCOME, (kind, welcome)
-    sock.sendall(_wire.encode(_wire.Kind.CAPS, {"caps": caps or {}}))
+    sock.sendall(_wire.encode(_wire.Kind.CAPS, {"caps": caps or {}}) + then)
     return welcome
 
 

@@ -91,21 +91,65 @@ class FrameReader:
             raise BrokenError("peer closed the connection")
         return n
 
-    async def _fill(self, need: int) -> None:
+    def _make_room(self, need: int) -> None:
         if len(self._buf) < need:  # a frame larger than the buffer (at most MAX_HEADER)
             self.resize(need)
         if len(self._buf) - self._start < need:
             size = self._end - self._start
             self._buf[:size] = self._buf[self._start:self._end]
             self._start, self._end = 0, size
+
+    async def _fill(self, need: int) -> None:
+        self._make_room(need)
         while self._end - self._start < need:
             self._end += await self._recv(self._view[self._end:])
 
-    async def read_exact(self, n: int) -> bytes:
-        await self._fill(n)
-        data = bytes(self._view[self._start:self._start + n])
+    @property
+    def buffered(self) -> int:
+        return self._end - self._start
+
+    def feed(self) -> None:
+        """One non-blocking ``recv_into`` the buffer, for a reader driven by readiness
+        callbacks. Raises BlockingIOError when nothing is there, BrokenError at the end."""
+        if self._end == len(self._buf):
+            self._make_room(len(self._buf) - self._start + 1)
+        try:
+            n = self._sock.recv_into(self._view[self._end:])
+        except (BlockingIOError, InterruptedError):
+            raise BlockingIOError from None
+        except OSError as exc:
+            raise BrokenError(f"connection lost: {exc}") from exc
+        if n == 0:
+            raise BrokenError("peer closed the connection")
+        self._end += n
+
+    def next_frame(self) -> tuple[Kind, dict[str, Any], int] | None:
+        """The next frame's (kind, header, payload length) if its prefix and header are
+        buffered, else None (and nothing consumed). Its payload is not consumed."""
+        start, have = self._start, self._end - self._start
+        if have < _wire.PREFIX.size:
+            self._make_room(_wire.PREFIX.size)
+            return None
+        kind, header_len, payload_len = _wire.decode_prefix(
+            self._view[start:start + _wire.PREFIX.size])
+        end = start + _wire.PREFIX.size + header_len
+        if end > self._end:
+            self._make_room(_wire.PREFIX.size + header_len)
+            return None
+        header = _wire.decode_header(kind, self._view[start + _wire.PREFIX.size:end],
+                                     payload_len)
+        self._start = end
+        return kind, header, payload_len
+
+    def take_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` from the buffer, which holds at least ``len(dest)`` bytes."""
+        n = len(dest)
+        dest[:] = self._view[self._start:self._start + n]
         self._start += n
-        return data
+
+    def skip(self, n: int) -> None:
+        """Drop ``n`` buffered bytes (at most :attr:`buffered`)."""
+        self._start += n
 
     async def read_into(self, dest: memoryview,
                         live: Callable[[], bool] = lambda: True) -> bool:
@@ -179,10 +223,9 @@ class FrameReader:
             n -= taken
 
     async def frame(self) -> tuple[Kind, dict[str, Any], int]:
-        prefix = await self.read_exact(_wire.PREFIX.size)
-        kind, header_len, payload_len = _wire.decode_prefix(prefix)
-        header = _wire.decode_header(kind, await self.read_exact(header_len), payload_len)
-        return kind, header, payload_len
+        while (frame := self.next_frame()) is None:
+            self._end += await self._recv(self._view[self._end:])
+        return frame
 
 
 def _done(fut: asyncio.Future[None]) -> None:

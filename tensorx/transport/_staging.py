@@ -302,7 +302,10 @@ class _LateCopy:
 
 
 def has_staged(parts: list[Any]) -> bool:
-    return any(isinstance(part, StagedRange) for part in parts)
+    for part in parts:  # not any(<genexpr>): this runs for every frame sent
+        if isinstance(part, StagedRange):
+            return True
+    return False
 
 
 def split_staged(parts: list[Any]) -> list[list[Any] | StagedRange]:

@@ -1,8 +1,9 @@
 """Pure-asyncio TCP: the control channel of every connection, and the fallback data lane.
 
 Payloads never pass through an intermediate bytes object: the owner receives a WRITE
-straight into the region (``sock_recv_into`` on a slice of it) and sends READ data straight
-out of it (``sock_sendall`` on a memoryview); the requester does the same on its side.
+straight into the region (``recv_into`` a slice of it; what came in with the frame's header
+is copied from the read buffer) and sends READ data straight out of it (``sendmsg`` of a
+memoryview, gathered with the header); the requester does the same on its side.
 GPU memory, which a socket cannot address, is staged through pinned host buffers on each
 side that holds it (``_staging.py``); the bytes on the wire are the same.
 """
@@ -23,11 +24,9 @@ from tensorx._ratelog import RefusalLog
 from tensorx._text import printable
 from tensorx._wire import Kind
 from tensorx.errors import (
-    AuthError,
     BrokenError,
     ClosedError,
     ProtocolError,
-    RegionError,
     TensorxError,
     TimeoutError,
     UsageError,
@@ -42,7 +41,8 @@ from tensorx.transport._sock import (
     advance,
     open_socket,
 )
-from tensorx.transport._staging import RecvStager, SendStager, StagedRange, staged_range
+from tensorx.transport._staging import RecvStager, SendStager, StagedRange
+from tensorx.transport._tcp_owner import ERROR_CODES, OwnerService
 
 __all__ = ["Connection", "TcpListener", "open_socket"]
 
@@ -51,16 +51,6 @@ logger = logging.getLogger(__name__)
 MAX_IMM = _wire.MAX_HEADER // 2  # a notification small enough to ride in a WRITE header
 MAX_QUEUED_FRAMES = 4096  # answers queued for a peer before we stop reading its requests
 REQUESTS = frozenset({Kind.WRITE, Kind.READ, Kind.VALIDATE, Kind.QUERY})
-ERROR_CODES: dict[str, type[TensorxError]] = {
-    "region": RegionError, "protocol": ProtocolError, "auth": AuthError, "usage": UsageError,
-}
-
-
-def error_code(exc: BaseException) -> str:
-    for code, cls in ERROR_CODES.items():
-        if isinstance(exc, cls):
-            return code
-    return "broken"
 
 
 @dataclass
@@ -74,12 +64,15 @@ QueryHandler = Callable[[str], dict[str, Any]]
 ClosedHandler = Callable[["Connection", BaseException | None], None]
 
 
-class Connection:
+class Connection(OwnerService):
     """One TCP connection to a peer: frames in, frames out, requests in flight.
 
     Before :meth:`start`, the handshake uses :meth:`send_now` and :meth:`recv_frame`.
-    After it, a reader task serves the peer's requests against ``exports`` and completes
-    ours, and a writer task sends queued frames in the order they were queued.
+    After it, frames are served as they arrive, right in the socket's readiness callback
+    (no task hop: a reply completes its request there); a frame that has to wait (a
+    payload still on its way, GPU staging, a full queue) is served by a task, and the
+    socket is not read meanwhile. Frames go out with one gathered ``sendmsg`` right away
+    when nothing is queued, else by a writer task in the order they were queued.
     """
 
     def __init__(self, sock: socket.socket, exports: ExportTable, label: str) -> None:
@@ -99,6 +92,8 @@ class Connection:
         self._refused: set[int] = set()  # peer's write requests with a refused frame
         self._req_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
+        self._later: asyncio.Task[None] | None = None  # serving a frame that had to wait
+        self._reading = False  # the readiness callback is registered
         self._error: TensorxError | None = None
         self._busy = False
         self._closing = False  # we said BYE
@@ -130,8 +125,9 @@ class Connection:
     def start(self) -> None:
         """The peer has authenticated: serve it (and only now give it a full-size buffer)."""
         self._reader.resize(BUFFER_BYTES)
-        self._tasks = [self._loop.create_task(self._read_loop(), name=f"tx-read {self.label}"),
-                       self._loop.create_task(self._write_loop(), name=f"tx-write {self.label}")]
+        self._tasks = [self._loop.create_task(self._write_loop(), name=f"tx-write {self.label}")]
+        self._resume()
+        self._loop.call_soon(self._pump)  # frames that came with the handshake's last one
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -160,9 +156,10 @@ class Connection:
         self._wakeup.set()
         self._sent.set()
         current = asyncio.current_task()
-        for task in self._tasks:  # a task waiting on the socket would wait forever
+        for task in self._all_tasks():  # a task waiting on the socket would wait forever
             if task is not current:
                 task.cancel()
+        self._reading = False
         if self.sock.fileno() >= 0:
             self._loop.remove_reader(self.sock.fileno())
             self._loop.remove_writer(self.sock.fileno())
@@ -185,18 +182,21 @@ class Connection:
 
     def abort(self) -> None:
         self._fail(ClosedError(f"{self.label}: endpoint aborted"))
-        for task in self._tasks:
+        for task in self._all_tasks():
             task.cancel()
+
+    def _all_tasks(self) -> list[asyncio.Task[None]]:
+        return [*self._tasks, self._later] if self._later is not None else self._tasks
 
     async def _join_tasks(self) -> None:
         current = asyncio.current_task()
-        for task in self._tasks:
+        tasks = self._all_tasks()
+        for task in tasks:
             if task is not current:
                 task.cancel()
-        await asyncio.gather(*(t for t in self._tasks if t is not current),
-                             return_exceptions=True)
-        if current not in self._tasks:  # a cancelled task's traceback keeps its frames
-            self._tasks = []
+        await asyncio.gather(*(t for t in tasks if t is not current), return_exceptions=True)
+        if current not in tasks:  # a cancelled task's traceback keeps its frames
+            self._tasks, self._later = [], None
 
     # -- sending ------------------------------------------------------------------------
     def _enqueue(self, parts: list[Any], done: asyncio.Future[None] | None = None) -> None:
@@ -229,6 +229,12 @@ class Connection:
             parts.append(payload)
         self._enqueue(parts, done)
         return done
+
+    def _post(self, kind: Kind, header: dict[str, Any], payload: Any = None) -> None:
+        """Queue one frame nobody waits for (a reply)."""
+        size = len(payload) if payload is not None else 0
+        self._enqueue([_wire.encode(kind, header, size), payload] if size
+                      else [_wire.encode(kind, header)])
 
     def _send_some(self, parts: list[Any]) -> list[Any]:
         """One non-blocking gathered send; returns what is left (memoryview slices)."""
@@ -304,14 +310,16 @@ class Connection:
         fut = pending.future
         timer = None
         if timeout is not None:
-            exc = TimeoutError(f"{self.label}: {what} timed out after {timeout} s")
-            timer = self._loop.call_later(timeout, _set_once, fut, exc)
+            timer = self._loop.call_later(timeout, self._time_out, fut, what, timeout)
         try:
             return await fut
         finally:
             if timer is not None:
                 timer.cancel()
             self._pending.pop(req, None)
+
+    def _time_out(self, fut: asyncio.Future[Any], what: str, timeout: float) -> None:
+        _set_once(fut, TimeoutError(f"{self.label}: {what} timed out after {timeout} s"))
 
     async def request_write(self, ops: Sequence[tuple[memoryview | StagedRange, int, int, int]],
                             timeout: float | None, imm: bytes | None = None) -> None:
@@ -331,16 +339,21 @@ class Connection:
             raise
         await self._await(req, pending, timeout, "write")
 
-    async def request_read(self, dest: memoryview | StagedRange, rid: int, ck: int, off: int,
-                           timeout: float | None) -> None:
+    async def _ask(self, kind: Kind, fields: dict[str, Any], timeout: float | None, what: str,
+                   dest: memoryview | StagedRange | None = None) -> Any:
+        """Send one request frame and wait for its answer."""
         req, pending = self._new_request(dest)
         try:
-            header = {"req": req, "rid": rid, "ck": ck, "off": off, "n": len(dest)}
-            self._enqueue([_wire.encode(Kind.READ, header)])
+            self._enqueue([_wire.encode(kind, {"req": req, **fields})])
         except BaseException:
             self._pending.pop(req, None)
             raise
-        await self._await(req, pending, timeout, "read")
+        return await self._await(req, pending, timeout, what)
+
+    async def request_read(self, dest: memoryview | StagedRange, rid: int, ck: int, off: int,
+                           timeout: float | None) -> None:
+        fields = {"rid": rid, "ck": ck, "off": off, "n": len(dest)}
+        await self._ask(Kind.READ, fields, timeout, "read", dest)
 
     async def request_validate(self, rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
         n, access, _ = await self._validate({"rid": rid, "ck": ck}, timeout)
@@ -355,31 +368,23 @@ class Connection:
 
     async def _validate(self, fields: dict[str, Any], timeout: float | None
                         ) -> tuple[int, str, int | None]:
-        req, pending = self._new_request()
-        try:
-            self._enqueue([_wire.encode(Kind.VALIDATE, {"req": req, **fields})])
-        except BaseException:
-            self._pending.pop(req, None)
-            raise
-        result: tuple[int, str, int | None] = await self._await(req, pending, timeout,
-                                                                "descriptor check")
+        result: tuple[int, str, int | None] = await self._ask(Kind.VALIDATE, fields, timeout,
+                                                              "descriptor check")
         return result
 
     async def request_query(self, what: str, timeout: float | None) -> dict[str, Any]:
-        req, pending = self._new_request()
-        self._enqueue([_wire.encode(Kind.QUERY, {"req": req, "what": what})])
-        answer: dict[str, Any] = await self._await(req, pending, timeout, "query")
+        answer: dict[str, Any] = await self._ask(Kind.QUERY, {"what": what}, timeout, "query")
         return answer
 
     def revoke(self, region_id: int) -> None:
         """Tell the peer (best effort, without waiting) that a region of ours is gone."""
         if self._error is None:
-            self._send_frame(Kind.REVOKE, {"rid": region_id})
+            self._post(Kind.REVOKE, {"rid": region_id})
 
     def revoke_ack(self, region_id: int) -> None:
         """Tell the owner that none of our ops on its region is in flight any more."""
         if self._error is None:
-            self._send_frame(Kind.REVOKE_ACK, {"rid": region_id})
+            self._post(Kind.REVOKE_ACK, {"rid": region_id})
 
     async def notify(self, payload: bytes, timeout: float | None) -> None:
         if len(payload) > _wire.MAX_NOTIFY:
@@ -391,90 +396,127 @@ class Connection:
             raise TimeoutError(f"{self.label}: notify timed out after {timeout} s") from None
 
     # -- receiving ----------------------------------------------------------------------
-    async def _read_loop(self) -> None:
+    def _pause(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self.sock.fileno())
+
+    def _resume(self) -> None:
+        if not self._reading and self._error is None:
+            self._reading = True
+            self._loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
         try:
-            while True:
-                kind, header, payload_len = await self._reader.frame()
+            self._reader.feed()
+        except BlockingIOError:
+            return
+        except TensorxError as exc:
+            self._read_failed(exc)
+            return
+        self._pump()
+
+    def _pump(self) -> None:
+        """Serve every buffered frame that can be served right here; hand the first one
+        that has to wait to a task, and stop reading until that task is done."""
+        try:
+            while self._error is None and self._later is None:
+                frame = self._reader.next_frame()
+                if frame is None:
+                    return
+                kind, header, payload_len = frame
                 self.stats["frames_in"] += 1
                 self.stats["bytes_in"] += payload_len
-                if kind is Kind.BYE:
-                    self._fail(BrokenError(f"{self.label}: peer closed the endpoint"), True)
-                    return
-                await self._dispatch(kind, header, payload_len)
-        except ProtocolError as exc:
+                if not self._serve_now(kind, header, payload_len):
+                    self._pause()
+                    self._later = self._loop.create_task(
+                        self._serve_later(kind, header, payload_len), name=f"tx-read {self.label}")
+        except Exception as exc:
+            self._read_failed(exc)
+
+    def _serve_now(self, kind: Kind, header: dict[str, Any], payload_len: int) -> bool:
+        if kind is Kind.BYE:
+            self._fail(BrokenError(f"{self.label}: peer closed the endpoint"), True)
+            return True
+        if kind in REQUESTS and len(self._sendq) >= MAX_QUEUED_FRAMES:
+            return False
+        plain = self._PLAIN.get(kind)
+        if plain is not None:
+            plain(self, header, payload_len)
+            return True
+        now = self._NOW.get(kind)
+        return now is not None and now(self, header, payload_len)
+
+    async def _serve_later(self, kind: Kind, header: dict[str, Any], payload_len: int) -> None:
+        try:
+            if kind in REQUESTS and len(self._sendq) >= MAX_QUEUED_FRAMES:
+                # A peer that asks without reading our answers: stop reading its requests
+                # until the answers drain (TCP then holds it back), instead of queueing more.
+                self._sent.clear()
+                await self._sent.wait()
+            plain = self._PLAIN.get(kind)
+            if plain is not None:
+                plain(self, header, payload_len)
+            elif kind in self._LATER:
+                await self._LATER[kind](self, header, payload_len)
+            else:
+                raise ProtocolError(f"unexpected {kind.name} frame after the handshake")
+        except Exception as exc:
+            self._read_failed(exc)
+            return
+        self._later = None
+        self._resume()
+        self._pump()
+
+    def _read_failed(self, exc: Exception) -> None:
+        if isinstance(exc, ProtocolError):
             logger.warning("%s: closing connection after protocol error: %s", self.label, exc)
-            with _suppress():
-                await asyncio.wait_for(
-                    self._loop.sock_sendall(self.sock, _wire.encode(
-                        Kind.ERROR, {"req": 0, "code": "protocol", "msg": str(exc)})), 1.0)
-            self._fail(BrokenError(f"{self.label}: protocol error: {exc}"))
-        except TensorxError as exc:
+            self._pause()
+            self._tasks.append(self._loop.create_task(self._refuse(exc)))
+        elif isinstance(exc, TensorxError):
             self._fail(exc if isinstance(exc, BrokenError | ClosedError)
                        else BrokenError(f"{self.label}: {exc}"))
-        except Exception as exc:  # a bug: close as broken rather than leave a dead reader
-            logger.exception("%s: reader failed", self.label)
+        else:  # a bug: close as broken rather than leave a dead reader
+            logger.error("%s: reader failed", self.label, exc_info=exc)
             self._fail(BrokenError(f"{self.label}: internal error: {exc!r}"))
 
-    async def _dispatch(self, kind: Kind, header: dict[str, Any], payload_len: int) -> None:
-        handler = self._HANDLERS.get(kind)
-        if handler is None:
-            raise ProtocolError(f"unexpected {kind.name} frame after the handshake")
-        if kind in REQUESTS and len(self._sendq) >= MAX_QUEUED_FRAMES:
-            # A peer that asks without reading our answers: stop reading its requests
-            # until the answers drain (TCP then holds it back), instead of queueing more.
-            self._sent.clear()
-            await self._sent.wait()
-        await handler(self, header, payload_len)
+    async def _refuse(self, exc: ProtocolError) -> None:
+        """Tell the peer why (best effort), then close."""
+        with _suppress():
+            await asyncio.wait_for(self._loop.sock_sendall(self.sock, _wire.encode(
+                Kind.ERROR, {"req": 0, "code": "protocol", "msg": str(exc)})), 1.0)
+        self._fail(BrokenError(f"{self.label}: protocol error: {exc}"))
 
-    async def _on_write(self, h: dict[str, Any], payload_len: int) -> None:
-        imm = h.get("imm")
-        if imm is not None and (not isinstance(imm, bytes) or not h["last"]):
-            raise ProtocolError("WRITE carries a malformed notification")
-        try:
-            region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "w")
-            dest = staged_range(region, h["off"], h["n"])
-        except TensorxError as exc:
-            await self._reader.discard(payload_len)
-            self._reply_error(h["req"], exc)
-            self._note_refused(h["req"], h["last"])
-            return
-        await self._land(dest)  # into GPU memory: every copy has completed
-        if h["last"]:
-            if h["req"] in self._refused:  # an earlier frame of this write was refused
-                self._refused.discard(h["req"])
-                return
-            self._send_frame(Kind.WRITE_ACK, {"req": h["req"]})
-            if imm is not None:
-                await self.on_notify(self, imm)
-
-    def _note_refused(self, req: int, last: bool) -> None:
-        """Remember a write with a refused frame until its last frame (so that a
-        notification it carries is dropped)."""
-        if last:
-            self._refused.discard(req)
-            return
-        if len(self._refused) > 4096:  # a peer that never finishes its writes
-            raise ProtocolError("too many unfinished refused writes")
-        self._refused.add(req)
-
-    async def _on_read(self, h: dict[str, Any], payload_len: int) -> None:
-        try:
-            region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "r")
-            src = staged_range(region, h["off"], h["n"])
-        except TensorxError as exc:
-            self._reply_error(h["req"], exc)
-            return
-        self._send_frame(Kind.READ_DATA, {"req": h["req"]}, src if len(src) else None)
-
-    async def _on_read_data(self, h: dict[str, Any], payload_len: int) -> None:
-        pending = self._pending.get(h["req"])
+    def _landing(self, req: int, payload_len: int) -> _Pending | None:
+        """The read that READ_DATA answers, if its data should land (else it is dropped:
+        the read timed out or was cancelled meanwhile, or the size is wrong)."""
+        pending = self._pending.get(req)
         if pending is None or pending.dest is None or pending.future.done():
-            await self._reader.discard(payload_len)  # timed out or cancelled meanwhile
-            return
+            return None
         if len(pending.dest) != payload_len:
-            await self._reader.discard(payload_len)
             _set_once(pending.future, ProtocolError(
                 f"{self.label}: read of {len(pending.dest)} B answered with {payload_len} B"))
+            return None
+        return pending
+
+    def _read_data_now(self, h: dict[str, Any], payload_len: int) -> bool:
+        """READ_DATA whose payload is buffered, for host memory: lands right here."""
+        if payload_len > self._reader.buffered:
+            return False
+        pending = self._landing(h["req"], payload_len)
+        if pending is None:
+            self._reader.skip(payload_len)
+            return True
+        if not isinstance(pending.dest, memoryview):
+            return False
+        self._reader.take_into(pending.dest)
+        pending.future.set_result(None)
+        return True
+
+    async def _on_read_data(self, h: dict[str, Any], payload_len: int) -> None:
+        pending = self._landing(h["req"], payload_len)
+        if pending is None or pending.dest is None:
+            await self._reader.discard(payload_len)
             return
         # The read may time out or be cancelled while its reply streams in: from then on
         # the rest is dropped, never written to the caller's memory.
@@ -487,17 +529,17 @@ class Connection:
             return await self._stage_in.receive(self._reader, dest, live)
         return await self._reader.read_into(dest, live)
 
-    async def _on_ack(self, h: dict[str, Any], payload_len: int) -> None:
+    def _on_ack(self, h: dict[str, Any], payload_len: int) -> None:
         self._resolve(h["req"], None)
 
-    async def _on_valid(self, h: dict[str, Any], payload_len: int) -> None:
+    def _on_valid(self, h: dict[str, Any], payload_len: int) -> None:
         addr = h.get("addr")
         if addr is not None and (not isinstance(addr, int) or isinstance(addr, bool)
                                  or not 0 <= addr < 2**64):
             raise ProtocolError("VALID carries a malformed address")
         self._resolve(h["req"], (h["n"], h["access"], addr))
 
-    async def _on_error(self, h: dict[str, Any], payload_len: int) -> None:
+    def _on_error(self, h: dict[str, Any], payload_len: int) -> None:
         exc = ERROR_CODES.get(h["code"], BrokenError)(
             f"{self.label}: peer says: {printable(h['msg'])}")
         if h["req"] == 0:
@@ -506,56 +548,35 @@ class Connection:
         if pending is not None and not pending.future.done():
             pending.future.set_exception(exc)
 
-    async def _on_notify(self, h: dict[str, Any], payload_len: int) -> None:
-        payload = bytearray(payload_len)
-        await self._reader.read_into(memoryview(payload))
-        await self.on_notify(self, bytes(payload))  # waits (we stop reading) while full
-
-    async def _on_validate(self, h: dict[str, Any], payload_len: int) -> None:
-        try:
-            export = self._exports.lookup(h["rid"], h["ck"])
-        except TensorxError as exc:
-            self._reply_error(h["req"], exc)
-            return
-        desc = export.descriptor
-        reply = {"req": h["req"], "n": desc.nbytes, "access": desc.access}
-        if h.get("addr") is True and not export.region.is_cuda:  # for a same-host lane
-            reply["addr"] = export.region.address
-        self._send_frame(Kind.VALID, reply)
-
-    async def _on_query(self, h: dict[str, Any], payload_len: int) -> None:
-        try:
-            data = self.on_query(h["what"])
-        except TensorxError as exc:
-            self._reply_error(h["req"], exc)
-            return
-        self._send_frame(Kind.ANSWER, {"req": h["req"], "data": data})
-
-    async def _on_revoke(self, h: dict[str, Any], payload_len: int) -> None:
+    def _on_revoke(self, h: dict[str, Any], payload_len: int) -> None:
         self.on_revoke(h["rid"])
 
-    async def _on_revoke_ack(self, h: dict[str, Any], payload_len: int) -> None:
+    def _on_revoke_ack(self, h: dict[str, Any], payload_len: int) -> None:
         self.on_revoke_ack(h["rid"])
 
-    async def _on_answer(self, h: dict[str, Any], payload_len: int) -> None:
+    def _on_answer(self, h: dict[str, Any], payload_len: int) -> None:
         self._resolve(h["req"], h["data"])
 
-    _HANDLERS: dict[Kind, Callable[[Connection, dict[str, Any], int], Any]] = {
-        Kind.WRITE: _on_write, Kind.READ: _on_read, Kind.READ_DATA: _on_read_data,
-        Kind.WRITE_ACK: _on_ack, Kind.VALID: _on_valid, Kind.ERROR: _on_error,
-        Kind.NOTIFY: _on_notify, Kind.VALIDATE: _on_validate, Kind.QUERY: _on_query,
+    # Frames served by plain calls; frames served here when their payload is buffered
+    # (else later); frames always served by a task.
+    _PLAIN: dict[Kind, Callable[[Connection, dict[str, Any], int], None]] = {
+        Kind.READ: OwnerService._on_read, Kind.WRITE_ACK: _on_ack, Kind.VALID: _on_valid,
+        Kind.ERROR: _on_error, Kind.VALIDATE: OwnerService._on_validate,
+        Kind.QUERY: OwnerService._on_query,
         Kind.ANSWER: _on_answer, Kind.REVOKE: _on_revoke, Kind.REVOKE_ACK: _on_revoke_ack,
+    }
+    _NOW: dict[Kind, Callable[[Connection, dict[str, Any], int], bool]] = {
+        Kind.WRITE: OwnerService._write_now, Kind.READ_DATA: _read_data_now,
+    }
+    _LATER: dict[Kind, Callable[[Connection, dict[str, Any], int], Awaitable[None]]] = {
+        Kind.WRITE: OwnerService._on_write, Kind.READ_DATA: _on_read_data,
+        Kind.NOTIFY: OwnerService._on_notify,
     }
 
     def _resolve(self, req: int, value: Any) -> None:
         pending = self._pending.get(req)
         if pending is not None and not pending.future.done():
             pending.future.set_result(value)
-
-    def _reply_error(self, req: int, exc: TensorxError) -> None:
-        self._refusals.refused(req, exc)  # the first, then a summary at most once a minute
-        self._send_frame(Kind.ERROR, {"req": req, "code": error_code(exc), "msg": str(exc)})
-
 
 async def _ignore_notification(conn: Connection, payload: bytes) -> None:
     return None
