@@ -125,12 +125,19 @@ class Endpoint:
                                   notify=notify, timeout=timeout)
             return
         produced = _cuda.ready((region,)) if _is_cuda(region) else []  # recorded at the call
-        async with self._issuing_write():
-            op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
-            if produced:
-                await _cuda.wait(produced)
-        with self._counted("write", op.nbytes):
+        op = self._op_now(region, remote, offset, remote_offset, nbytes, "w")
+        if op is None or produced:  # it may wait before the lane has it: notify waits too
+            async with self._issuing_write():
+                if op is None:
+                    op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
+                if produced:
+                    await _cuda.wait(produced)
+        started, failed = time.perf_counter(), True
+        try:
             await self._lane.write(op, timeout=self._timeout(timeout))
+            failed = False
+        finally:
+            self.stats.record("write", op.nbytes, started, failed)
 
     async def read(self, region: MemoryRegion, remote: RegionDescriptor | bytes,
                    offset: int = 0, remote_offset: int = 0, nbytes: int | None = None, *,
@@ -139,11 +146,17 @@ class Endpoint:
         region at ``remote_offset`` into ``region``. Returns when the data is local."""
         # kernels enqueued before the call that still use the destination finish first
         used = _cuda.ready((region,)) if _is_cuda(region) else []
-        op = await self._op(region, remote, offset, remote_offset, nbytes, "r")
+        op = self._op_now(region, remote, offset, remote_offset, nbytes, "r")
+        if op is None:
+            op = await self._op(region, remote, offset, remote_offset, nbytes, "r")
         if used:
             await _cuda.wait(used)
-        with self._counted("read", op.nbytes):
+        started, failed = time.perf_counter(), True
+        try:
             await self._lane.read(op, timeout=self._timeout(timeout))
+            failed = False
+        finally:
+            self.stats.record("read", op.nbytes, started, failed)
 
     async def write_many(self, ops: Iterable[Sequence[Any]], *, notify: bytes | None = None,
                          timeout: float | None = DEFAULT) -> None:
@@ -197,14 +210,31 @@ class Endpoint:
             self._issuing.discard(handed)
             handed.set_result(None)
 
+    def _op_now(self, region: MemoryRegion, remote: RegionDescriptor | bytes, offset: int,
+                remote_offset: int, nbytes: int | None, need: str) -> Op | None:
+        """:meth:`_op` without waiting, or None when the owner has to be asked first
+        (a lane that bypasses it, a descriptor not checked yet)."""
+        self._check_usable()
+        desc = _descriptor(remote)
+        _check_local(region, offset, nbytes, need)
+        limits = self._remote_limits_now(desc)
+        if limits is None:
+            return None
+        return self._checked(region, desc, offset, remote_offset, nbytes, need, *limits)
+
     async def _op(self, region: MemoryRegion, remote: RegionDescriptor | bytes, offset: int,
                   remote_offset: int, nbytes: int | None, need: str) -> Op:
         self._check_usable()
         desc = _descriptor(remote)
         _check_local(region, offset, nbytes, need)
+        size, access = await self._remote_limits(desc)
+        return self._checked(region, desc, offset, remote_offset, nbytes, need, size, access)
+
+    def _checked(self, region: MemoryRegion, desc: RegionDescriptor, offset: int,
+                 remote_offset: int, nbytes: int | None, need: str, size: int,
+                 access: str) -> Op:
         if nbytes is None:
             nbytes = region.nbytes - offset
-        size, access = await self._remote_limits(desc)
         if need not in access:
             verb = "written" if need == "w" else "read"
             raise RegionError(f"remote region {desc.region_id:#x} is exported '{access}' "
@@ -232,9 +262,10 @@ class Endpoint:
         if not self._conn.broken:
             self._conn.revoke_ack(region_id)
 
-    async def _remote_limits(self, desc: RegionDescriptor) -> tuple[int, str]:
-        """Size and rights of the remote region: from the owner (once) for lanes that
-        bypass it, else from the descriptor (the owner re-checks every TCP op)."""
+    def _remote_limits_now(self, desc: RegionDescriptor) -> tuple[int, str] | None:
+        """Size and rights of the remote region if known without asking: from the
+        descriptor for lanes that do not bypass the owner (it re-checks every TCP op),
+        else from the owner's earlier answer."""
         if desc.owner != self.peer:
             raise RegionError(f"descriptor of region {desc.region_id:#x} belongs to node "
                               f"{desc.owner or '?'}, but this endpoint reaches {self.peer}")
@@ -242,6 +273,13 @@ class Endpoint:
             raise RegionError(f"region {desc.region_id:#x} was closed by its owner")
         if not self._lane.bypasses_owner:  # the owner checks every op itself
             return desc.nbytes, desc.access
+        return self._validated.get((desc.region_id, desc.cookie))
+
+    async def _remote_limits(self, desc: RegionDescriptor) -> tuple[int, str]:
+        """:meth:`_remote_limits_now`, asking the owner (once) where needed."""
+        known = self._remote_limits_now(desc)
+        if known is not None:
+            return known
         key = (desc.region_id, desc.cookie)
         if key not in self._validated:
             n, access = await self._conn.request_validate(*key, self._node.timeout)
