@@ -14,7 +14,6 @@ that helper is present. Prints a markdown table; writes a PNG chart with ``--plo
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tensorx as tx
 from benchmarks.rawsock import RawClient
+from tensorx import _eventloop
 from tensorx.testing import OwnerProcess
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -66,10 +66,12 @@ async def amedian_time(fn: Callable[[], Awaitable[None]], n: int) -> float:
     return statistics.median(times)
 
 
-async def bench_tensorx(transport: str, sizes: list[int], repeat: int) -> dict[str, object]:
-    """{(op, size): seconds} plus the endpoint info, for one transport."""
+async def bench_tensorx(transport: str, sizes: list[int], repeat: int,
+                        loop: str = "asyncio") -> dict[str, object]:
+    """{(op, size): seconds} plus the endpoint info, for one transport; both processes
+    run on ``loop``."""
     results: dict[str, object] = {}
-    async with OwnerProcess(transport) as owner, \
+    async with OwnerProcess(transport, env={_eventloop.ENV: loop}) as owner, \
             tx.Node(listen=None, transport=transport) as node:
         pin(owner.pid)
         ep = await node.connect(owner.address)
@@ -216,6 +218,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7, help="timed repeats for large sizes")
     parser.add_argument("--transports", default=",".join(available_transports()))
     parser.add_argument("--plot", default="", help="write a PNG chart here")
+    parser.add_argument("--loop", default="asyncio",
+                        help="event loops to run tensorx on, comma list of asyncio (the "
+                             "library's default) and uvloop; each is a row of its own")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds over all systems (medians are reported)")
     args = parser.parse_args()
@@ -226,13 +231,15 @@ def main() -> None:
         runs.setdefault("raw socket", []).append(bench_raw(sizes, args.repeat))
         runs.setdefault("memcpy", []).append(bench_memcpy(sizes, args.repeat))
         for transport in args.transports.split(","):
-            print(f"round {r + 1}/{args.rounds}: tensorx over {transport}", flush=True)
-            res = asyncio.run(bench_tensorx(transport, sizes, args.repeat))
-            if r == 0:
-                info = res["info"]
-                print(f"  endpoint: {info['transport']} lanes={info['lanes']} "
-                      f"host={info.get('host')}", flush=True)
-            runs.setdefault(f"tensorx {_label(transport)}", []).append(res)
+            for loop in args.loop.split(","):
+                label = _label(transport) + ("" if loop == "asyncio" else f", {loop}")
+                print(f"round {r + 1}/{args.rounds}: tensorx over {label}", flush=True)
+                res = _eventloop.run(bench_tensorx(transport, sizes, args.repeat, loop), loop)
+                if r == 0:
+                    info = res["info"]
+                    print(f"  endpoint: {info['transport']} lanes={info['lanes']} "
+                          f"host={info.get('host')}", flush=True)
+                runs.setdefault(f"tensorx {label}", []).append(res)
     systems = {name: merge(rounds) for name, rounds in runs.items()}
     print()
     print(table(sizes, systems))

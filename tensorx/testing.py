@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorx import _wire
+from tensorx import _eventloop, _wire
 from tensorx._netns import enter_netns
 from tensorx.endpoint import Endpoint
 from tensorx.errors import TensorxError
@@ -224,7 +224,8 @@ def _owner_main(pipe: Pipe, transport: str, token: str | None, listen: str,
     if netns is not None:
         enter_netns(netns)  # first: every socket and thread after this lives in there
     os.environ.update(env)
-    asyncio.run(_Owner(pipe, transport, token, listen, options).run())
+    # asyncio's own loop unless the environment asks for another (TENSORX_LOOP)
+    _eventloop.run(_Owner(pipe, transport, token, listen, options).run(), default="asyncio")
 
 
 class _Owner:
@@ -301,6 +302,10 @@ class _Owner:
 
     async def do_address(self) -> str:
         return self.node.address
+
+    async def do_loop(self) -> str:
+        """The module of the event loop's class: ``asyncio`` or ``uvloop``."""
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
     async def do_export(self, nbytes: int, access: str, seed: int) -> bytes:
         backing = np.full(nbytes + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)

@@ -30,6 +30,7 @@ BASE = ["--workers", "1", "--listen", "tcp://127.0.0.1:0", "--transport", "tcp"]
     (["--workers", "0"], "--workers"),
     (["--log-level", "LOUD"], "--log-level"),
     (["--device", "tpu"], "--device: device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    (["--loop", "trio"], "--loop"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_a_bad_argument_is_one_line(args: list[str], named: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,12 +47,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_node_query(args: argparse.Namespace) -> int:
-    import asyncio
-
+    from tensorx import _eventloop
     from tensorx.errors import TensorxError
 
     try:
-        answer = asyncio.run(query_node(args.node, args.token))
+        answer = _eventloop.run(query_node(args.node, args.token))
     except TensorxError as exc:
         print(f"tensorx info: {args.node}: {exc}")
         return 1

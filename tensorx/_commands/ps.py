@@ -15,7 +15,8 @@ torchrun store (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for 
 The token comes from ``--token`` or, better (not visible in ``ps``), ``$TENSORX_TOKEN``.
 ``--metrics-port N`` serves every shard's step timings and endpoint counters for Prometheus
 (one exporter per process; port 0: any free port, printed on stdout as
-``tensorx ps metrics on http://ADDR:PORT/metrics``).
+``tensorx ps metrics on http://ADDR:PORT/metrics``). It runs on uvloop where installed
+(``pip install 'tensorx[uvloop]'``; ``--loop asyncio`` or ``TENSORX_LOOP=asyncio`` not).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
+from tensorx import _eventloop
+from tensorx._eventloop import LOOPS
 from tensorx._ps.device import resolve as resolve_device
 from tensorx._ps.losses import POLICIES
 from tensorx.errors import TensorxError, UsageError
@@ -101,6 +104,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rendezvous", action="store_true",
                    help="publish addresses in the torchrun TCPStore")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--loop", choices=LOOPS, default=None,
+                   help="event loop: uvloop where installed (auto, the default, or "
+                        "$TENSORX_LOOP), or asyncio's own")
     p.add_argument("--share-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="sync mode: let workers on this host map the arenas (zero-copy); "
                         "--no-share-memory always copies, as across hosts")
@@ -265,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check(args)
         logging.getLogger("tensorx").setLevel(args.log_level.upper())  # a service logs
-        asyncio.run(serve(args))
+        _eventloop.run(serve(args), args.loop)
     except UsageError as exc:
         print(f"tensorx ps: error: {exc}", file=sys.stderr, flush=True)
         return 2
