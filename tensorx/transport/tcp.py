@@ -33,6 +33,7 @@ from tensorx.errors import (
 )
 from tensorx.memregion import ExportTable
 from tensorx.transport import _staging
+from tensorx.transport._futures import best_effort, fresh_copy, set_once
 from tensorx.transport._sock import (
     BUFFER_BYTES,
     IOV_MAX,
@@ -147,11 +148,11 @@ class Connection(OwnerService):
             return
         self._error = exc
         for pending in self._pending.values():
-            _set_once(pending.future, _copy(exc))
+            set_once(pending.future, fresh_copy(exc))
         self._pending.clear()
         for _, fut in self._sendq:
             if fut is not None:
-                _set_once(fut, _copy(exc))
+                set_once(fut, fresh_copy(exc))
         self._sendq.clear()
         self._wakeup.set()
         self._sent.set()
@@ -175,7 +176,7 @@ class Connection(OwnerService):
         """Say BYE, stop both tasks and close the socket. Idempotent."""
         if self._error is None and self._tasks and not self._closing:
             self._closing = True
-            with _suppress():
+            with best_effort():
                 await asyncio.wait_for(self._send_frame(Kind.BYE, {}), 1.0)
         self._fail(ClosedError(f"{self.label}: endpoint closed"))
         await self._join_tasks()
@@ -291,7 +292,7 @@ class Connection(OwnerService):
     async def _writable(self) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         fd = self.sock.fileno()
-        self._loop.add_writer(fd, _set_once, fut)
+        self._loop.add_writer(fd, set_once, fut)
         try:
             await fut
         finally:
@@ -319,7 +320,7 @@ class Connection(OwnerService):
             self._pending.pop(req, None)
 
     def _time_out(self, fut: asyncio.Future[Any], what: str, timeout: float) -> None:
-        _set_once(fut, TimeoutError(f"{self.label}: {what} timed out after {timeout} s"))
+        set_once(fut, TimeoutError(f"{self.label}: {what} timed out after {timeout} s"))
 
     async def request_write(self, ops: Sequence[tuple[memoryview | StagedRange, int, int, int]],
                             timeout: float | None, imm: bytes | None = None) -> None:
@@ -448,25 +449,50 @@ class Connection(OwnerService):
         return now is not None and now(self, header, payload_len)
 
     async def _serve_later(self, kind: Kind, header: dict[str, Any], payload_len: int) -> None:
+        """Serve a frame that has to wait, then what is already here after it, as a reader
+        task would (no loop turn between frames: a peer flooding notifications fills our
+        queue at once and is held back by it); back to the callback once drained."""
         try:
-            if kind in REQUESTS and len(self._sendq) >= MAX_QUEUED_FRAMES:
-                # A peer that asks without reading our answers: stop reading its requests
-                # until the answers drain (TCP then holds it back), instead of queueing more.
-                self._sent.clear()
-                await self._sent.wait()
-            plain = self._PLAIN.get(kind)
-            if plain is not None:
-                plain(self, header, payload_len)
-            elif kind in self._LATER:
-                await self._LATER[kind](self, header, payload_len)
-            else:
-                raise ProtocolError(f"unexpected {kind.name} frame after the handshake")
+            frame: tuple[Kind, dict[str, Any], int] | None = (kind, header, payload_len)
+            while frame is not None:
+                await self._serve_waiting(*frame)
+                frame = self._next_waiting()
         except Exception as exc:
             self._read_failed(exc)
             return
         self._later = None
         self._resume()
-        self._pump()
+
+    def _next_waiting(self) -> tuple[Kind, dict[str, Any], int] | None:
+        """Serve the frames already here that can be served at once; return the next one
+        that has to wait, or None when nothing more has arrived."""
+        while self._error is None:
+            frame = self._reader.next_frame()
+            if frame is None:
+                try:
+                    self._reader.feed()
+                except BlockingIOError:
+                    return None
+                continue
+            self.stats["frames_in"] += 1
+            self.stats["bytes_in"] += frame[2]
+            if not self._serve_now(*frame):
+                return frame
+        return None
+
+    async def _serve_waiting(self, kind: Kind, header: dict[str, Any], payload_len: int) -> None:
+        if kind in REQUESTS and len(self._sendq) >= MAX_QUEUED_FRAMES:
+            # A peer that asks without reading our answers: stop reading its requests
+            # until the answers drain (TCP then holds it back), instead of queueing more.
+            self._sent.clear()
+            await self._sent.wait()
+        plain = self._PLAIN.get(kind)
+        if plain is not None:
+            plain(self, header, payload_len)
+        elif kind in self._LATER:
+            await self._LATER[kind](self, header, payload_len)
+        else:
+            raise ProtocolError(f"unexpected {kind.name} frame after the handshake")
 
     def _read_failed(self, exc: Exception) -> None:
         if isinstance(exc, ProtocolError):
@@ -482,7 +508,7 @@ class Connection(OwnerService):
 
     async def _refuse(self, exc: ProtocolError) -> None:
         """Tell the peer why (best effort), then close."""
-        with _suppress():
+        with best_effort():
             await asyncio.wait_for(self._loop.sock_sendall(self.sock, _wire.encode(
                 Kind.ERROR, {"req": 0, "code": "protocol", "msg": str(exc)})), 1.0)
         self._fail(BrokenError(f"{self.label}: protocol error: {exc}"))
@@ -494,7 +520,7 @@ class Connection(OwnerService):
         if pending is None or pending.dest is None or pending.future.done():
             return None
         if len(pending.dest) != payload_len:
-            _set_once(pending.future, ProtocolError(
+            set_once(pending.future, ProtocolError(
                 f"{self.label}: read of {len(pending.dest)} B answered with {payload_len} B"))
             return None
         return pending
@@ -521,7 +547,7 @@ class Connection(OwnerService):
         # The read may time out or be cancelled while its reply streams in: from then on
         # the rest is dropped, never written to the caller's memory.
         if await self._land(pending.dest, live=lambda: not pending.future.done()):
-            _set_once(pending.future)
+            set_once(pending.future)
 
     async def _land(self, dest: memoryview | StagedRange,
                     live: Callable[[], bool] = lambda: True) -> bool:
@@ -578,32 +604,6 @@ class Connection(OwnerService):
         if pending is not None and not pending.future.done():
             pending.future.set_result(value)
 
+
 async def _ignore_notification(conn: Connection, payload: bytes) -> None:
     return None
-
-
-def _set_once(fut: asyncio.Future[Any], exc: BaseException | None = None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(exc)
-
-
-def _copy(exc: TensorxError) -> TensorxError:
-    """A fresh exception per waiter, so tracebacks do not pile up on one shared object."""
-    new = type(exc)(str(exc))
-    new.__cause__ = exc.__cause__
-    return new
-
-
-class _suppress:
-    """Swallow failures of best-effort steps during shutdown (and only there)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> bool:
-        return typ is not None and issubclass(typ, Exception | asyncio.TimeoutError)
