@@ -15,8 +15,7 @@ import collections
 import itertools
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tensorx import _wire
@@ -44,6 +43,7 @@ from tensorx.transport._sock import (
 )
 from tensorx.transport._staging import RecvStager, SendStager, StagedRange
 from tensorx.transport._tcp_owner import ERROR_CODES, OwnerService
+from tensorx.transport._tcp_requests import Pending, Requester
 
 __all__ = ["Connection", "TcpListener", "open_socket"]
 
@@ -54,18 +54,12 @@ MAX_QUEUED_FRAMES = 4096  # answers queued for a peer before we stop reading its
 REQUESTS = frozenset({Kind.WRITE, Kind.READ, Kind.VALIDATE, Kind.QUERY})
 
 
-@dataclass
-class _Pending:
-    future: asyncio.Future[Any]
-    dest: memoryview | StagedRange | None = None
-
-
 NotifyHandler = Callable[["Connection", bytes], Awaitable[None]]
 QueryHandler = Callable[[str], dict[str, Any]]
 ClosedHandler = Callable[["Connection", BaseException | None], None]
 
 
-class Connection(OwnerService):
+class Connection(OwnerService, Requester):
     """One TCP connection to a peer: frames in, frames out, requests in flight.
 
     Before :meth:`start`, the handshake uses :meth:`send_now` and :meth:`recv_frame`.
@@ -89,7 +83,7 @@ class Connection(OwnerService):
             collections.deque())
         self._wakeup = asyncio.Event()
         self._sent = asyncio.Event()  # set whenever the writer has taken the queue
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._refused: set[int] = set()  # peer's write requests with a refused frame
         self._req_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
@@ -299,84 +293,6 @@ class Connection(OwnerService):
             self._loop.remove_writer(fd)
 
     # -- requests -----------------------------------------------------------------------
-    def _new_request(self, dest: memoryview | StagedRange | None = None
-                     ) -> tuple[int, _Pending]:
-        req = next(self._req_ids)
-        pending = _Pending(self._loop.create_future(), dest)
-        self._pending[req] = pending
-        return req, pending
-
-    async def _await(self, req: int, pending: _Pending, timeout: float | None, what: str) -> Any:
-        """Wait for the reply; a timer (not wait_for's extra task hop) enforces the timeout."""
-        fut = pending.future
-        timer = None
-        if timeout is not None:
-            timer = self._loop.call_later(timeout, self._time_out, fut, what, timeout)
-        try:
-            return await fut
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._pending.pop(req, None)
-
-    def _time_out(self, fut: asyncio.Future[Any], what: str, timeout: float) -> None:
-        set_once(fut, TimeoutError(f"{self.label}: {what} timed out after {timeout} s"))
-
-    async def request_write(self, ops: Sequence[tuple[memoryview | StagedRange, int, int, int]],
-                            timeout: float | None, imm: bytes | None = None) -> None:
-        """Send WRITE frames for (src, region_id, cookie, offset); one ACK covers them all.
-        ``imm``: a notification carried by the last frame, which the owner delivers once
-        every frame of the write has landed (and not at all if one was refused)."""
-        req, pending = self._new_request()
-        try:
-            for i, (src, rid, ck, off) in enumerate(ops):
-                header: dict[str, Any] = {"req": req, "rid": rid, "ck": ck, "off": off,
-                                          "n": len(src), "last": i == len(ops) - 1}
-                if imm is not None and header["last"]:
-                    header["imm"] = imm
-                self._enqueue([_wire.encode(Kind.WRITE, header, len(src)), src])
-        except BaseException:
-            self._pending.pop(req, None)
-            raise
-        await self._await(req, pending, timeout, "write")
-
-    async def _ask(self, kind: Kind, fields: dict[str, Any], timeout: float | None, what: str,
-                   dest: memoryview | StagedRange | None = None) -> Any:
-        """Send one request frame and wait for its answer."""
-        req, pending = self._new_request(dest)
-        try:
-            self._enqueue([_wire.encode(kind, {"req": req, **fields})])
-        except BaseException:
-            self._pending.pop(req, None)
-            raise
-        return await self._await(req, pending, timeout, what)
-
-    async def request_read(self, dest: memoryview | StagedRange, rid: int, ck: int, off: int,
-                           timeout: float | None) -> None:
-        fields = {"rid": rid, "ck": ck, "off": off, "n": len(dest)}
-        await self._ask(Kind.READ, fields, timeout, "read", dest)
-
-    async def request_validate(self, rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
-        n, access, _ = await self._validate({"rid": rid, "ck": ck}, timeout)
-        return n, access
-
-    async def request_address(self, rid: int, ck: int, timeout: float | None
-                              ) -> tuple[int, str, int | None]:
-        """(nbytes, access, address) of the owner's region: the address of host memory
-        (None for GPU memory), for a same-host lane. Only a peer that offered such a lane
-        is asked (an older owner would not answer with one)."""
-        return await self._validate({"rid": rid, "ck": ck, "addr": True}, timeout)
-
-    async def _validate(self, fields: dict[str, Any], timeout: float | None
-                        ) -> tuple[int, str, int | None]:
-        result: tuple[int, str, int | None] = await self._ask(Kind.VALIDATE, fields, timeout,
-                                                              "descriptor check")
-        return result
-
-    async def request_query(self, what: str, timeout: float | None) -> dict[str, Any]:
-        answer: dict[str, Any] = await self._ask(Kind.QUERY, {"what": what}, timeout, "query")
-        return answer
-
     def revoke(self, region_id: int) -> None:
         """Tell the peer (best effort, without waiting) that a region of ours is gone."""
         if self._error is None:
@@ -513,66 +429,11 @@ class Connection(OwnerService):
                 Kind.ERROR, {"req": 0, "code": "protocol", "msg": str(exc)})), 1.0)
         self._fail(BrokenError(f"{self.label}: protocol error: {exc}"))
 
-    def _landing(self, req: int, payload_len: int) -> _Pending | None:
-        """The read that READ_DATA answers, if its data should land (else it is dropped:
-        the read timed out or was cancelled meanwhile, or the size is wrong)."""
-        pending = self._pending.get(req)
-        if pending is None or pending.dest is None or pending.future.done():
-            return None
-        if len(pending.dest) != payload_len:
-            set_once(pending.future, ProtocolError(
-                f"{self.label}: read of {len(pending.dest)} B answered with {payload_len} B"))
-            return None
-        return pending
-
-    def _read_data_now(self, h: dict[str, Any], payload_len: int) -> bool:
-        """READ_DATA whose payload is buffered, for host memory: lands right here."""
-        if payload_len > self._reader.buffered:
-            return False
-        pending = self._landing(h["req"], payload_len)
-        if pending is None:
-            self._reader.skip(payload_len)
-            return True
-        if not isinstance(pending.dest, memoryview):
-            return False
-        self._reader.take_into(pending.dest)
-        pending.future.set_result(None)
-        return True
-
-    async def _on_read_data(self, h: dict[str, Any], payload_len: int) -> None:
-        pending = self._landing(h["req"], payload_len)
-        if pending is None or pending.dest is None:
-            await self._reader.discard(payload_len)
-            return
-        # The read may time out or be cancelled while its reply streams in: from then on
-        # the rest is dropped, never written to the caller's memory.
-        if await self._land(pending.dest, live=lambda: not pending.future.done()):
-            set_once(pending.future)
-
     async def _land(self, dest: memoryview | StagedRange,
                     live: Callable[[], bool] = lambda: True) -> bool:
         if isinstance(dest, StagedRange):
             return await self._stage_in.receive(self._reader, dest, live)
         return await self._reader.read_into(dest, live)
-
-    def _on_ack(self, h: dict[str, Any], payload_len: int) -> None:
-        self._resolve(h["req"], None)
-
-    def _on_valid(self, h: dict[str, Any], payload_len: int) -> None:
-        addr = h.get("addr")
-        if addr is not None and (not isinstance(addr, int) or isinstance(addr, bool)
-                                 or not 0 <= addr < 2**64):
-            raise ProtocolError("VALID carries a malformed address")
-        self._resolve(h["req"], (h["n"], h["access"], addr))
-
-    def _on_error(self, h: dict[str, Any], payload_len: int) -> None:
-        exc = ERROR_CODES.get(h["code"], BrokenError)(
-            f"{self.label}: peer says: {printable(h['msg'])}")
-        if h["req"] == 0:
-            raise BrokenError(str(exc)) from exc
-        pending = self._pending.get(h["req"])
-        if pending is not None and not pending.future.done():
-            pending.future.set_exception(exc)
 
     def _on_revoke(self, h: dict[str, Any], payload_len: int) -> None:
         self.on_revoke(h["rid"])
@@ -580,30 +441,23 @@ class Connection(OwnerService):
     def _on_revoke_ack(self, h: dict[str, Any], payload_len: int) -> None:
         self.on_revoke_ack(h["rid"])
 
-    def _on_answer(self, h: dict[str, Any], payload_len: int) -> None:
-        self._resolve(h["req"], h["data"])
-
     # Frames served by plain calls; frames served here when their payload is buffered
     # (else later); frames always served by a task.
     _PLAIN: dict[Kind, Callable[[Connection, dict[str, Any], int], None]] = {
-        Kind.READ: OwnerService._on_read, Kind.WRITE_ACK: _on_ack, Kind.VALID: _on_valid,
-        Kind.ERROR: _on_error, Kind.VALIDATE: OwnerService._on_validate,
+        Kind.READ: OwnerService._on_read, Kind.WRITE_ACK: Requester._on_ack,
+        Kind.VALID: Requester._on_valid,
+        Kind.ERROR: Requester._on_error, Kind.VALIDATE: OwnerService._on_validate,
         Kind.QUERY: OwnerService._on_query,
-        Kind.ANSWER: _on_answer, Kind.REVOKE: _on_revoke, Kind.REVOKE_ACK: _on_revoke_ack,
+        Kind.ANSWER: Requester._on_answer, Kind.REVOKE: _on_revoke,
+        Kind.REVOKE_ACK: _on_revoke_ack,
     }
     _NOW: dict[Kind, Callable[[Connection, dict[str, Any], int], bool]] = {
-        Kind.WRITE: OwnerService._write_now, Kind.READ_DATA: _read_data_now,
+        Kind.WRITE: OwnerService._write_now, Kind.READ_DATA: Requester._read_data_now,
     }
     _LATER: dict[Kind, Callable[[Connection, dict[str, Any], int], Awaitable[None]]] = {
-        Kind.WRITE: OwnerService._on_write, Kind.READ_DATA: _on_read_data,
+        Kind.WRITE: OwnerService._on_write, Kind.READ_DATA: Requester._on_read_data,
         Kind.NOTIFY: OwnerService._on_notify,
     }
-
-    def _resolve(self, req: int, value: Any) -> None:
-        pending = self._pending.get(req)
-        if pending is not None and not pending.future.done():
-            pending.future.set_result(value)
-
 
 async def _ignore_notification(conn: Connection, payload: bytes) -> None:
     return None

@@ -1,0 +1,190 @@
+"""The requester side of a TCP connection: our one-sided ops on the peer's memory (WRITE,
+READ, VALIDATE, QUERY), each a request id with a future, and the handlers of the answers
+(WRITE_ACK, READ_DATA landing straight in the caller's memory, VALID, ANSWER, ERROR).
+
+A mixin of :class:`~tensorx.transport.tcp.Connection`, which owns the socket, the frame
+reader and the send path; :mod:`~tensorx.transport._tcp_owner` is the other side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tensorx import _wire
+from tensorx._text import printable
+from tensorx._wire import Kind
+from tensorx.errors import BrokenError, ProtocolError, TimeoutError
+from tensorx.transport._futures import set_once
+from tensorx.transport._sock import FrameReader
+from tensorx.transport._staging import StagedRange
+from tensorx.transport._tcp_owner import ERROR_CODES
+
+__all__ = ["Pending", "Requester"]
+
+
+@dataclass
+class Pending:
+    future: asyncio.Future[Any]
+    dest: memoryview | StagedRange | None = None
+
+
+class Requester:
+    """Our requests in flight, by id, and what completes them."""
+
+    label: str
+    _loop: asyncio.AbstractEventLoop
+    _reader: FrameReader
+    _pending: dict[int, Pending]
+    _req_ids: itertools.count[int]
+
+    def _enqueue(self, parts: list[Any], done: asyncio.Future[None] | None = None) -> None:
+        raise NotImplementedError
+
+    async def _land(self, dest: memoryview | StagedRange,
+                    live: Callable[[], bool] = lambda: True) -> bool:
+        raise NotImplementedError
+
+    def _new_request(self, dest: memoryview | StagedRange | None = None
+                     ) -> tuple[int, Pending]:
+        req = next(self._req_ids)
+        pending = Pending(self._loop.create_future(), dest)
+        self._pending[req] = pending
+        return req, pending
+
+    async def _await(self, req: int, pending: Pending, timeout: float | None, what: str) -> Any:
+        """Wait for the reply; a timer (not wait_for's extra task hop) enforces the timeout."""
+        fut = pending.future
+        timer = None
+        if timeout is not None:
+            timer = self._loop.call_later(timeout, self._time_out, fut, what, timeout)
+        try:
+            return await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._pending.pop(req, None)
+
+    def _time_out(self, fut: asyncio.Future[Any], what: str, timeout: float) -> None:
+        set_once(fut, TimeoutError(f"{self.label}: {what} timed out after {timeout} s"))
+
+    async def request_write(self, ops: Sequence[tuple[memoryview | StagedRange, int, int, int]],
+                            timeout: float | None, imm: bytes | None = None) -> None:
+        """Send WRITE frames for (src, region_id, cookie, offset); one ACK covers them all.
+        ``imm``: a notification carried by the last frame, which the owner delivers once
+        every frame of the write has landed (and not at all if one was refused)."""
+        req, pending = self._new_request()
+        try:
+            for i, (src, rid, ck, off) in enumerate(ops):
+                header: dict[str, Any] = {"req": req, "rid": rid, "ck": ck, "off": off,
+                                          "n": len(src), "last": i == len(ops) - 1}
+                if imm is not None and header["last"]:
+                    header["imm"] = imm
+                self._enqueue([_wire.encode(Kind.WRITE, header, len(src)), src])
+        except BaseException:
+            self._pending.pop(req, None)
+            raise
+        await self._await(req, pending, timeout, "write")
+
+    async def _ask(self, kind: Kind, fields: dict[str, Any], timeout: float | None, what: str,
+                   dest: memoryview | StagedRange | None = None) -> Any:
+        """Send one request frame and wait for its answer."""
+        req, pending = self._new_request(dest)
+        try:
+            self._enqueue([_wire.encode(kind, {"req": req, **fields})])
+        except BaseException:
+            self._pending.pop(req, None)
+            raise
+        return await self._await(req, pending, timeout, what)
+
+    async def request_read(self, dest: memoryview | StagedRange, rid: int, ck: int, off: int,
+                           timeout: float | None) -> None:
+        fields = {"rid": rid, "ck": ck, "off": off, "n": len(dest)}
+        await self._ask(Kind.READ, fields, timeout, "read", dest)
+
+    async def request_validate(self, rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
+        n, access, _ = await self._validate({"rid": rid, "ck": ck}, timeout)
+        return n, access
+
+    async def request_address(self, rid: int, ck: int, timeout: float | None
+                              ) -> tuple[int, str, int | None]:
+        """(nbytes, access, address) of the owner's region: the address of host memory
+        (None for GPU memory), for a same-host lane. Only a peer that offered such a lane
+        is asked (an older owner would not answer with one)."""
+        return await self._validate({"rid": rid, "ck": ck, "addr": True}, timeout)
+
+    async def _validate(self, fields: dict[str, Any], timeout: float | None
+                        ) -> tuple[int, str, int | None]:
+        result: tuple[int, str, int | None] = await self._ask(Kind.VALIDATE, fields, timeout,
+                                                              "descriptor check")
+        return result
+
+    async def request_query(self, what: str, timeout: float | None) -> dict[str, Any]:
+        answer: dict[str, Any] = await self._ask(Kind.QUERY, {"what": what}, timeout, "query")
+        return answer
+
+    def _landing(self, req: int, payload_len: int) -> Pending | None:
+        """The read that READ_DATA answers, if its data should land (else it is dropped:
+        the read timed out or was cancelled meanwhile, or the size is wrong)."""
+        pending = self._pending.get(req)
+        if pending is None or pending.dest is None or pending.future.done():
+            return None
+        if len(pending.dest) != payload_len:
+            set_once(pending.future, ProtocolError(
+                f"{self.label}: read of {len(pending.dest)} B answered with {payload_len} B"))
+            return None
+        return pending
+
+    def _read_data_now(self, h: dict[str, Any], payload_len: int) -> bool:
+        """READ_DATA whose payload is buffered, for host memory: lands right here."""
+        if payload_len > self._reader.buffered:
+            return False
+        pending = self._landing(h["req"], payload_len)
+        if pending is None:
+            self._reader.skip(payload_len)
+            return True
+        if not isinstance(pending.dest, memoryview):
+            return False
+        self._reader.take_into(pending.dest)
+        pending.future.set_result(None)
+        return True
+
+    async def _on_read_data(self, h: dict[str, Any], payload_len: int) -> None:
+        pending = self._landing(h["req"], payload_len)
+        if pending is None or pending.dest is None:
+            await self._reader.discard(payload_len)
+            return
+        # The read may time out or be cancelled while its reply streams in: from then on
+        # the rest is dropped, never written to the caller's memory.
+        if await self._land(pending.dest, live=lambda: not pending.future.done()):
+            set_once(pending.future)
+
+    def _on_ack(self, h: dict[str, Any], payload_len: int) -> None:
+        self._resolve(h["req"], None)
+
+    def _on_valid(self, h: dict[str, Any], payload_len: int) -> None:
+        addr = h.get("addr")
+        if addr is not None and (not isinstance(addr, int) or isinstance(addr, bool)
+                                 or not 0 <= addr < 2**64):
+            raise ProtocolError("VALID carries a malformed address")
+        self._resolve(h["req"], (h["n"], h["access"], addr))
+
+    def _on_error(self, h: dict[str, Any], payload_len: int) -> None:
+        exc = ERROR_CODES.get(h["code"], BrokenError)(
+            f"{self.label}: peer says: {printable(h['msg'])}")
+        if h["req"] == 0:
+            raise BrokenError(str(exc)) from exc
+        pending = self._pending.get(h["req"])
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(exc)
+
+    def _on_answer(self, h: dict[str, Any], payload_len: int) -> None:
+        self._resolve(h["req"], h["data"])
+
+    def _resolve(self, req: int, value: Any) -> None:
+        pending = self._pending.get(req)
+        if pending is not None and not pending.future.done():
+            pending.future.set_result(value)
