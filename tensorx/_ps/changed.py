@@ -54,10 +54,13 @@ class ChangedRows:
             collections.deque(maxlen=HISTORY)
         self._current: dict[int, list[torch.Tensor]] = {}
         self._known = True  # the update in progress is row-local so far
+        # since()'s answers until the rows change: every worker of an update asks alike
+        self._memo: dict[tuple[int, int, bool], dict[int, torch.Tensor] | None] = {}
 
     def stepped(self, params: Sequence[torch.Tensor], local: bool) -> None:
         """After a successful optimizer step: note the rows of each table's gradient;
         ``local``: the optimizer (as it is set now) is row-local for every table."""
+        self._memo.clear()
         if not local:
             self._known = False
         for i in self.tables:
@@ -71,6 +74,7 @@ class ChangedRows:
 
     def finished(self, version: int) -> None:
         """The update that made ``version`` is complete."""
+        self._memo.clear()
         if self._known:
             changed = {i: torch.unique(torch.cat(ids)) for i, ids in self._current.items()}
             if self._history and self._history[-1][0] != version - 1:
@@ -83,6 +87,7 @@ class ChangedRows:
     def forget(self) -> None:
         """The parameters changed outside an update (loaded, a failed step): answers are
         whole until new updates are remembered."""
+        self._memo.clear()
         self._history.clear()
         self._current, self._known = {}, True
 
@@ -91,6 +96,13 @@ class ChangedRows:
         """Rows changed after version ``held`` up to ``version`` (and, with ``current``, by
         the update in progress so far), per table (a table absent: none changed); None
         when that is not known (the answer must be whole)."""
+        key = (held, version, current)
+        if key not in self._memo:
+            self._memo[key] = self._since(held, version, current)
+        return self._memo[key]
+
+    def _since(self, held: int, version: int, current: bool
+               ) -> dict[int, torch.Tensor] | None:
         if held < 0 or held > version:
             return None
         have = dict(self._history)
