@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tensorx import _auth, _cuda
+from tensorx._deadline import wait_for
 from tensorx._queues import LatestQueue, NotificationQueue
 from tensorx._text import printable
 from tensorx.endpoint import DEFAULT, Endpoint
@@ -375,7 +376,7 @@ class Node:
         left = _budget(self.timeout if timeout is DEFAULT else timeout)
         _, host, port = parse_address(address)
         try:
-            sock = await asyncio.wait_for(open_socket(host, port), left())
+            sock = await wait_for(open_socket(host, port), left())
         except asyncio.TimeoutError:
             raise TimeoutError(f"connecting to {address} timed out") from None
         conn = Connection(sock, self._exports, f"{self.id}->{address}")

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tensorx import _eventloop, _wire
+from tensorx._deadline import wait_for
 from tensorx._netns import enter_netns
 from tensorx.endpoint import Endpoint
 from tensorx.errors import TensorxError
@@ -160,7 +161,7 @@ class OwnerProcess:
 
     async def call(self, *cmd: Any) -> Any:
         """Run a command in the owner and return its result (child errors re-raised)."""
-        return await asyncio.wait_for(asyncio.to_thread(self.call_blocking, *cmd), self.timeout)
+        return await wait_for(asyncio.to_thread(self.call_blocking, *cmd), self.timeout)
 
     def call_blocking(self, *cmd: Any) -> Any:
         """:meth:`call` for code without an event loop."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tensorx._deadline import wait_for
 from tensorx._ps import optim_state, protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
 from tensorx._ps.checksum import checksum
@@ -259,7 +260,7 @@ class Worker:
     async def _attempt_handshake(self, deadline: float) -> None:
         """One handshake, cut short where the rejoin budget ends."""
         try:
-            await asyncio.wait_for(self._handshake(), max(0.0, deadline - time.monotonic()))
+            await wait_for(self._handshake(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             raise TimeoutError("the rejoin budget ran out during a handshake") from None
 
@@ -514,7 +515,7 @@ class Worker:
 
     async def _expect(self, shard: int, kind: str) -> dict[str, Any]:
         try:
-            msg = await asyncio.wait_for(self._inbox[shard].get(), self.timeout)
+            msg = await wait_for(self._inbox[shard].get(), self.timeout)
         except asyncio.TimeoutError:
             note = self._notes.get(shard)
             raise TimeoutError(f"ps shard {shard} ({self.addresses[shard]}) sent no {kind!r} "

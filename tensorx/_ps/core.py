@@ -82,6 +82,7 @@ class ShardCore(abc.ABC):
     # the service
     _events: Inbox
     _stopped: asyncio.Event
+    _closed: bool  # aclose() has begun
     _until: str | None
     stats: dict[str, Any]
 

@@ -22,6 +22,7 @@ import logging
 import math
 from typing import Any
 
+from tensorx._deadline import wait_for
 from tensorx._ps import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import BrokenError, ProtocolError, TensorxError
@@ -167,7 +168,7 @@ class NormExchange:
                     f"shard(s) {missing} within {self.timeout:g} s (are they at another "
                     "version, or waiting for a worker?)")
             try:
-                await asyncio.wait_for(self._changed.wait(), left)
+                await wait_for(self._changed.wait(), left)
             except asyncio.TimeoutError:
                 continue
 

@@ -40,8 +40,10 @@ class ServiceLoop(ShardCore):
         self._events.post(Event("lost", None, rank=rank))
 
     async def _run(self) -> None:
-        """The one consumer of events: updates and writes out of the arena never interleave."""
-        while True:
+        """The one consumer of events: updates and writes out of the arena never interleave.
+        Ends when the server closes, even if a handler lost the cancellation that
+        ``aclose()`` sent it (a library may swallow one; the loop must not outlive it)."""
+        while not self._closed:
             event = await self._events.get()
             try:
                 try:

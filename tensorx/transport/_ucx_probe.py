@@ -20,6 +20,7 @@ import signal
 import sys
 from collections.abc import Mapping
 
+from tensorx._deadline import wait_for
 from tensorx.errors import ProtocolError, TimeoutError, TransportUnavailableError
 
 __all__ = ["MAX_ADDRESS", "AddressProbe"]
@@ -94,7 +95,7 @@ class AddressProbe:
             *_backend_dirs(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=self._env)
         try:
-            out, err = await asyncio.wait_for(proc.communicate(address), budget)
+            out, err = await wait_for(proc.communicate(address), budget)
         except asyncio.TimeoutError:
             raise TimeoutError(f"checking a peer's UCX address took over {budget} s") from None
         finally:

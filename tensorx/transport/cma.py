@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
+from tensorx._deadline import wait_for
 from tensorx._shm import host_id
 from tensorx.errors import BrokenError, ClosedError, RegionError, TimeoutError, UsageError
 from tensorx.memregion import check_bounds
@@ -263,7 +264,7 @@ class CmaLane(DataLane):
             fut = self._addrs[key] = asyncio.ensure_future(self._ask(key, op.remote.nbytes))
             fut.add_done_callback(_retrieve)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            return await wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"cma: the owner's address of region {key[0]:#x} did not "
                                f"come within {timeout} s") from None
@@ -351,7 +352,7 @@ class CmaLane(DataLane):
         pending = list(self._inflight)
         if pending:
             try:
-                await asyncio.wait_for(asyncio.gather(*pending), timeout)
+                await wait_for(asyncio.gather(*pending), timeout)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"cma: ops did not finish within {timeout} s") from None
         await self.inner.flush(timeout=timeout)
@@ -417,7 +418,7 @@ class CmaLane(DataLane):
                 op.local._unpin()
             raise ClosedError("cma: the node is closed") from exc
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
+            await wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             cancelled.append(TimeoutError(f"cma: copy did not finish within {timeout} s"))
             await _settle(fut)

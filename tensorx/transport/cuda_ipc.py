@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorx import _cuda
+from tensorx._deadline import wait_for
 from tensorx.errors import BrokenError, ClosedError, TensorxError, TimeoutError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.transport.base import DataLane, Op
@@ -230,7 +231,7 @@ class CudaIpcLane(DataLane):
 
     async def _wait(self, events: list[Any], timeout: float | None) -> None:
         try:  # on any way out _cuda.wait waits for the copies first
-            await asyncio.wait_for(_cuda.wait(events), timeout)
+            await wait_for(_cuda.wait(events), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"GPU copies did not complete within {timeout} s") from None
 

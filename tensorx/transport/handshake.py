@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tensorx import _auth
+from tensorx._deadline import wait_for
 from tensorx._text import printable
 from tensorx._wire import Kind
 from tensorx.errors import AuthError, ProtocolError, TensorxError, TimeoutError
@@ -51,7 +52,7 @@ async def accept(conn: Connection, node_id: str, token: bytes, caps: Caps,
 
 async def _within(coro: Any, timeout: float | None, label: str) -> None:
     try:
-        await asyncio.wait_for(coro, timeout)
+        await wait_for(coro, timeout)
     except asyncio.TimeoutError:
         raise TimeoutError(f"{label}: handshake timed out after {timeout} s") from None
 

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tensorx import _wire
+from tensorx._deadline import wait_for
 from tensorx._ratelog import RefusalLog
 from tensorx._text import printable
 from tensorx._wire import Kind
@@ -171,7 +172,7 @@ class Connection(OwnerService, Requester):
         if self._error is None and self._tasks and not self._closing:
             self._closing = True
             with best_effort():
-                await asyncio.wait_for(self._send_frame(Kind.BYE, {}), 1.0)
+                await wait_for(self._send_frame(Kind.BYE, {}), 1.0)
         self._fail(ClosedError(f"{self.label}: endpoint closed"))
         await self._join_tasks()
 
@@ -308,7 +309,7 @@ class Connection(OwnerService, Requester):
             raise UsageError(f"notification of {len(payload)} B exceeds {_wire.MAX_NOTIFY} B")
         done = self._send_frame(Kind.NOTIFY, {}, bytes(payload) if payload else None)
         try:
-            await asyncio.wait_for(asyncio.shield(done), timeout)
+            await wait_for(asyncio.shield(done), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"{self.label}: notify timed out after {timeout} s") from None
 
@@ -425,7 +426,7 @@ class Connection(OwnerService, Requester):
     async def _refuse(self, exc: ProtocolError) -> None:
         """Tell the peer why (best effort), then close."""
         with best_effort():
-            await asyncio.wait_for(self._loop.sock_sendall(self.sock, _wire.encode(
+            await wait_for(self._loop.sock_sendall(self.sock, _wire.encode(
                 Kind.ERROR, {"req": 0, "code": "protocol", "msg": str(exc)})), 1.0)
         self._fail(BrokenError(f"{self.label}: protocol error: {exc}"))
 
