@@ -244,3 +244,16 @@ def test_a_loaded_state_the_flat_update_cannot_hold_turns_it_off(
     _train(auto, range(2, 4), workers=1)
     _train(ref, range(2, 4), workers=1)
     _same(auto, ref, exact=False)  # the first two steps: fused kernel, not bitwise
+
+
+def test_without_sparse_tables_the_flat_update_is_all_that_runs() -> None:
+    """The flat update steps the arena's ranges itself; with no sparse table to step
+    beside it, the optimizer's own per-tensor step (a pass over every parameter, most of a
+    round for 2000 small tensors) must not run at all."""
+    state = ShardState(_layout(), 1, lambda p: torch.optim.SGD(p, lr=0.1))
+    assert state.fast is not None and not state.rows
+    calls: list[int] = []
+    state._step = lambda: calls.append(1)  # type: ignore[method-assign]
+    _train(state, range(2), workers=1)
+    _train(state, range(2, 4), workers=1, by_parts=True)
+    assert calls == []

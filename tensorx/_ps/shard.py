@@ -403,6 +403,8 @@ class ShardState:
     def _step_tables(self, ranks: list[int], tables: list[int]) -> None:
         """Step the sparse ``tables`` alone (the face of a flat update): every other
         parameter's ``.grad`` is unset meanwhile, so the optimizer skips it."""
+        if not tables:  # a pass over every parameter, and a step of none
+            return
         saved = [p.grad for p in self.params]
         try:
             for i, p in enumerate(self.params):
