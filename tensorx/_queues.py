@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import Any, Generic, TypeVar
 
-__all__ = ["LatestQueue", "NotificationQueue"]
+from tensorx._deadline import Deadline, wait_for
+from tensorx.errors import BrokenError, ClosedError
+from tensorx.errors import TimeoutError as TxTimeoutError
+
+__all__ = ["LatestQueue", "MessageStream", "NotificationQueue"]
 
 logger = logging.getLogger("tensorx.node")
 
@@ -57,3 +62,88 @@ class LatestQueue(asyncio.Queue[T], Generic[T]):
             self.dropped += 1
         super().put_nowait(item)
 
+
+
+class MessageStream:
+    """One endpoint's notifications, in the order they arrived, ending after the last one.
+
+    Bounded by count *and* bytes (``max_bytes`` plus one message): a :meth:`put` that does
+    not fit waits, and the connection delivering it stops reading meanwhile, so a peer
+    whose messages nobody takes is held back by TCP. The end always gets in: after the
+    messages already here, :meth:`get` raises why the stream ended
+    (:class:`~tensorx.errors.ClosedError` for a clean close by either side,
+    :class:`~tensorx.errors.BrokenError` otherwise); ``async for`` simply stops, and
+    :attr:`ended_by` then tells which (``None``: clean)."""
+
+    def __init__(self, what: str, max_count: int = 256, max_bytes: int = 16 << 20) -> None:
+        self.what = what
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self._items: collections.deque[bytes] = collections.deque()
+        self._nbytes = 0
+        self._end: BaseException | None = None  # why it ended, once it has
+        self.ended = False
+        self.ended_by: BaseException | None = None  # None: a clean close
+        self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def full(self) -> bool:
+        return bool(self._items) and (len(self._items) >= self.max_count
+                                      or self._nbytes >= self.max_bytes)
+
+    async def put(self, payload: bytes) -> None:
+        """Append ``payload``; waits while the stream is full. Dropped once it has ended."""
+        while self.full() and not self.ended:
+            self._room.clear()
+            await self._room.wait()
+        if self.ended:
+            return
+        self._items.append(payload)
+        self._nbytes += len(payload)
+        self._arrived.set()
+
+    def end(self, exc: BaseException | None) -> None:
+        """No more messages: ``exc`` is why (``None``: a clean close). Idempotent."""
+        if self.ended:
+            return
+        self.ended, self.ended_by = True, exc
+        self._end = exc if exc is not None else ClosedError(f"{self.what}: closed")
+        self._arrived.set()
+        self._room.set()
+
+    def get_nowait(self) -> bytes | None:
+        """The next message, or None when none is here yet; raises once ended and empty."""
+        if self._items:
+            payload = self._items.popleft()
+            self._nbytes -= len(payload)
+            self._room.set()
+            return payload
+        if self._end is not None:
+            raise type(self._end)(str(self._end))
+        return None
+
+    async def get(self, timeout: float | None = None) -> bytes:
+        """The next message; :class:`~tensorx.errors.TimeoutError` after ``timeout``
+        seconds (``None``: no limit)."""
+        deadline = Deadline(timeout)
+        while True:
+            payload = self.get_nowait()
+            if payload is not None:
+                return payload
+            self._arrived.clear()
+            try:
+                await wait_for(self._arrived.wait(), deadline.left())
+            except TimeoutError:
+                raise TxTimeoutError(f"{self.what}: no message within {timeout} s") from None
+
+    def __aiter__(self) -> MessageStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self.get()
+        except (ClosedError, BrokenError):
+            raise StopAsyncIteration from None

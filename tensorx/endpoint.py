@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensorx import _cuda
+from tensorx._queues import MessageStream
 from tensorx.errors import (
     ClosedError,
     RegionError,
@@ -66,6 +67,25 @@ class Endpoint:
         self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
         self.stats = OpStats()
+        self._stream = MessageStream(f"endpoint to {conn.peer}")
+        self._claimed = False  # our notifications go to _stream, not node.notifications
+
+    @property
+    def messages(self) -> MessageStream:
+        """This peer's notifications, in order, ending after its last one (see
+        :class:`~tensorx._queues.MessageStream`: ``await ep.messages.get(timeout)``, or
+        ``async for payload in ep.messages``). Asking for it claims them: from then on
+        they come here and no longer to ``node.notifications``. Ask right after
+        :meth:`Node.connect` returns (before awaiting anything else); for the endpoints
+        peers open, pass ``Node(handler=...)``, which claims them from the first one."""
+        self._claimed = True
+        return self._stream
+
+    def _deliver(self, payload: bytes) -> Any:
+        """Where a notification from the peer goes (an awaitable: waits while it is full)."""
+        if self._claimed:
+            return self._stream.put(payload)
+        return self._node.notifications.put((self, payload))
 
     def __repr__(self) -> str:
         return f"<Endpoint to {self.peer} at {self.address} over {self._lane.name}>"

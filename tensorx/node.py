@@ -14,7 +14,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
 from urllib.parse import urlsplit
@@ -99,6 +99,12 @@ class Node:
     ``notify_queue``: ``(count, bytes)`` bound of ``notifications``; a connection whose
     notification does not fit waits (stops reading its peer) until the user takes some.
 
+    ``handler``: ``async def handler(ep)``, run as a task of its own for every endpoint a
+    peer opens to this node, once its handshake is done. That endpoint's notifications then
+    go to ``ep.messages`` (in order, ending after the last one: no separate disconnect to
+    race with), not to ``notifications``. The node cancels these tasks when it closes; an
+    exception escaping one is logged and aborts that endpoint alone.
+
     ``cuda_ipc``: GPU regions between same-host peers that both use CUDA travel device to
     device over CUDA IPC (reported in ``ep.info["gpu"]``); ``None`` reads
     ``$TENSORX_CUDA_IPC`` (on unless ``0``). See docs/transports.md, "GPU memory".
@@ -115,7 +121,8 @@ class Node:
                  insecure: bool = False, handshake_timeout: float = 5.0,
                  max_handshakes: int = 64,
                  notify_queue: tuple[int, int] = (4096, 64 << 20),
-                 cuda_ipc: bool | None = None, same_host: bool | None = None) -> None:
+                 cuda_ipc: bool | None = None, same_host: bool | None = None,
+                 handler: Callable[[Endpoint], Awaitable[None]] | None = None) -> None:
         if transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         require = require if require is not None else os.environ.get("TENSORX_REQUIRE") or None
@@ -144,6 +151,8 @@ class Node:
         self._factory_why = ""
         self._listener: TcpListener | None = None
         self._endpoints: set[Endpoint] = set()
+        self._handler = handler
+        self._handling: set[asyncio.Task[None]] = set()  # handler(ep) tasks
         # closed regions whose memory peers may still reach: region, peers yet to ack
         self._held: dict[int, tuple[MemoryRegion, set[Endpoint]]] = {}
         self._state = "new"
@@ -209,6 +218,9 @@ class Node:
         try:
             if self._listener is not None:
                 await self._listener.aclose()
+            for task in list(self._handling):
+                task.cancel()
+            await asyncio.gather(*self._handling, return_exceptions=True)
             await asyncio.gather(*(ep.aclose() for ep in list(self._endpoints)),
                                  return_exceptions=True)
         finally:
@@ -218,6 +230,8 @@ class Node:
                 await self._factory.aclose()
 
     def abort(self) -> None:
+        for task in list(self._handling):
+            task.cancel()
         for ep in list(self._endpoints):
             ep.abort()
         if self._cma_pool is not None:  # its threads finish the piece they copy, then end
@@ -397,7 +411,10 @@ class Node:
         conn = Connection(sock, self._exports, f"{self.id}<-{peer}")
         try:
             await self._authenticate(conn, peer)
-            await self._finish(conn, f"tcp://{peer}", self.timeout)
+            ep = await self._finish(conn, f"tcp://{peer}", self.timeout,
+                                    claim=self._handler is not None)
+            if self._handler is not None:
+                self._handle(ep, self._handler)
         except TensorxError as exc:
             if conn not in self._dropped:  # (a dropped one was reported when dropped)
                 self._failures.failed(peer.rsplit(":", 1)[0], exc)
@@ -409,6 +426,20 @@ class Node:
             raise
         finally:
             self._dropped.discard(conn)
+
+    def _handle(self, ep: Endpoint, handler: Callable[[Endpoint], Awaitable[None]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._run_handler(ep, handler))
+        self._handling.add(task)
+        task.add_done_callback(self._handling.discard)
+
+    async def _run_handler(self, ep: Endpoint,
+                           handler: Callable[[Endpoint], Awaitable[None]]) -> None:
+        try:
+            await handler(ep)
+        except Exception:  # one peer's handler failing must not stop the node
+            logger.exception("node %s: the handler of endpoint %s failed; aborting it",
+                             self.id, printable(ep.peer))
+            ep.abort()
 
     async def _authenticate(self, conn: Connection, peer: str) -> None:
         """The handshake of an accepted connection: a short deadline, and at most
@@ -437,11 +468,14 @@ class Node:
             f"{self.max_handshakes} unauthenticated connections at once: dropped the "
             "oldest (raise Node(max_handshakes=) if real peers need more)"))
 
-    async def _finish(self, conn: Connection, address: str, timeout: float | None) -> Endpoint:
+    async def _finish(self, conn: Connection, address: str, timeout: float | None,
+                      claim: bool = False) -> Endpoint:
         lane, notes = await self._choose_lane(conn, timeout)
         bypassed = cma_lane.offered(self._cma, conn.peer_caps.get(cma_lane.KEY))
         ep = Endpoint(self, conn, lane, address, notes=notes, bypassed=bypassed)
-        conn.on_notify = lambda c, payload: self.notifications.put((ep, payload))
+        if claim:  # before the first notification can arrive
+            ep.messages  # noqa: B018
+        conn.on_notify = lambda c, payload: ep._deliver(payload)
         conn.on_closed = lambda c, exc: self._on_broken(ep, exc)
         conn.on_query = self._answer
         conn.on_revoke_ack = lambda region_id: self._revoke_acked(ep, region_id)
@@ -545,6 +579,7 @@ class Node:
         if exc is not None:
             logger.warning("endpoint to %s broke: %s", ep.peer, printable(str(exc)))
         ep._lane.peer_gone(str(exc or "the peer closed the endpoint"))
+        ep._stream.end(exc)
         self._probes.pop(ep._conn, None)
         if ep in self._endpoints:
             self._endpoints.discard(ep)
