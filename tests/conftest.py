@@ -6,8 +6,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from tensorx.endpoint import Endpoint
+    from tensorx.transport.cma import CmaLane
+    from tensorx.worker import Worker
 
 # Tokenless nodes use the per-user secret: keep the tests' one out of the real home
 # (set before any test runs, so every process the tests start inherits it).
@@ -39,6 +45,60 @@ def lanes() -> list[object]:
 def node_transport(lane: str) -> str:
     """The ``Node(transport=)`` of a :func:`lanes` parameter."""
     return "auto" if lane == "cma" else lane
+
+
+def assert_lane(ep: Endpoint, lane: str) -> None:
+    """``ep`` uses the lane a :func:`lanes` parameter names (and no other)."""
+    host = str(ep.info.get("host", ""))
+    if lane == "cma":
+        assert host.startswith("cma"), ep.info
+    else:
+        assert ep.info["transport"] == lane and not host.startswith("cma"), ep.info
+
+
+def links() -> list[object]:
+    """The parameter-server variants every correctness test runs over: ``"mapped"``, the
+    defaults (``transport="auto"``, ``share_memory=True``: same host, the workers map the
+    shards' arenas and no byte of a tensor crosses a lane), then each of :func:`lanes`
+    with ``share_memory=False``, where every push and pull crosses that lane."""
+    return [pytest.param("mapped", id="mapped"), *lanes()]
+
+
+def link_options(link: str) -> dict[str, Any]:
+    """``transport`` and ``share_memory`` for a :func:`links` parameter (servers and
+    workers take both)."""
+    if link == "mapped":
+        return {"transport": "auto", "share_memory": True}
+    return {"transport": node_transport(link), "share_memory": False}
+
+
+def assert_link(worker: Worker, link: str) -> None:
+    """A worker trained over ``link``: mapped for ``"mapped"``; otherwise it mapped
+    nothing, and every endpoint of its node uses that lane and carried the worker's bytes
+    (its pushes), so the test could not have passed with bytes never crossing it."""
+    if link == "mapped":
+        assert all(worker.mapped), worker.mapped
+        return
+    assert not any(worker.mapped), worker.mapped
+    eps = worker.node.endpoints
+    assert eps, "the worker has no endpoint"
+    for ep in eps:
+        assert_lane(ep, link)
+        moved = ep.stats.nbytes["write"] + ep.stats.nbytes["read"]
+        assert moved > 0, f"no byte crossed {ep!r}"
+        if link == "cma":  # the CMA lane carried ops itself, not the TCP lane under it
+            assert cma_lane(ep).ops > 0, f"the CMA lane of {ep!r} carried no op"
+
+
+def cma_lane(ep: Endpoint) -> CmaLane:
+    """The CMA lane under ``ep`` (under a CUDA IPC lane on a GPU host)."""
+    from tensorx.transport.cma import CmaLane
+
+    lane: Any = ep._lane
+    while lane is not None and not isinstance(lane, CmaLane):
+        lane = getattr(lane, "inner", None)
+    assert lane is not None, f"no CMA lane under {ep._lane!r}"
+    return lane
 
 
 @pytest.fixture

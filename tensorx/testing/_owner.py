@@ -1,12 +1,6 @@
-"""Test helpers: a real owner process, a link that misbehaves, two "hosts" on one machine.
-
-``OwnerProcess`` spawns a process running a :class:`tensorx.Node` that exports regions on
-command (each surrounded by guard bands, so a test can prove no byte outside an exported
-range changed); it can also connect to another node and time transfers (the client side of
-a fault test), optionally inside a network namespace. ``FaultyProxy`` stalls or cuts a TCP
-link on loopback; :mod:`tensorx._netns` makes two network namespaces joined by a veth pair
-whose link can be slowed, cut or made lossy.
-"""
+"""A real owner process: a :class:`tensorx.Node` in a spawned process that exports guarded
+regions on command, checks the order of notifications against its memory, and can play
+the client of a transfer (optionally inside a network namespace)."""
 
 from __future__ import annotations
 
@@ -17,7 +11,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -27,16 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from tensorx import _eventloop, _wire
+from tensorx import _eventloop
 from tensorx._deadline import wait_for
 from tensorx._netns import enter_netns
 from tensorx.endpoint import Endpoint
 from tensorx.errors import TensorxError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
-
-__all__ = ["GUARD", "FaultyProxy", "OwnerProcess", "authenticate", "check_timed_out_reads",
-           "digest", "pattern", "raw_socket", "recv_frame"]
 
 GUARD = 4096
 GUARD_BYTE = 0xA5
@@ -51,75 +41,6 @@ def digest(data: Any) -> str:
     return hashlib.sha256(memoryview(data)).hexdigest()
 
 
-async def check_timed_out_reads(ep: Endpoint, big: RegionDescriptor, small: RegionDescriptor,
-                                small_seed: int) -> int:
-    """Read ``big`` (64 MiB) with ever longer timeouts; after each read that timed out,
-    check that its late reply never lands in the buffer (a read of ``small``, written with
-    :func:`pattern` of ``small_seed``, is ordered after it) and the endpoint stays usable.
-    Returns how many timed out (a caller asserts at least one did). The shortest timeout
-    fires before the reply starts even on a loaded host."""
-    timed_out = 0
-    for timeout in (0.0002, 0.001, 0.005, 0.01, 0.02, 0.05):
-        out = np.zeros(big.nbytes, np.uint8)
-        try:
-            await ep.read(MemoryRegion.register(out), big, timeout=timeout)
-        except TimeoutError:
-            timed_out += 1
-            before = out.copy()
-            check = np.zeros(small.nbytes, np.uint8)  # stream order: after the late reply
-            await ep.read(MemoryRegion.register(check), small, timeout=30)
-            assert np.array_equal(check, pattern(small.nbytes, small_seed))
-            await asyncio.sleep(0.1)
-            assert np.array_equal(out, before), "a timed-out read wrote the buffer later"
-        assert not ep.closed
-    return timed_out
-
-
-def raw_socket(address: str, timeout: float = 5.0) -> socket.socket:
-    """A plain blocking socket to a node, for tests that speak (or abuse) the protocol."""
-    from tensorx.node import parse_address
-
-    _, host, port = parse_address(address)
-    return socket.create_connection((host, port), timeout=timeout)
-
-
-def recv_frame(sock: socket.socket) -> tuple[_wire.Kind, dict[str, Any]]:
-    """Read one whole frame from a blocking socket; its payload is read and dropped."""
-    kind, hlen, plen = _wire.decode_prefix(_recv_exact(sock, _wire.PREFIX.size))
-    header = _wire.decode_header(kind, _recv_exact(sock, hlen), plen)
-    _recv_exact(sock, plen)
-    return kind, header
-
-
-def authenticate(sock: socket.socket, token: bytes, node_id: str = "raw-client",
-                 caps: dict[str, Any] | None = None, then: bytes = b"") -> dict[str, Any]:
-    """The client side of the handshake by hand on a blocking socket (for tests that then
-    misbehave); returns the server's WELCOME header. Raises AssertionError if refused.
-    ``then``: frames sent in the same ``sendall`` as the last handshake frame."""
-    from tensorx import _auth
-
-    nonce = _auth.new_nonce()
-    sock.sendall(_wire.encode(_wire.Kind.HELLO, {"id": node_id, "nonce": nonce}))
-    kind, ch = recv_frame(sock)
-    assert kind is _wire.Kind.CHALLENGE, (kind, ch)
-    proof = _auth.make_proof(token, b"client", nonce, ch["nonce"], node_id, ch["id"])
-    sock.sendall(_wire.encode(_wire.Kind.AUTH, {"proof": proof}))
-    kind, welcome = recv_frame(sock)
-    assert kind is _wire.Kind.WELCOME, (kind, welcome)
-    sock.sendall(_wire.encode(_wire.Kind.CAPS, {"caps": caps or {}}) + then)
-    return welcome
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("peer closed")
-        data += chunk
-    return bytes(data)
-
-
 class OwnerProcess:
     """A spawned process with a Node that exports guarded regions on command.
 
@@ -128,6 +49,10 @@ class OwnerProcess:
     the child before its node starts; ``node_options``: further ``Node`` arguments (a node
     that fails to start answers the first call with why). The same process can play
     the client: ``connect``, then ``transfer`` (timed, errors returned, not raised).
+
+    Notifications it receives are kept (``call("notes")``); ``check:<region>:<seed>`` and
+    ``fill:<region>:<byte>:<piece>`` are checked against the region's memory on arrival
+    (``call("violations")``) and answered ``checked``; ``echo:...`` is sent back as is.
     """
 
     def __init__(self, transport: str = "tcp", token: str | None = None,
@@ -282,6 +207,8 @@ class _Owner:
             if payload.startswith((b"check:", b"fill:")):
                 self._check_ordering(payload)
                 await ep.notify(b"checked")
+            elif payload.startswith(b"echo:"):  # a peer's barrier: we have seen its notes
+                await ep.notify(payload)
 
     def _check_ordering(self, payload: bytes) -> None:
         """'check:<rid>:<seed>' - the region must already hold pattern(seed). The sender
@@ -407,72 +334,3 @@ class _Remember(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if len(self.lines) < 1000:
             self.lines.append(record.getMessage())
-
-
-class FaultyProxy:
-    """A TCP proxy on 127.0.0.1 between a client and ``target`` that a test can stall
-    (stop forwarding, keep sockets open: a black-holed link) or cut (reset every link)."""
-
-    def __init__(self, target: str) -> None:
-        from tensorx.node import parse_address
-
-        _, self._host, self._port = parse_address(target)
-        self._server: asyncio.Server | None = None
-        self._links: list[asyncio.StreamWriter] = []
-        self._flowing = asyncio.Event()
-        self._flowing.set()
-        self._allowance: int | None = None  # bytes still let through toward the client
-        self.address = ""
-
-    async def __aenter__(self) -> FaultyProxy:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        self.address = f"tcp://127.0.0.1:{port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.cut()
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    def stall(self) -> None:
-        self._flowing.clear()
-
-    def stall_after(self, nbytes: int) -> None:
-        """Let ``nbytes`` more bytes through toward the client, then stall (a reply that
-        stops mid-transfer); :meth:`resume` lets the rest through."""
-        self._allowance = nbytes
-
-    def resume(self) -> None:
-        self._allowance = None
-        self._flowing.set()
-
-    def cut(self) -> None:
-        for writer in self._links:
-            writer.transport.abort()
-        self._links.clear()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(self._host, self._port)
-        self._links += [writer, up_writer]
-        await asyncio.gather(self._pump(reader, up_writer),
-                             self._pump(up_reader, writer, down=True), return_exceptions=True)
-
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    down: bool = False) -> None:
-        try:
-            while data := await reader.read(65536):
-                while data:
-                    await self._flowing.wait()
-                    piece = data
-                    if down and self._allowance is not None:
-                        piece = data[:self._allowance]
-                        self._allowance -= len(piece)
-                        if not self._allowance:
-                            self._flowing.clear()
-                    data = data[len(piece):]
-                    writer.write(piece)
-                    await writer.drain()
-        finally:
-            writer.transport.abort()
