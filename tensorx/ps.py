@@ -12,7 +12,8 @@ Same host, sync mode (``share_memory=True``, the default): the parameter arena a
 slots live in /dev/shm, a worker on this host maps them and its model's tensors are views
 of them, so neither write happens; a step is ``notify(push)``, apply, ``notify(params)``.
 
-The shard handles one event at a time, and an update never runs on an arena that
+The shard handles one message at a time (a session per peer, taking turns: see
+:mod:`tensorx._ps.service`), and an update never runs on an arena that
 parameters are being written out of (async and bounded answers in flight keep theirs, see
 :mod:`tensorx._ps.outbox`): a worker never sees a half-applied update, and since a push
 notification is ordered after its gradient write, a partial gradient is never applied.
@@ -39,7 +40,6 @@ from tensorx._ps import observe
 from tensorx._ps.checkpoint import check_schedule
 from tensorx._ps.device import resolve as resolve_device
 from tensorx._ps.grads import GradHook, GradProcessing
-from tensorx._ps.inbox import Inbox
 from tensorx._ps.losses import LossWatch
 from tensorx._ps.nonfinite import NonFiniteGuard
 from tensorx._ps.normx import NormExchange
@@ -200,7 +200,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
         self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost)
         self.nonfinite = NonFiniteGuard(shard, on_nonfinite)
         self.node = Node(listen, transport=transport, token=token, timeout=timeout,
-                         insecure=insecure, **(node_options or {}))
+                         insecure=insecure, handler=self._session, **(node_options or {}))
         self._norms = NormExchange(self.node, shard, num_shards, timeout) \
             if clip_grad_norm is not None and num_shards > 1 else None
         self.grads = GradProcessing(clip_grad_norm, grad_hook, self._norms)
@@ -216,10 +216,12 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
         self._sparse = None
         self.sharing = Sharing(shard, mode, share_memory, self.device)  # same-host mapping
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
-        self._events = Inbox(f"ps shard {shard}")  # bounded per peer
+        self._turn = asyncio.Lock()  # sessions take turns: see tensorx._ps.service
+        self._sessions: set[asyncio.Task[None]] = set()
         # async and bounded modes: answers in flight, and the arenas they read
         self.outbox = Outbox(shard, limit=max(1, num_workers - 1))
         self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
         self._stopped = asyncio.Event()
         self._closed = False
         self._initialised = False  # parameters came from rank 0 or a checkpoint
@@ -237,22 +239,21 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> ParameterServer:
         """Listen and start serving in the background. Starting a started server is a no-op."""
-        if self._tasks:
+        if self._started:
             return self
-        await self.node.start()
-        try:
-            self._restore()
-            self._metrics = observe.start_exporter(self.metrics_port, self.metrics_addr,
-                                                   self.node, self)
-            if self._metrics is not None:
-                self.metrics_port = self._metrics.server_port
-        except BaseException:
-            await self.node.aclose()
-            raise
+        self._started = True
+        async with self._turn:  # a session handles nothing before the checkpoint is loaded
+            await self.node.start()
+            try:
+                self._restore()
+                self._metrics = observe.start_exporter(self.metrics_port, self.metrics_addr,
+                                                       self.node, self)
+                if self._metrics is not None:
+                    self.metrics_port = self._metrics.server_port
+            except BaseException:
+                await self.node.aclose()
+                raise
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._pump_notifications()),
-                       loop.create_task(self._pump_disconnects()),
-                       loop.create_task(self._run())]
         if self.log_every:
             self._tasks.append(loop.create_task(
                 observe.report(self, self.log_every, lambda: len(self._peers))))
@@ -284,8 +285,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
         if until not in UNTIL:
             raise UsageError(f"until must be one of {UNTIL}, got {until!r}")
         self._until = until
-        if not self._tasks:
-            await self.start()
+        await self.start()
         self._check_done()
         try:
             await self._stopped.wait()
@@ -311,9 +311,10 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
         self._closed = True
         self._stopped.set()
         self.losses.close()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._sessions]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         exporter, self._metrics = self._metrics, None
         await observe.stop_exporter(exporter)
         try:

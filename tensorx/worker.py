@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tensorx._deadline import wait_for
+from tensorx._deadline import Deadline, wait_for
 from tensorx._ps import optim_state, protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
 from tensorx._ps.checksum import checksum
@@ -61,7 +61,6 @@ _ERRORS: dict[str, type[TensorxError]] = {
     cls.__name__: cls for cls in (PlanMismatchError, RankTakenError, UsageError, ProtocolError,
                                   AuthError, RegionError, BrokenError, OptimizerError)
 }
-_GONE: dict[str, Any] = {"t": "_gone"}
 BACKOFF_FIRST = 0.1  # seconds before the second rejoin attempt; doubles up to BACKOFF_CAP
 BACKOFF_CAP = 2.0
 
@@ -126,9 +125,7 @@ class Worker:
         self._dense_cache: dict[int, list[tuple[int, int]]] = {}
         self._pusher: BucketPusher | None = None
         self._sparse: SparseSender | None = None
-        self._inbox: list[asyncio.Queue[dict[str, Any]]] = []
         self._notes: dict[int, str] = {}  # shard -> why its sync barrier holds us (latest)
-        self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self.stats: dict[str, float] = {"push_s": 0.0, "wait_s": 0.0, "steps": 0,
                                         "rejoins": 0, "rejoin_s": 0.0}
@@ -187,10 +184,6 @@ class Worker:
 
     async def _handshake(self, eps: list[Endpoint] | None = None) -> None:
         self._eps = eps if eps is not None else await self._connect_all()
-        self._inbox = [asyncio.Queue() for _ in self._eps]
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._dispatch()),
-                       loop.create_task(self._watch_disconnects())]
         await asyncio.gather(*(self._hello(s) for s in range(self.num_shards)))
         welcomes = await asyncio.gather(*(self._expect(s, "welcome")
                                           for s in range(self.num_shards)))
@@ -215,7 +208,7 @@ class Worker:
 
     async def _connect_all(self) -> list[Endpoint]:
         """One endpoint per shard, or none: a partial set is closed before raising."""
-        got = await asyncio.gather(*(self.node.connect(a) for a in self.addresses),
+        got = await asyncio.gather(*(self._connect(a) for a in self.addresses),
                                    return_exceptions=True)
         failed = [r for r in got if isinstance(r, BaseException)]
         if failed:
@@ -225,6 +218,11 @@ class Worker:
                         await ep.aclose()
             raise failed[0]
         return [ep for ep in got if isinstance(ep, Endpoint)]
+
+    async def _connect(self, address: str) -> Endpoint:
+        ep = await self.node.connect(address)
+        ep.messages  # noqa: B018  # the shard's messages come to us, in order, with its end
+        return ep
 
     async def _rejoin(self, why: BaseException, budget: float) -> None:
         """Drop every endpoint and handshake again, with exponential backoff and jitter,
@@ -265,13 +263,10 @@ class Worker:
             raise TimeoutError("the rejoin budget ran out during a handshake") from None
 
     async def _drop_endpoints(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         for ep in self._eps:
             with contextlib.suppress(TensorxError):
                 await ep.aclose()
-        self._eps, self._tasks = [], []
+        self._eps = []
         if self._sparse is not None:
             self._sparse.forget_exports()
 
@@ -294,9 +289,6 @@ class Worker:
         for ep in self._eps:
             with contextlib.suppress(TensorxError):
                 await ep.notify(protocol.encode("bye"), timeout=5.0)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.node.aclose()
 
     async def __aenter__(self) -> Worker:
@@ -514,50 +506,41 @@ class Worker:
             self._heard(shard, msg["hyper"])
 
     async def _expect(self, shard: int, kind: str) -> dict[str, Any]:
+        """The shard's next message, which must be ``kind``: its error, its end (a
+        BrokenError naming it) or silence past ``timeout`` raise instead."""
+        deadline = Deadline(self.timeout)
+        while True:
+            msg = await self._next(shard, kind, deadline)
+            if msg["t"] == "waiting":
+                self._held(shard, msg["why"])
+                continue
+            if msg["t"] == kind:
+                self._notes.pop(shard, None)
+                return msg
+            if msg["t"] == "error":
+                raise _ERRORS.get(msg["code"], TensorxError)(f"ps shard {shard}: {msg['msg']}")
+            raise ProtocolError(f"shard {shard} sent {msg['t']!r} while we waited for {kind!r}")
+
+    async def _next(self, shard: int, kind: str, deadline: Deadline) -> dict[str, Any]:
         try:
-            msg = await wait_for(self._inbox[shard].get(), self.timeout)
-        except asyncio.TimeoutError:
+            payload = await self._eps[shard].messages.get(deadline.left())
+        except TimeoutError:
             note = self._notes.get(shard)
             raise TimeoutError(f"ps shard {shard} ({self.addresses[shard]}) sent no {kind!r} "
-                               f"within {self.timeout} s"
-                               + (f": {note}" if note else "")) from None
-        if msg["t"] == kind:
-            self._notes.pop(shard, None)
-            return msg
-        if msg["t"] == "error":
-            raise _ERRORS.get(msg["code"], TensorxError)(f"ps shard {shard}: {msg['msg']}")
-        if msg["t"] == "_gone":
-            raise self._lost(shard)
-        raise ProtocolError(f"shard {shard} sent {msg['t']!r} while we waited for {kind!r}")
-
-    async def _dispatch(self) -> None:
-        shard_of = {ep: s for s, ep in enumerate(self._eps)}
-        while True:
-            ep, payload = await self.node.notifications.get()
-            shard = shard_of.get(ep)
-            if shard is None:
-                continue
-            try:
-                msg = protocol.decode(payload)
-                if msg["t"] == "waiting":
-                    self._held(shard, msg["why"])
-                else:
-                    self._inbox[shard].put_nowait(msg)
-            except ProtocolError as exc:
-                logger.warning("bad message from ps shard %d: %s", shard, exc)
-                self._inbox[shard].put_nowait(_GONE)
+                                 f"within {self.timeout} s"
+                                 + (f": {note}" if note else "")) from None
+        except (BrokenError, ClosedError) as exc:
+            raise self._lost(shard, str(exc)) from None
+        try:
+            return protocol.decode(payload)
+        except ProtocolError as exc:
+            logger.warning("bad message from ps shard %d: %s", shard, exc)
+            raise self._lost(shard, f"bad message: {exc}") from exc
 
     def _held(self, shard: int, why: str) -> None:
         if self._notes.get(shard) != why:
             logger.info("worker rank %d: ps shard %d holds our step: %r", self.rank, shard, why)
         self._notes[shard] = why
-
-    async def _watch_disconnects(self) -> None:
-        shard_of = {ep: s for s, ep in enumerate(self._eps)}
-        while True:
-            ep = await self.node.disconnected.get()
-            if ep in shard_of:
-                self._inbox[shard_of[ep]].put_nowait(_GONE)
 
 
 def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+import tensorx as tx
 from tensorx import _deadline
-from tensorx._ps.inbox import Event
 from tensorx.ps import ParameterServer
 
 
@@ -76,18 +76,21 @@ def test_a_deadline_is_shared_by_its_steps_and_never_raised() -> None:
 
 async def test_aclose_returns_though_a_handler_lost_its_cancellation() -> None:
     """A handler that swallows the cancellation aclose() sends (as asyncio.wait_for could)
-    must not leave the service loop waiting for its next event forever."""
+    must not leave its session waiting for the peer's next message forever."""
     ps = ParameterServer(num_workers=1, transport="tcp", log_every=None)
     entered = asyncio.Event()
 
-    async def swallowing_dispatch(event: Event) -> None:
+    async def swallowing_handle(ep: tx.Endpoint, payload: bytes) -> None:
         entered.set()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(3600)
 
-    ps._dispatch = swallowing_dispatch  # type: ignore[method-assign]
-    async with contextlib.AsyncExitStack() as stack:
+    ps._handle = swallowing_handle  # type: ignore[method-assign]
+    async with tx.Node(listen=None, transport="tcp") as client:
         await ps.start()
-        stack.push_async_callback(asyncio.wait_for, ps.aclose(), 10)
-        ps._events.post(Event("lost", None, rank=0))
-        await asyncio.wait_for(entered.wait(), 10)
+        try:
+            ep = await client.connect(ps.address)
+            await ep.notify(b"anything")
+            await asyncio.wait_for(entered.wait(), 10)
+        finally:
+            await asyncio.wait_for(ps.aclose(), 10)

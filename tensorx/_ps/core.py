@@ -1,7 +1,7 @@
 """What the parts of a :class:`~tensorx.ps.ParameterServer` share.
 
 The server is one object assembled from parts, one job each: :mod:`~tensorx._ps.plan`
-(the plan and the state built from it), :mod:`~tensorx._ps.service` (the event loop),
+(the plan and the state built from it), :mod:`~tensorx._ps.service` (a session per peer),
 :mod:`~tensorx._ps.session` (a worker's hello, welcome and departure) and
 :mod:`~tensorx._ps.steps` (a push, the update it completes and the parameters sent back).
 :class:`ShardCore` declares the state they share (set by ``ParameterServer.__init__``) and
@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tensorx._ps.answer import Peer
     from tensorx._ps.grads import GradProcessing
-    from tensorx._ps.inbox import Inbox
     from tensorx._ps.losses import LossWatch
     from tensorx._ps.nonfinite import NonFiniteGuard
     from tensorx._ps.normx import NormExchange
@@ -80,7 +79,8 @@ class ShardCore(abc.ABC):
     _slot_descs: dict[int, RegionDescriptor]
     _header_descs: dict[int, bytes]
     # the service
-    _events: Inbox
+    _turn: asyncio.Lock  # one message (or loss) handled at a time, see _ps.service
+    _sessions: set[asyncio.Task[None]]
     _stopped: asyncio.Event
     _closed: bool  # aclose() has begun
     _until: str | None

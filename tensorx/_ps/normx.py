@@ -50,6 +50,7 @@ class NormExchange:
         self._got: dict[int, dict[int, tuple[list[int], float]]] = {}  # version -> shard ->
         self._changed = asyncio.Event()
         self._floor = 0  # versions below this are done: late messages for them are dropped
+        self._watching: set[asyncio.Task[None]] = set()
 
     # -- discovery and connections ---------------------------------------------------------
     def learn(self, shards: object) -> None:
@@ -83,11 +84,19 @@ class NormExchange:
         for j, address in enumerate(self.addresses):
             if j != self.shard and j not in self._out:
                 try:
-                    self._out[j] = await self.node.connect(address, timeout=self.timeout)
+                    ep = self._out[j] = await self.node.connect(address, timeout=self.timeout)
                 except TensorxError as exc:
                     raise BrokenError(f"shard {self.shard} cannot reach shard {j} at "
                                       f"{address!r} to exchange gradient norms: {exc}") from exc
                 self._gone.pop(j, None)
+                self._watching.add(asyncio.create_task(self._watch(ep)))
+
+    async def _watch(self, ep: Endpoint) -> None:
+        """What comes back on a connection we opened (norms, if the peer sends them there),
+        and its end."""
+        async for payload in ep.messages:
+            self.take(ep, payload)
+        self.lost(ep)
 
     # -- messages --------------------------------------------------------------------------
     def take(self, ep: Endpoint, payload: bytes) -> bool:
@@ -181,6 +190,9 @@ class NormExchange:
                                self.shard, version, sorted(ranks), sorted(theirs), j)
 
     async def aclose(self) -> None:
+        for task in self._watching:
+            task.cancel()
+        await asyncio.gather(*self._watching, return_exceptions=True)
         out, self._out = list(self._out.values()), {}
         for ep in out:
             with contextlib.suppress(TensorxError):

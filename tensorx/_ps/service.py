@@ -1,17 +1,28 @@
-"""The service loop of a shard: every notification, disconnect and loss becomes an
-:class:`~tensorx._ps.inbox.Event` that one consumer handles at a time, so that an update
-and the writes out of its arena never interleave (async and bounded answers go on after
-their event, from an arena the next update leaves alone: :mod:`tensorx._ps.outbox`)."""
+"""The service of a shard: one session per peer, one message at a time for the whole shard.
+
+Every endpoint a peer opens gets a session task (``Node(handler=...)``) that reads that
+endpoint's own message stream, in order, and ends with it: a peer's departure is the end
+of its stream, so it is handled after everything the peer sent (a goodbye is never
+overtaken by the disconnect behind it). The sessions take turns (:attr:`_turn`, a FIFO
+lock) to handle a message, so an update and the writes out of its arena never interleave
+(async and bounded answers go on after their turn, from an arena the next update leaves
+alone: :mod:`tensorx._ps.outbox`). What a peer can make the shard hold is its stream's
+bound: a peer whose messages wait for their turn is held back by TCP.
+
+A peer shard's gradient norm (``clip_grad_norm``) is taken without a turn: the update
+holding the turn may be waiting for it.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 from tensorx._ps import protocol
 from tensorx._ps.core import ShardCore
-from tensorx._ps.inbox import Event
 from tensorx.endpoint import Endpoint
 from tensorx.errors import ProtocolError, TensorxError
 
@@ -19,52 +30,62 @@ logger = logging.getLogger("tensorx.ps")  # one logger name for the whole server
 
 
 class ServiceLoop(ShardCore):
-    """The part of a ParameterServer that turns what arrives into handled events."""
+    """The part of a ParameterServer that turns what arrives into handled messages."""
 
-    async def _pump_notifications(self) -> None:
-        while True:
-            ep, payload = await self.node.notifications.get()
-            # a peer shard's gradient norm is taken here: the service loop may wait for it
-            if self._norms is None or ep in self._peers or not self._norms.take(ep, payload):
-                self._events.offer(ep, payload)
+    async def _session(self, ep: Endpoint) -> None:
+        """One peer's messages, handled in order, each in its turn; then its departure."""
+        self._sessions.add(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            async for payload in ep.messages:
+                if self._norms is not None and ep not in self._peers and \
+                        self._norms.take(ep, payload):
+                    continue
+                async with self._turn:
+                    if not self._closed:
+                        await self._handle_safely(ep, payload)
+                if self._closed:  # a handler may have lost aclose()'s cancellation
+                    return
+            await self._ended(ep)
+        finally:
+            self._sessions.discard(asyncio.current_task())  # type: ignore[arg-type]
 
-    async def _pump_disconnects(self) -> None:
-        while True:
-            ep = await self.node.disconnected.get()
-            if self._norms is not None and self._norms.owns(ep):
-                self._norms.lost(ep)
-            else:
-                self._events.post(Event("gone", ep))
+    async def _ended(self, ep: Endpoint) -> None:
+        if self._norms is not None and self._norms.owns(ep):
+            self._norms.lost(ep)  # no turn: an update may be waiting for this very news
+            return
+        async with self._turn:
+            if not self._closed:
+                await self._leave(ep, "disconnected")
+
+    async def _handle_safely(self, ep: Endpoint, payload: bytes) -> None:
+        try:
+            try:
+                await self._handle(ep, payload)
+            except TensorxError as exc:
+                await self._refuse(ep, exc)
+        except Exception:  # one bad peer or bug must not stop the service
+            logger.exception("ps shard %d: failed handling a message", self.shard)
 
     def _post_lost(self, rank: int) -> None:
-        self._events.post(Event("lost", None, rank=rank))
+        """``rank``'s ``worker_loss_timeout`` ran out: act on it in a turn of its own."""
+        self._spawn(self._lost(rank))
 
-    async def _run(self) -> None:
-        """The one consumer of events: updates and writes out of the arena never interleave.
-        Ends when the server closes, even if a handler lost the cancellation that
-        ``aclose()`` sent it (a library may swallow one; the loop must not outlive it)."""
-        while not self._closed:
-            event = await self._events.get()
+    async def _lost(self, rank: int) -> None:
+        async with self._turn:
+            if self._closed:
+                return
             try:
-                try:
-                    await self._dispatch(event)
-                except TensorxError as exc:
-                    if event.ep is None:
-                        raise
-                    await self._refuse(event.ep, exc)
-            except Exception:  # one bad peer or bug must not stop the service
-                logger.exception("ps shard %d: failed handling a message", self.shard)
+                decision = self.losses.declare(rank, self.scheduler, self._connected())
+                self.stats["worker_losses"] = self.losses.declared
+                await self._act(decision)
+            except Exception:
+                logger.exception("ps shard %d: failed acting on the loss of rank %d",
+                                 self.shard, rank)
 
-    async def _dispatch(self, event: Event) -> None:
-        if event.kind == "lost":
-            decision = self.losses.declare(event.rank, self.scheduler, self._connected())
-            self.stats["worker_losses"] = self.losses.declared
-            await self._act(decision)
-        elif event.ep is not None and event.kind == "gone":
-            await self._leave(event.ep, "disconnected")
-        elif event.ep is not None:
-            await self._handle(event.ep, event.payload)
-
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._sessions.add(task)
+        task.add_done_callback(self._sessions.discard)
 
     async def _handle(self, ep: Endpoint, payload: bytes) -> None:
         msg = protocol.decode(payload)
@@ -88,6 +109,9 @@ class ServiceLoop(ShardCore):
                             timeout=self.send_timeout)
         if ep in self._peers:
             await self._leave(ep, f"refused ({type(exc).__name__})")
+        else:  # it proved nothing here but its token: its stream ends once this is read
+            with contextlib.suppress(TensorxError):
+                await ep.aclose()
 
     async def _optim_request(self, ep: Endpoint, kind: str, msg: dict[str, Any]) -> None:
         if ep not in self._peers or self.state is None or not self._initialised:
@@ -98,4 +122,3 @@ class ServiceLoop(ShardCore):
             self.optim.returned(ep)
         else:
             await self.optim.load(ep, msg, self.state, self.timeout)
-

@@ -12,7 +12,6 @@ from tensorx._ps import protocol
 from tensorx._ps.admission import PROBE_S, holder_alive, rank_taken
 from tensorx._ps.answer import Peer
 from tensorx._ps.core import ShardCore
-from tensorx._ps.inbox import Event
 from tensorx.endpoint import Endpoint
 from tensorx.errors import PlanMismatchError, ProtocolError, TensorxError
 from tensorx.memregion import RegionDescriptor
@@ -115,8 +114,7 @@ class Sessions(ShardCore):
         let the loop handle it as a departure."""
         logger.warning("ps shard %d: lost rank %d%s: %s", self.shard, peer.rank,
                        f" {when}" if when else "", exc)
-        peer.ep.abort()
-        self._events.post(Event("gone", peer.ep))
+        peer.ep.abort()  # its session then handles the departure, in its turn
 
     async def _leave(self, ep: Endpoint, why: str, close: bool = True) -> None:
         peer = self._peers.pop(ep, None)

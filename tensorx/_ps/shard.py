@@ -3,7 +3,7 @@
 No I/O on the wire here; :mod:`tensorx.ps` moves the bytes. The parameter arena is the
 memory the optimizer updates *and* the memory the shard writes to workers from, so the
 service never applies an update while a write from the arena is in flight (sync mode: it
-handles one event at a time; async and bounded: the update goes to a copy of the arena,
+handles one message at a time; async and bounded: the update goes to a copy of the arena,
 :meth:`ShardState.move_params`), and a worker never sees a half-applied update.
 """
 
