@@ -38,17 +38,13 @@ from tensorx._ps.sparse import SparseSender, dynamic_path_ok
 from tensorx._ps.stats import WorkerTimings
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
-    AuthError,
     BrokenError,
     ClosedError,
-    OptimizerError,
-    PlanMismatchError,
     ProtocolError,
-    RankTakenError,
-    RegionError,
     TensorxError,
     TimeoutError,
     UsageError,
+    error_from_code,
 )
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
@@ -57,10 +53,6 @@ __all__ = ["Worker", "ps_addresses"]
 
 logger = logging.getLogger(__name__)
 
-_ERRORS: dict[str, type[TensorxError]] = {
-    cls.__name__: cls for cls in (PlanMismatchError, RankTakenError, UsageError, ProtocolError,
-                                  AuthError, RegionError, BrokenError, OptimizerError)
-}
 BACKOFF_FIRST = 0.1  # seconds before the second rejoin attempt; doubles up to BACKOFF_CAP
 BACKOFF_CAP = 2.0
 
@@ -518,7 +510,7 @@ class Worker:
                 self._notes.pop(shard, None)
                 return msg
             if msg["t"] == "error":
-                raise _ERRORS.get(msg["code"], TensorxError)(f"ps shard {shard}: {msg['msg']}")
+                raise error_from_code(msg["code"], msg["msg"], f"ps shard {shard}: ")
             raise ProtocolError(f"shard {shard} sent {msg['t']!r} while we waited for {kind!r}")
 
     async def _next(self, shard: int, kind: str, deadline: Deadline) -> dict[str, Any]:

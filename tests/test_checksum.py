@@ -135,5 +135,5 @@ async def test_a_worker_of_the_last_protocol_is_told_why() -> None:
             _, payload = await asyncio.wait_for(node.notifications.get(), 30)
     answer = protocol.decode(payload)
     assert answer["t"] == "error"
-    assert answer["code"] == "ProtocolError"
+    assert answer["code"] == "protocol"
     assert f"worker speaks ps protocol 3, this server {protocol.PROTOCOL}" in answer["msg"]

@@ -121,7 +121,7 @@ async def test_a_plan_too_big_to_allocate_is_refused_and_not_adopted(transport: 
     async with ParameterServer(num_workers=2, mode="sync", transport=transport) as ps:
         answer = await raw_hello(ps.address, transport, huge, rank=0)
         assert answer["t"] == "error"
-        assert answer["code"] == "UsageError"
+        assert answer["code"] == "usage"
         assert "cannot build this shard's state" in answer["msg"]
         await honest_pair(ps.address, transport)
         assert ps.stats["updates"] == 3

@@ -24,7 +24,7 @@ from typing import Any
 from tensorx._ps import protocol
 from tensorx._ps.core import ShardCore
 from tensorx.endpoint import Endpoint
-from tensorx.errors import ProtocolError, TensorxError
+from tensorx.errors import ProtocolError, TensorxError, error_code
 
 logger = logging.getLogger("tensorx.ps")  # one logger name for the whole server
 
@@ -105,7 +105,7 @@ class ServiceLoop(ShardCore):
     async def _refuse(self, ep: Endpoint, exc: TensorxError) -> None:
         logger.warning("ps shard %d refused %s: %s", self.shard, ep.peer, exc)
         with contextlib.suppress(TensorxError):
-            await ep.notify(protocol.encode("error", code=type(exc).__name__, msg=str(exc)),
+            await ep.notify(protocol.encode("error", code=error_code(exc), msg=str(exc)),
                             timeout=self.send_timeout)
         if ep in self._peers:
             await self._leave(ep, f"refused ({type(exc).__name__})")

@@ -14,7 +14,7 @@ from tensorx._ps.answer import Peer, apply_in_parts, last_part, send_params
 from tensorx._ps.core import ShardCore
 from tensorx._ps.schedule import Decision
 from tensorx.endpoint import Endpoint
-from tensorx.errors import OptimizerError, ProtocolError, TensorxError
+from tensorx.errors import OptimizerError, ProtocolError, TensorxError, error_code
 
 logger = logging.getLogger("tensorx.ps")  # one logger name for the whole server
 
@@ -117,7 +117,7 @@ class Steps(ShardCore):
         """Tell every worker waiting for this update that it failed, and why, at once."""
         if isinstance(exc, OptimizerError):
             logger.error("ps shard %d: %s", self.shard, exc)
-        error = protocol.encode("error", code=type(exc).__name__, msg=str(exc))
+        error = protocol.encode("error", code=error_code(exc), msg=str(exc))
         await asyncio.gather(*(p.ep.notify(error, timeout=self.timeout) for p in targets),
                              return_exceptions=True)
 

@@ -13,24 +13,14 @@ from typing import Any
 
 from tensorx._ratelog import RefusalLog
 from tensorx._wire import Kind
-from tensorx.errors import AuthError, ProtocolError, RegionError, TensorxError, UsageError
+from tensorx.errors import ProtocolError, TensorxError, error_code
 from tensorx.memregion import ExportTable
 from tensorx.transport._sock import FrameReader
 from tensorx.transport._staging import StagedRange, staged_range
 
-__all__ = ["ERROR_CODES", "OwnerService", "error_code"]
+__all__ = ["OwnerService"]
 
-ERROR_CODES: dict[str, type[TensorxError]] = {
-    "region": RegionError, "protocol": ProtocolError, "auth": AuthError, "usage": UsageError,
-}
 MAX_REFUSED = 4096  # writes with a refused frame whose last frame has not come yet
-
-
-def error_code(exc: BaseException) -> str:
-    for code, cls in ERROR_CODES.items():
-        if isinstance(exc, cls):
-            return code
-    return "broken"
 
 
 class OwnerService:

@@ -15,13 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorx import _wire
-from tensorx._text import printable
 from tensorx._wire import Kind
-from tensorx.errors import BrokenError, ProtocolError, TimeoutError
+from tensorx.errors import BrokenError, ProtocolError, TimeoutError, error_from_code
 from tensorx.transport._futures import set_once
 from tensorx.transport._sock import FrameReader
 from tensorx.transport._staging import StagedRange
-from tensorx.transport._tcp_owner import ERROR_CODES
 
 __all__ = ["Pending", "Requester"]
 
@@ -173,8 +171,7 @@ class Requester:
         self._resolve(h["req"], (h["n"], h["access"], addr))
 
     def _on_error(self, h: dict[str, Any], payload_len: int) -> None:
-        exc = ERROR_CODES.get(h["code"], BrokenError)(
-            f"{self.label}: peer says: {printable(h['msg'])}")
+        exc = error_from_code(h["code"], h["msg"], f"{self.label}: peer says: ")
         if h["req"] == 0:
             raise BrokenError(str(exc)) from exc
         pending = self._pending.get(h["req"])

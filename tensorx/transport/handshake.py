@@ -21,7 +21,7 @@ from tensorx import _auth
 from tensorx._deadline import wait_for
 from tensorx._text import printable
 from tensorx._wire import Kind
-from tensorx.errors import AuthError, ProtocolError, TensorxError, TimeoutError
+from tensorx.errors import AuthError, ProtocolError, TensorxError, TimeoutError, error_code
 from tensorx.transport.tcp import Connection
 
 __all__ = ["FailureLog", "accept", "initiate"]
@@ -91,14 +91,14 @@ async def _accept(conn: Connection, node_id: str, token: bytes, caps: Caps) -> N
         hello = await conn.recv_frame(Kind.HELLO)
         peer = _peer_id(hello["id"])
     except ProtocolError as exc:  # e.g. another protocol version: tell the peer why
-        await _refuse(conn, str(exc), "protocol")
+        await _refuse(conn, exc)
         raise
     nonce = _auth.new_nonce()
     await conn.send_now(Kind.CHALLENGE, {"id": node_id, "nonce": nonce})
     auth = await conn.recv_frame(Kind.AUTH)
     expected = _auth.make_proof(token, b"client", hello["nonce"], nonce, peer, node_id)
     if not _auth.verify_proof(expected, auth["proof"]):
-        await _refuse(conn, "authentication failed: wrong token", "auth")
+        await _refuse(conn, AuthError("authentication failed: wrong token"))
         raise AuthError(f"{conn.label}: peer {peer} failed authentication (wrong token)")
     proof = _auth.make_proof(token, b"server", hello["nonce"], nonce, peer, node_id)
     await conn.send_now(Kind.WELCOME, {"proof": proof,
@@ -106,9 +106,9 @@ async def _accept(conn: Connection, node_id: str, token: bytes, caps: Caps) -> N
     conn.peer, conn.peer_caps = peer, (await conn.recv_frame(Kind.CAPS))["caps"]
 
 
-async def _refuse(conn: Connection, msg: str, code: str) -> None:
+async def _refuse(conn: Connection, exc: TensorxError) -> None:
     try:
-        await conn.send_now(Kind.ERROR, {"req": 0, "code": code, "msg": msg})
+        await conn.send_now(Kind.ERROR, {"req": 0, "code": error_code(exc), "msg": str(exc)})
     except TensorxError:
         logger.debug("%s: could not deliver the refusal", conn.label)
 

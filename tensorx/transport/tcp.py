@@ -21,7 +21,6 @@ from typing import Any
 from tensorx import _wire
 from tensorx._deadline import wait_for
 from tensorx._ratelog import RefusalLog
-from tensorx._text import printable
 from tensorx._wire import Kind
 from tensorx.errors import (
     BrokenError,
@@ -30,6 +29,8 @@ from tensorx.errors import (
     TensorxError,
     TimeoutError,
     UsageError,
+    error_code,
+    error_from_code,
 )
 from tensorx.memregion import ExportTable
 from tensorx.transport import _staging
@@ -43,7 +44,7 @@ from tensorx.transport._sock import (
     open_socket,
 )
 from tensorx.transport._staging import RecvStager, SendStager, StagedRange
-from tensorx.transport._tcp_owner import ERROR_CODES, OwnerService
+from tensorx.transport._tcp_owner import OwnerService
 from tensorx.transport._tcp_requests import Pending, Requester
 
 __all__ = ["Connection", "TcpListener", "open_socket"]
@@ -113,7 +114,7 @@ class Connection(OwnerService, Requester):
     async def recv_frame(self, expect: Kind) -> dict[str, Any]:
         kind, header, payload_len = await self._reader.frame()
         if kind is Kind.ERROR:
-            raise ERROR_CODES.get(header["code"], BrokenError)(printable(header["msg"]))
+            raise error_from_code(header["code"], header["msg"])
         if kind is not expect or payload_len:
             raise ProtocolError(f"expected {expect.name} during handshake, got {kind.name}")
         return header
@@ -427,7 +428,7 @@ class Connection(OwnerService, Requester):
         """Tell the peer why (best effort), then close."""
         with best_effort():
             await wait_for(self._loop.sock_sendall(self.sock, _wire.encode(
-                Kind.ERROR, {"req": 0, "code": "protocol", "msg": str(exc)})), 1.0)
+                Kind.ERROR, {"req": 0, "code": error_code(exc), "msg": str(exc)})), 1.0)
         self._fail(BrokenError(f"{self.label}: protocol error: {exc}"))
 
     async def _land(self, dest: memoryview | StagedRange,
