@@ -13,14 +13,13 @@ import logging
 import os
 import secrets
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
 from urllib.parse import urlsplit
 
 from tensorx import _auth, _cuda
-from tensorx._deadline import wait_for
+from tensorx._deadline import Deadline, wait_for
 from tensorx._queues import LatestQueue, NotificationQueue
 from tensorx._text import printable
 from tensorx.endpoint import DEFAULT, Endpoint
@@ -50,18 +49,6 @@ TRANSPORTS = ("auto", "tcp", "ucx")
 REQUIREMENTS = (None, "ucx", "rdma")
 MAX_DISCONNECTED = 1024  # disconnect events kept for a user who never reads them
 RDMA_LANES = ("rc", "dc", "ud", "ib", "roce", "mlx", "verbs", "efa")
-
-
-def _budget(timeout: float | None) -> Callable[[], float | None]:
-    """Seconds left of one timeout shared by several steps (``None``: no limit)."""
-    if timeout is None:
-        return lambda: None
-    deadline = time.monotonic() + timeout
-    return lambda: max(0.0, deadline - time.monotonic())
-
-
-def _least(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else min(a, b)
 
 
 def _is_loopback(host: str) -> bool:
@@ -387,16 +374,17 @@ class Node:
         """Connect and authenticate to the node at ``address``; ``timeout`` is one budget for
         connecting, the handshake and opening the data lane."""
         self._check_running()
-        left = _budget(self.timeout if timeout is DEFAULT else timeout)
+        deadline = Deadline(self.timeout if timeout is DEFAULT else timeout)
         _, host, port = parse_address(address)
         try:
-            sock = await wait_for(open_socket(host, port), left())
+            sock = await wait_for(open_socket(host, port), deadline.left())
         except asyncio.TimeoutError:
             raise TimeoutError(f"connecting to {address} timed out") from None
         conn = Connection(sock, self._exports, f"{self.id}->{address}")
         try:
-            await handshake.initiate(conn, self.id, self._token, self._caps_for(conn), left())
-            return await self._finish(conn, address, left())
+            await handshake.initiate(conn, self.id, self._token, self._caps_for(conn),
+                                     deadline.left())
+            return await self._finish(conn, address, deadline.left())
         except BaseException:
             self._probes.pop(conn, None)
             conn.abort()
@@ -409,9 +397,10 @@ class Node:
             sock.close()
             return
         conn = Connection(sock, self._exports, f"{self.id}<-{peer}")
+        deadline = Deadline(self.timeout)  # one budget for the handshake and the lanes
         try:
-            await self._authenticate(conn, peer)
-            ep = await self._finish(conn, f"tcp://{peer}", self.timeout,
+            await self._authenticate(conn, peer, deadline)
+            ep = await self._finish(conn, f"tcp://{peer}", deadline.left(),
                                     claim=self._handler is not None)
             if self._handler is not None:
                 self._handle(ep, self._handler)
@@ -441,14 +430,15 @@ class Node:
                              self.id, printable(ep.peer))
             ep.abort()
 
-    async def _authenticate(self, conn: Connection, peer: str) -> None:
-        """The handshake of an accepted connection: a short deadline, and at most
+    async def _authenticate(self, conn: Connection, peer: str, deadline: Deadline) -> None:
+        """The handshake of an accepted connection: within ``handshake_timeout`` too (a
+        limit on what an unauthenticated peer may hold, not a caller's budget), and at most
         ``max_handshakes`` at once (a new one pushes out the oldest, which a real peer,
         done in milliseconds, never is)."""
         if len(self._handshaking) >= self.max_handshakes:
             self._drop_oldest_handshake()
         self._handshaking[conn] = peer
-        timeout = _least(self.timeout, self.handshake_timeout)
+        timeout = deadline.least(self.handshake_timeout)
         try:
             await handshake.accept(conn, self.id, self._token, self._caps_for(conn), timeout)
         finally:
