@@ -14,6 +14,7 @@ from typing import Any
 from tensorx import _wire
 from tensorx._wire import Kind
 from tensorx.errors import BrokenError, UsageError
+from tensorx.transport._exceptions import map_exceptions
 
 __all__ = ["BUFFER_BYTES", "HANDSHAKE_BYTES", "IOV_MAX", "FrameReader", "TcpListener", "advance",
            "open_socket", "tune"]
@@ -46,18 +47,17 @@ def tune(sock: socket.socket) -> None:
 async def open_socket(host: str, port: int) -> socket.socket:
     """A connected, tuned non-blocking socket; OSError becomes BrokenError."""
     loop = asyncio.get_running_loop()
-    try:
+    with map_exceptions(f"cannot resolve {host}:{port}"):
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as exc:
-        raise BrokenError(f"cannot resolve {host}:{port}: {exc}") from exc
     try:
-        tune(sock)
-        await loop.sock_connect(sock, addr)
-    except OSError as exc:
+        with map_exceptions(f"cannot connect to {host}:{port}"):
+            tune(sock)
+            await loop.sock_connect(sock, addr)
+    except BaseException:
         sock.close()
-        raise BrokenError(f"cannot connect to {host}:{port}: {exc}") from exc
+        raise
     return sock
 
 
@@ -71,6 +71,7 @@ class FrameReader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._lost = map_exceptions("connection lost")
 
     def resize(self, size: int) -> None:
         """Use a buffer of ``size`` bytes from now on (keeps what is buffered): large once
@@ -83,10 +84,8 @@ class FrameReader:
         self._start, self._end = 0, len(data)
 
     async def _recv(self, into: memoryview) -> int:
-        try:
+        with self._lost:
             n = await self._loop.sock_recv_into(self._sock, into)
-        except OSError as exc:
-            raise BrokenError(f"connection lost: {exc}") from exc
         if n == 0:
             raise BrokenError("peer closed the connection")
         return n
@@ -113,12 +112,11 @@ class FrameReader:
         callbacks. Raises BlockingIOError when nothing is there, BrokenError at the end."""
         if self._end == len(self._buf):
             self._make_room(len(self._buf) - self._start + 1)
-        try:
-            n = self._sock.recv_into(self._view[self._end:])
-        except (BlockingIOError, InterruptedError):
-            raise BlockingIOError from None
-        except OSError as exc:
-            raise BrokenError(f"connection lost: {exc}") from exc
+        with self._lost:
+            try:
+                n = self._sock.recv_into(self._view[self._end:])
+            except InterruptedError:
+                raise BlockingIOError from None
         if n == 0:
             raise BrokenError("peer closed the connection")
         self._end += n
@@ -188,12 +186,11 @@ class FrameReader:
         """One ``recv_into`` done right here (never by a callback later: the caller has just
         checked that ``into`` may still be written); 0 after waiting for readability."""
         try:
-            n = self._sock.recv_into(into)
+            with self._lost:
+                n = self._sock.recv_into(into)
         except (BlockingIOError, InterruptedError):
             await self._readable()
             return 0
-        except OSError as exc:
-            raise BrokenError(f"connection lost: {exc}") from exc
         if n == 0:
             raise BrokenError("peer closed the connection")
         return n
@@ -257,15 +254,13 @@ class TcpListener:
     @classmethod
     async def start(cls, host: str, port: int,
                     on_accept: Callable[[socket.socket], Any]) -> TcpListener:
-        try:
+        with map_exceptions(f"cannot listen on {host}:{port}", {OSError: UsageError}):
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
             sock.listen(512)
             sock.setblocking(False)
-        except OSError as exc:
-            raise UsageError(f"cannot listen on {host}:{port}: {exc}") from exc
         return cls(sock, on_accept)
 
     @property

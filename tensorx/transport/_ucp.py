@@ -30,6 +30,7 @@ from typing import Any
 
 from tensorx import _cuda
 from tensorx.errors import TensorxError, TransportUnavailableError
+from tensorx.transport._exceptions import UCX_ERRORS, map_exceptions
 
 __all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "acquire_driver", "driver_cuda_status",
            "lane_roles", "load", "release_driver", "set_driver_cuda", "status_string",
@@ -110,12 +111,10 @@ def _cache_dir(version: str, lib: Path) -> Path:
 
 def _import_or_build() -> ModuleType:
     version, include, lib = ucx_paths()
-    try:
+    with map_exceptions("cannot load libucx", UCX_ERRORS):
         import libucx
 
         libucx.load_library()
-    except Exception as exc:
-        raise TransportUnavailableError(f"cannot load libucx: {exc}") from exc
     target = _cache_dir(version, lib)
     target.mkdir(parents=True, exist_ok=True)
     with open(target / ".lock", "w") as lockfile:
@@ -220,24 +219,20 @@ def ucxx_context(defaults: Mapping[str, str], tls: str | None,
     ``defaults`` yield to ``UCX_*`` environment variables; ``options`` and ``tls`` win
     over both. A context that already exists is used as it is (a differing ``tls`` is
     logged)."""
-    try:
+    with map_exceptions("ucxx is not usable here", UCX_ERRORS):
         import ucxx
         from ucxx import core
-    except Exception as exc:
-        raise TransportUnavailableError(f"ucxx is not usable here: {exc}") from exc
     wanted = {k: v for k, v in defaults.items() if f"UCX_{k}" not in os.environ}
     wanted.update(options or {})
     if tls is not None:
         wanted["TLS"] = tls
-    try:
+    with map_exceptions("cannot initialise UCX", UCX_ERRORS):
         if core._ctx is None:
             _init(ucxx, wanted, explicit={**(options or {}), **({"TLS": tls} if tls else {})})
         elif tls is not None and core._ctx.config.get("TLS") != tls:
             logger.warning("UCX already initialised in this process with TLS=%s; tls=%r "
                            "is ignored", core._ctx.config.get("TLS"), tls)
         return core._get_ctx()
-    except Exception as exc:
-        raise TransportUnavailableError(f"cannot initialise UCX: {exc}") from exc
 
 
 def _init(ucxx: Any, wanted: dict[str, str], explicit: Mapping[str, str]) -> None:

@@ -23,6 +23,7 @@ from tensorx.errors import (
 )
 from tensorx.memregion import RegionDescriptor
 from tensorx.transport import _ucp
+from tensorx.transport._exceptions import map_exceptions
 from tensorx.transport.base import DataLane, Op
 
 if TYPE_CHECKING:
@@ -100,10 +101,8 @@ class UcxLane(DataLane):
             lane.split("/")[0] in ("cma", "posix", "sysv", "knem", "xpmem") for lane in self.lanes)
         if not (same_host and isinstance(pid, int) and hasattr(os, "pidfd_open")):
             return
-        try:
+        with map_exceptions(f"peer process {pid} is gone", {OSError: TransportUnavailableError}):
             self._pidfd = os.pidfd_open(pid)
-        except OSError as exc:
-            raise TransportUnavailableError(f"peer process {pid} is gone: {exc}") from exc
         assert self._f._loop is not None
         self._f._loop.add_reader(self._pidfd, self._peer_exited)
 

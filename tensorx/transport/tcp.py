@@ -34,6 +34,7 @@ from tensorx.errors import (
 )
 from tensorx.memregion import ExportTable
 from tensorx.transport import _staging
+from tensorx.transport._exceptions import map_exceptions
 from tensorx.transport._futures import best_effort, fresh_copy, set_once
 from tensorx.transport._sock import (
     BUFFER_BYTES,
@@ -103,13 +104,12 @@ class Connection(OwnerService, Requester):
         self.on_revoke: Callable[[int], None] = lambda region_id: None
         self.on_revoke_ack: Callable[[int], None] = lambda region_id: None
         self.stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0}
+        self._lost = map_exceptions(f"{label}: connection lost")
 
     # -- handshake phase ----------------------------------------------------------------
     async def send_now(self, kind: Kind, header: dict[str, Any]) -> None:
-        try:
+        with self._lost:
             await self._loop.sock_sendall(self.sock, _wire.encode(kind, header))
-        except OSError as exc:
-            raise BrokenError(f"{self.label}: connection lost: {exc}") from exc
 
     async def recv_frame(self, expect: Kind) -> dict[str, Any]:
         kind, header, payload_len = await self._reader.frame()
@@ -205,10 +205,11 @@ class Connection(OwnerService, Requester):
         self._check()
         if not self._sendq and not self._busy and not _staging.has_staged(parts):
             try:
-                parts = self._send_some(parts)
-            except OSError as exc:
-                self._fail(BrokenError(f"{self.label}: connection lost: {exc}"))
-                raise BrokenError(f"{self.label}: connection lost: {exc}") from exc
+                with self._lost:
+                    parts = self._send_some(parts)
+            except BrokenError as exc:
+                self._fail(fresh_copy(exc))
+                raise
             if not parts:
                 if done is not None:
                     done.set_result(None)
@@ -244,13 +245,14 @@ class Connection(OwnerService, Requester):
 
     async def _write_loop(self) -> None:
         try:
-            while self._error is None:
-                await self._wakeup.wait()
-                self._wakeup.clear()
-                while self._sendq:
-                    await self._send_batch()
-        except OSError as exc:
-            self._fail(BrokenError(f"{self.label}: connection lost: {exc}"))
+            with self._lost:
+                while self._error is None:
+                    await self._wakeup.wait()
+                    self._wakeup.clear()
+                    while self._sendq:
+                        await self._send_batch()
+        except BrokenError as exc:
+            self._fail(exc)
         except Exception as exc:  # a bug: close as broken rather than leave a dead writer
             logger.exception("%s: writer failed", self.label)
             self._fail(BrokenError(f"{self.label}: internal error: {exc!r}"))
