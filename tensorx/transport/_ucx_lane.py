@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tensorx._deadline import Deadline
 from tensorx.errors import (
     BrokenError,
     ClosedError,
@@ -29,12 +30,15 @@ from tensorx.transport.base import DataLane, Op
 if TYPE_CHECKING:
     from tensorx.transport.ucx import UcxFactory
 
-__all__ = ["ORPHANS", "UcxLane", "remaining"]
+__all__ = ["ORPHANS", "UcxLane"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
 
+# How long aclose() (which takes no timeout) waits for the peer to complete our ops and the
+# endpoint to close before it forces the close: a bound on closing, not on a caller's op.
 CLOSE_TIMEOUT = 2.0
-# How long a read that raised may wait for UCX to give up its request (see _stop_late_reply)
+# How long a read that raised may wait for UCX to give up its request (see _stop_late_reply):
+# the caller's budget is already spent then; this bounds the clean-up before the error.
 LATE_REPLY_BOUND = 2.0
 ORPHANS: list[Any] = []  # waits still owned by UCX after a timeout or cancellation
 
@@ -74,7 +78,7 @@ class UcxLane(DataLane):
                 "roles": {k: list(v) for k, v in self.roles.items()},
                 "error_handling": self._f.error_handling}
 
-    async def _connect(self, timeout: float) -> None:
+    async def _connect(self, timeout: float | None) -> None:
         ep = self._f._ffi.new("uintptr_t *")
         st = self._lib.tx_ep_create(self._f.worker_handle, self._address,
                                     int(self._f.error_handling), self._peer_state, ep)
@@ -149,14 +153,14 @@ class UcxLane(DataLane):
         await self._run(list(ops), put=True, timeout=timeout)
 
     async def flush(self, *, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         for retry in (True, False):
             self._check_usable()
-            await self._reconnect(remaining(deadline))
+            await self._reconnect(deadline.left())
             w, epoch = self._f._new_wait(), self._epoch
             st = self._lib.tx_flush(self._ep, w)
             try:
-                await self._finish(w, st, remaining(deadline), epoch=epoch, retry=retry)
+                await self._finish(w, st, deadline.left(), epoch=epoch, retry=retry)
                 return
             except _Superseded:
                 continue
@@ -195,7 +199,7 @@ class UcxLane(DataLane):
 
     # -- internals -----------------------------------------------------------------------
     async def _run(self, ops: list[Op], *, put: bool, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         for retry in (True, False):
             try:
                 await self._run_once(ops, put, deadline, retry)
@@ -205,10 +209,10 @@ class UcxLane(DataLane):
         self.stats["ops"] += len(ops)
         self.stats["bytes"] += sum(op.nbytes for op in ops)
 
-    async def _run_once(self, ops: list[Op], put: bool, deadline: float | None,
+    async def _run_once(self, ops: list[Op], put: bool, deadline: Deadline,
                         retry: bool) -> None:
         self._check_usable()
-        await self._reconnect(remaining(deadline))
+        await self._reconnect(deadline.left())
         plan = [self._plan(op) for op in ops if op.nbytes]
         regions = [op.local for op in ops if op.nbytes]
         w, epoch = self._f._new_wait(), self._epoch
@@ -222,7 +226,7 @@ class UcxLane(DataLane):
                 raise
             small = sum(p[1] for p in plan) < self._f.inline_bytes
             try:
-                await self._finish(w, st, remaining(deadline), inline=small, epoch=epoch,
+                await self._finish(w, st, deadline.left(), inline=small, epoch=epoch,
                                    retry=retry)
             except _Superseded:
                 raise
@@ -258,8 +262,8 @@ class UcxLane(DataLane):
                              self._f._ucp.status_string(st))
             _forget(self._lib, closing)
             self._reopen = True
-        end = time.monotonic() + LATE_REPLY_BOUND
-        while w.pending and time.monotonic() < end:
+        bound = Deadline(LATE_REPLY_BOUND)
+        while w.pending and not bound.expired:
             if self._f.driver:  # it copies; progressing here too contends for the worker
                 self._lib.tx_signal(self._f.worker_handle)
                 time.sleep(0.0002)
@@ -275,13 +279,13 @@ class UcxLane(DataLane):
             self.abort()
 
     async def _reconnect(self, timeout: float | None) -> None:
-        """Open a new endpoint where :meth:`_stop_late_reply` force-closed the old one."""
+        """Open a new endpoint where :meth:`_stop_late_reply` force-closed the old one,
+        within what is left of the op's budget."""
         if not self._reopen:
             return
         self._reopen = False
-        budget = CLOSE_TIMEOUT if timeout is None else min(timeout, CLOSE_TIMEOUT)
         try:
-            await self._connect(budget)
+            await self._connect(timeout)
         except BaseException as exc:
             self._broken = self._broken or f"cannot reconnect: {exc}"
             self._gone = True
@@ -410,10 +414,6 @@ def _forget(lib: Any, w: Any) -> None:
     """Drop the issuer's guard on ``w``; keep it alive while UCX may still complete it."""
     if w is not None and lib.tx_wait_release(w) == 0:
         ORPHANS.append(w)
-
-
-def remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _why(lanes: list[str], error_handling: bool) -> str:

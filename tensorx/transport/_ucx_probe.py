@@ -26,7 +26,6 @@ from tensorx.errors import ProtocolError, TimeoutError, TransportUnavailableErro
 __all__ = ["MAX_ADDRESS", "AddressProbe"]
 
 MAX_ADDRESS = 64 << 10  # far above any real worker address (a few hundred bytes)
-PROBE_TIMEOUT = 10.0
 _REMEMBERED = 256
 UCS_ERR_INVALID_PARAM = -5
 _CODE = """
@@ -73,9 +72,8 @@ class AddressProbe:
         if key in self._passed:
             self._passed.move_to_end(key)
             return
-        budget = PROBE_TIMEOUT if timeout is None else min(timeout, PROBE_TIMEOUT)
         async with self._slots:
-            code, status, text = await self._run(address, error_handling, budget)
+            code, status, text = await self._run(address, error_handling, timeout)
         if code < 0:
             raise ProtocolError(f"{peer} sent a malformed UCX worker address: UCX aborted "
                                 f"on it ({signal.Signals(-code).name})")
@@ -88,7 +86,7 @@ class AddressProbe:
             self._passed.popitem(last=False)
 
     async def _run(self, address: bytes, error_handling: bool,
-                   budget: float) -> tuple[int, int, str]:
+                   budget: float | None) -> tuple[int, int, str]:
         """(exit code, negative: killed by that signal; UCS status; its text)."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-c", _CODE, self._binding, str(int(error_handling)),

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 MAX_IMM = _wire.MAX_HEADER // 2  # a notification small enough to ride in a WRITE header
 MAX_QUEUED_FRAMES = 4096  # answers queued for a peer before we stop reading its requests
 REQUESTS = frozenset({Kind.WRITE, Kind.READ, Kind.VALIDATE, Kind.QUERY})
+# A goodbye (BYE on aclose, ERROR before closing on a bad frame) is best effort and nobody's
+# budget: aclose() takes none, and a peer that does not read must not hold our close up.
+GOODBYE_TIMEOUT = 1.0
 
 
 NotifyHandler = Callable[["Connection", bytes], Awaitable[None]]
@@ -173,7 +176,7 @@ class Connection(OwnerService, Requester):
         if self._error is None and self._tasks and not self._closing:
             self._closing = True
             with best_effort():
-                await wait_for(self._send_frame(Kind.BYE, {}), 1.0)
+                await wait_for(self._send_frame(Kind.BYE, {}), GOODBYE_TIMEOUT)
         self._fail(ClosedError(f"{self.label}: endpoint closed"))
         await self._join_tasks()
 
@@ -429,8 +432,9 @@ class Connection(OwnerService, Requester):
     async def _refuse(self, exc: ProtocolError) -> None:
         """Tell the peer why (best effort), then close."""
         with best_effort():
-            await wait_for(self._loop.sock_sendall(self.sock, _wire.encode(
-                Kind.ERROR, {"req": 0, "code": error_code(exc), "msg": str(exc)})), 1.0)
+            frame = _wire.encode(Kind.ERROR, {"req": 0, "code": error_code(exc),
+                                              "msg": str(exc)})
+            await wait_for(self._loop.sock_sendall(self.sock, frame), GOODBYE_TIMEOUT)
         self._fail(BrokenError(f"{self.label}: protocol error: {exc}"))
 
     async def _land(self, dest: memoryview | StagedRange,

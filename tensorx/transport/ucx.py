@@ -29,11 +29,11 @@ import logging
 import os
 import re
 import socket
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from tensorx import _cuda
+from tensorx._deadline import Deadline
 from tensorx.errors import (
     ClosedError,
     ProtocolError,
@@ -44,7 +44,7 @@ from tensorx.errors import (
 )
 from tensorx.memregion import MemoryRegion
 from tensorx.transport import _ucp
-from tensorx.transport._ucx_lane import ORPHANS, UcxLane, remaining
+from tensorx.transport._ucx_lane import ORPHANS, UcxLane
 from tensorx.transport._ucx_probe import AddressProbe
 from tensorx.transport.base import LaneFactory
 
@@ -54,7 +54,6 @@ logger = logging.getLogger("tensorx.transport.ucx")
 
 DEFAULT_CHUNK = 256 << 20
 DEFAULT_SPIN_US = 50.0
-CONNECT_TIMEOUT = 10.0
 # Settings applied when this process initialises ucxx (never at import time).
 DEFAULT_OPTIONS: Mapping[str, str] = {
     "RNDV_SCHEME": "put_zcopy",  # tag transfers: the sender pushes; get is emulated on tcp
@@ -207,13 +206,11 @@ class UcxFactory(LaneFactory):
                 f"UCX error handling differs ({peer}: {peer_info.get('error_handling')}, "
                 f"here: {self.error_handling}); UCX needs both sides to agree")
         self._attach_loop()
-        budget = CONNECT_TIMEOUT if timeout is None else min(timeout, CONNECT_TIMEOUT)
-        started = time.monotonic()
-        await self._probe.check(address, self.error_handling, peer, budget)
-        budget = max(0.0, budget - (time.monotonic() - started))
+        deadline = Deadline(timeout)  # the caller's budget, whatever is left of it
+        await self._probe.check(address, self.error_handling, peer, deadline.left())
         lane = UcxLane(self, address, peer, peer_info)
         try:
-            await lane._connect(budget)
+            await lane._connect(deadline.left())
         except BaseException:
             lane.abort()
             raise
@@ -378,10 +375,10 @@ class UcxFactory(LaneFactory):
                            timeout: float | None, lane: UcxLane | None) -> None:
         """Await ``fut``; every so often wake ucxx's progress thread again, as a safety net
         (shared-memory lanes have no event fd to wake it with)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         poll = 0.001
         while True:
-            left = remaining(deadline)
+            left = deadline.left()
             await asyncio.wait([fut], timeout=poll if left is None else min(poll, left))
             if fut.done() or w.pending == 0:
                 return
