@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import TypeVar, overload
 
 __all__ = ["Deadline", "wait_for"]
 
@@ -50,6 +50,11 @@ class Deadline:
     @property
     def expired(self) -> bool:
         return _clock() >= self.at
+
+    @overload
+    def least(self, cap: float) -> float: ...
+    @overload
+    def least(self, cap: None) -> float | None: ...
 
     def least(self, cap: float | None) -> float | None:
         """What is left, or ``cap`` if that is sooner (a step's own bound within the

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 BACKOFF_FIRST = 0.1  # seconds before the second rejoin attempt; doubles up to BACKOFF_CAP
 BACKOFF_CAP = 2.0
+# A goodbye is best effort and nobody's budget (aclose() takes none): a shard that does not
+# read must not hold the worker's exit up for longer than this.
+BYE_TIMEOUT = 5.0
 
 
 class Worker:
@@ -155,14 +158,13 @@ class Worker:
     async def _first_connect(self) -> list[Endpoint]:
         """Connect to every shard, waiting for shards that do not listen yet (processes
         start in any order), with backoff, for up to ``timeout`` seconds; one INFO line."""
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        deadline = Deadline(self.timeout)
         delay, attempt = BACKOFF_FIRST, 1
         while True:
             try:
-                return await self._connect_all()
+                return await self._connect_all(deadline.left())
             except BrokenError as exc:  # nothing listens there yet (refused, unreachable)
-                left = float("inf") if deadline is None else deadline - time.monotonic()
-                if left <= 0:
+                if deadline.expired:
                     raise BrokenError(f"worker rank {self.rank}: no ps shard of "
                                       f"{self.addresses} answered within {self.timeout:g} s "
                                       f"({attempt} attempts): {exc}") from exc
@@ -171,11 +173,11 @@ class Worker:
                                 "retrying with backoff for up to %s", self.rank, self.addresses,
                                 exc, "ever (timeout=None)" if self.timeout is None
                                 else f"{self.timeout:g} s")
-                await asyncio.sleep(min(left, delay * random.uniform(0.5, 1.0)))
+                await asyncio.sleep(deadline.least(delay * random.uniform(0.5, 1.0)))
                 delay, attempt = min(2 * delay, BACKOFF_CAP), attempt + 1
 
     async def _handshake(self, eps: list[Endpoint] | None = None) -> None:
-        self._eps = eps if eps is not None else await self._connect_all()
+        self._eps = eps if eps is not None else await self._connect_all(self.timeout)
         await asyncio.gather(*(self._hello(s) for s in range(self.num_shards)))
         welcomes = await asyncio.gather(*(self._expect(s, "welcome")
                                           for s in range(self.num_shards)))
@@ -198,9 +200,9 @@ class Worker:
         logger.info("worker rank %d/%d joined %d shard(s), mode=%s, version=%s", self.rank,
                     self.num_workers, self.num_shards, self.mode, self.version)
 
-    async def _connect_all(self) -> list[Endpoint]:
+    async def _connect_all(self, timeout: float | None) -> list[Endpoint]:
         """One endpoint per shard, or none: a partial set is closed before raising."""
-        got = await asyncio.gather(*(self._connect(a) for a in self.addresses),
+        got = await asyncio.gather(*(self._connect(a, timeout) for a in self.addresses),
                                    return_exceptions=True)
         failed = [r for r in got if isinstance(r, BaseException)]
         if failed:
@@ -211,8 +213,8 @@ class Worker:
             raise failed[0]
         return [ep for ep in got if isinstance(ep, Endpoint)]
 
-    async def _connect(self, address: str) -> Endpoint:
-        ep = await self.node.connect(address)
+    async def _connect(self, address: str, timeout: float | None) -> Endpoint:
+        ep = await self.node.connect(address, timeout=timeout)
         ep.messages  # noqa: B018  # the shard's messages come to us, in order, with its end
         return ep
 
@@ -220,8 +222,7 @@ class Worker:
         """Drop every endpoint and handshake again, with exponential backoff and jitter,
         until ``budget`` seconds are spent."""
         logger.warning("worker rank %d: %s; rejoining for up to %g s", self.rank, why, budget)
-        started = time.monotonic()
-        deadline = started + budget
+        started, deadline = time.monotonic(), Deadline(budget)
         self._unmap()  # the next hello offers our own arena again; the shard may be new
         delay, attempt = BACKOFF_FIRST, 1
         while True:
@@ -230,12 +231,11 @@ class Worker:
                 await self._attempt_handshake(deadline)
                 break
             except (BrokenError, ClosedError, TimeoutError, OSError) as exc:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if deadline.expired:
                     raise BrokenError(f"worker rank {self.rank} could not rejoin "
                                       f"{self.addresses} within {budget:g} s "
                                       f"({attempt} attempts): {exc}") from exc
-                pause = min(left, delay * random.uniform(0.5, 1.0))
+                pause = deadline.least(delay * random.uniform(0.5, 1.0))
                 logger.info("worker rank %d: rejoin attempt %d failed (%s); next in %.2f s",
                             self.rank, attempt, exc, pause)
                 await asyncio.sleep(pause)
@@ -247,10 +247,10 @@ class Worker:
         logger.warning("worker rank %d rejoined after %.2f s (%d attempts) at version %s",
                        self.rank, self.stats["rejoin_s"], attempt, self.version)
 
-    async def _attempt_handshake(self, deadline: float) -> None:
+    async def _attempt_handshake(self, deadline: Deadline) -> None:
         """One handshake, cut short where the rejoin budget ends."""
         try:
-            await wait_for(self._handshake(), max(0.0, deadline - time.monotonic()))
+            await wait_for(self._handshake(), deadline.left())
         except asyncio.TimeoutError:
             raise TimeoutError("the rejoin budget ran out during a handshake") from None
 
@@ -280,7 +280,7 @@ class Worker:
         self._unmap()  # before bye: the model keeps the parameters, in its own memory
         for ep in self._eps:
             with contextlib.suppress(TensorxError):
-                await ep.notify(protocol.encode("bye"), timeout=5.0)
+                await ep.notify(protocol.encode("bye"), timeout=BYE_TIMEOUT)
         await self.node.aclose()
 
     async def __aenter__(self) -> Worker:

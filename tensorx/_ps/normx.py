@@ -22,7 +22,7 @@ import logging
 import math
 from typing import Any
 
-from tensorx._deadline import wait_for
+from tensorx._deadline import Deadline, wait_for
 from tensorx._ps import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import BrokenError, ProtocolError, TensorxError
@@ -157,8 +157,7 @@ class NormExchange:
                               f"norm: {exc}") from exc
 
     async def _wait(self, version: int) -> dict[int, tuple[list[int], float]]:
-        loop = asyncio.get_running_loop()
-        deadline = None if self.timeout is None else loop.time() + self.timeout
+        deadline = Deadline(self.timeout)
         while True:
             got = self._got.setdefault(version, {})
             missing = [j for j in range(self.num_shards) if j != self.shard and j not in got]
@@ -170,14 +169,13 @@ class NormExchange:
                                   f"{self.shard} cannot clip version {version} by the global "
                                   "gradient norm")
             self._changed.clear()
-            left = None if deadline is None else deadline - loop.time()
-            if left is not None and left <= 0:
+            if deadline.expired:
                 raise TxTimeoutError(
                     f"shard {self.shard} heard no gradient norm for version {version} from "
                     f"shard(s) {missing} within {self.timeout:g} s (are they at another "
                     "version, or waiting for a worker?)")
             try:
-                await wait_for(self._changed.wait(), left)
+                await wait_for(self._changed.wait(), deadline.left())
             except asyncio.TimeoutError:
                 continue
 

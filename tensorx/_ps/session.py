@@ -8,6 +8,7 @@ import contextlib
 import logging
 from typing import Any
 
+from tensorx._deadline import Deadline
 from tensorx._ps import protocol
 from tensorx._ps.admission import PROBE_S, holder_alive, rank_taken
 from tensorx._ps.answer import Peer
@@ -41,8 +42,7 @@ class Sessions(ShardCore):
     async def _claim(self, rank: int) -> None:
         """Take ``rank`` from a holder that is gone; RankTakenError while it is alive."""
         for old in [e for e, p in self._peers.items() if p.rank == rank]:
-            probe = PROBE_S if self.timeout is None else min(PROBE_S, self.timeout)
-            if await holder_alive(old, probe):
+            if await holder_alive(old, Deadline(self.timeout).least(PROBE_S)):
                 raise rank_taken(rank, old)
             await self._leave(old, "gone (a new connection claims its rank)")
 
