@@ -57,27 +57,28 @@ def assert_lane(ep: Endpoint, lane: str) -> None:
 
 
 def links() -> list[object]:
-    """The parameter-server variants every correctness test runs over: ``"mapped"``, the
-    defaults (``transport="auto"``, ``share_memory=True``: same host, the workers map the
-    shards' arenas and no byte of a tensor crosses a lane), then each of :func:`lanes`
-    with ``share_memory=False``, where every push and pull crosses that lane."""
-    return [pytest.param("mapped", id="mapped"), *lanes()]
+    """The parameter-server variants every correctness test runs over: ``"default"``, what
+    a user gets (``transport="auto"``, ``share_memory=True``: on one host the workers map
+    the shards' arenas where the plan allows, and then no byte of a tensor crosses a
+    lane), then each of :func:`lanes` with ``share_memory=False``, where every push and
+    pull crosses that lane."""
+    return [pytest.param("default", id="default"), *lanes()]
 
 
 def link_options(link: str) -> dict[str, Any]:
     """``transport`` and ``share_memory`` for a :func:`links` parameter (servers and
     workers take both)."""
-    if link == "mapped":
+    if link == "default":
         return {"transport": "auto", "share_memory": True}
     return {"transport": node_transport(link), "share_memory": False}
 
 
 def assert_link(worker: Worker, link: str) -> None:
-    """A worker trained over ``link``: mapped for ``"mapped"``; otherwise it mapped
-    nothing, and every endpoint of its node uses that lane and carried the worker's bytes
-    (its pushes), so the test could not have passed with bytes never crossing it."""
-    if link == "mapped":
-        assert all(worker.mapped), worker.mapped
+    """A worker trained over a lane (any :func:`links` parameter but ``"default"``, which
+    is whatever the defaults give) mapped nothing, and every endpoint of its node uses that
+    lane and carried the worker's bytes: the test could not have passed with bytes never
+    crossing it. Call it before the worker closes."""
+    if link == "default":
         return
     assert not any(worker.mapped), worker.mapped
     eps = worker.node.endpoints

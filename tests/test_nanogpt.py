@@ -15,8 +15,9 @@ import torch
 
 from tensorx.remote_optimizer import RemoteOptimizer
 
+from .conftest import assert_link, link_options, links
 from .test_ps_examples import run_example
-from .test_remote_optimizer import LINKS, on_ranks
+from .test_remote_optimizer import on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,9 +45,9 @@ def single(resume: dict[str, Any] | None = None) -> tuple[Any, list[dict[str, An
     return nanogpt.train(CFG, nanogpt.GPTConfig(), make, None, resume)  # type: ignore[no-any-return]
 
 
-def distributed(transport: str, share: bool,
-                resume: dict[str, Any] | None = None) -> list[tuple[Any, list[Any]]]:
-    options = {"transport": transport, "share_memory": share}
+def distributed(link: str, resume: dict[str, Any] | None = None
+                ) -> list[tuple[Any, list[Any]]]:
+    options = link_options(link)
     with nanogpt.serving(CFG, 2, num_shards=2, **options) as ps:
         def work(rank: int) -> tuple[Any, list[dict[str, Any]]]:
             made: list[RemoteOptimizer] = []
@@ -56,8 +57,11 @@ def distributed(transport: str, share: bool,
                 return made[-1]
 
             try:
-                return nanogpt.train(CFG, nanogpt.GPTConfig(), make, rank, resume,  # type: ignore[no-any-return]
-                                     clip_here=False)
+                trained = nanogpt.train(CFG, nanogpt.GPTConfig(), make, rank, resume,
+                                        clip_here=False)
+                for opt in made:
+                    assert_link(opt.worker, link)
+                return trained  # type: ignore[no-any-return]
             finally:
                 for opt in made:
                     opt.close()
@@ -79,11 +83,10 @@ def assert_same_optimizer(got: dict[str, Any], want: dict[str, Any]) -> None:
             torch.testing.assert_close(got["state"][i][key], value, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("transport", "share"), LINKS)
-def test_nanogpt_on_two_workers_equals_one_process_through_a_resume(transport: str,
-                                                                   share: bool) -> None:
+@pytest.mark.parametrize("link", links())
+def test_nanogpt_on_two_workers_equals_one_process_through_a_resume(link: str) -> None:
     want, want_ckpts = single()
-    (model0, ckpts), (model1, none) = distributed(transport, share)
+    (model0, ckpts), (model1, none) = distributed(link)
     assert none == []  # rank 0 alone evaluates and checkpoints, as in nanoGPT
     assert_same_model(model0, want)
     assert_same_model(model1, want)
@@ -93,7 +96,7 @@ def test_nanogpt_on_two_workers_equals_one_process_through_a_resume(transport: s
     assert lrs == {nanogpt.get_lr(6, CFG)}  # the schedule reached the server
     assert [g["weight_decay"] for g in ckpts[0]["optimizer"]["param_groups"]] == [0.1, 0.0]
 
-    (resumed, _), _ = distributed(transport, share, resume=ckpts[0])
+    (resumed, _), _ = distributed(link, resume=ckpts[0])
     assert_same_model(resumed, want)
 
 

@@ -16,7 +16,7 @@ from tensorx.errors import BrokenError, TimeoutError
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
-from .conftest import transports
+from .conftest import assert_link, link_options, links, transports
 from .test_ps_cli import PsProcess
 from .test_ps_train import SGD_MOMENTUM, backward, batches, make_model
 
@@ -39,12 +39,6 @@ async def logged(caplog: pytest.LogCaptureFixture, text: str, within: float = 30
     while not any(text in r.getMessage() for r in caplog.records):
         assert time.monotonic() < deadline, f"never logged {text!r}"
         await asyncio.sleep(0.02)
-
-
-# PS correctness runs copy bytes over each transport too (share_memory=False)
-VARIANTS = [pytest.param("tcp", True, id="tcp-shared"), pytest.param("tcp", False, id="tcp"),
-            pytest.param(TRANSPORTS[1].values[0], False, id="ucx",  # type: ignore[union-attr]
-                         marks=TRANSPORTS[1].marks)]  # type: ignore[union-attr]
 
 
 async def train(worker: Worker, model: torch.nn.Module,
@@ -101,27 +95,29 @@ async def test_the_first_join_gives_up_after_the_timeout() -> None:
         await worker.start()
 
 
-@pytest.mark.parametrize(("transport", "share"), VARIANTS)
+@pytest.mark.parametrize("link", links())
 async def test_sync_goes_on_without_a_rank_that_finished(
-        transport: str, share: bool, caplog: pytest.LogCaptureFixture) -> None:
+        link: str, caplog: pytest.LogCaptureFixture) -> None:
     """Uneven step counts: rank 0 has 2 batches, rank 1 has 5. Rank 0 says goodbye; rank 1
     is not held at the barrier (no timeout) and its last rounds are its gradient alone."""
     caplog.set_level(logging.INFO, logger="tensorx")
     data = batches(5, 2)
     models = [make_model(), make_model(seed=5)]
-    async with ParameterServer(num_workers=2, optimizer=SGD_MOMENTUM, transport=transport,
-                               share_memory=share) as ps:
-        ws = [Worker(m, ps.address, rank=r, num_workers=2, transport=transport, timeout=20.0,
-                     share_memory=share) for r, m in enumerate(models)]
+    async with ParameterServer(num_workers=2, optimizer=SGD_MOMENTUM,
+                               **link_options(link)) as ps:
+        ws = [Worker(m, ps.address, rank=r, num_workers=2, timeout=20.0, **link_options(link))
+              for r, m in enumerate(models)]
         await asyncio.gather(*(w.start() for w in ws))
 
         async def rank0() -> None:
             await train(ws[0], models[0], [s[0] for s in data[:2]])
+            assert_link(ws[0], link)
             await ws[0].aclose()
 
         async def rank1() -> None:
             try:
                 await train(ws[1], models[1], [s[1] for s in data])
+                assert_link(ws[1], link)
             finally:
                 await ws[1].aclose()
 

@@ -24,8 +24,9 @@ from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.node import Node
 from tensorx.ps import ParameterServer
 
+from .conftest import assert_link, lanes, node_transport
 from .test_ps_cli import PsProcess
-from .test_ps_train import TRANSPORTS, servers, workers
+from .test_ps_train import servers, workers
 
 Named = list[tuple[str, nn.Parameter]]
 # chunks of 4 rows of 64 B: the plan splits 1.weight (24 rows) across the two shards
@@ -87,8 +88,9 @@ def train_single(factory: Callable[[Named], torch.optim.Optimizer], steps: int,
 
 
 async def train_ps(factory: Callable[..., torch.optim.Optimizer], steps: int,
-                   transport: str, **server: Any) -> list[torch.Tensor]:
+                   lane: str, **server: Any) -> list[torch.Tensor]:
     models = [make_model(), make_model(seed=5)]
+    transport = node_transport(lane)
     async with servers(2, 2, transport, mode="sync", optimizer=factory, share_memory=False,
                        **server) as shards, \
             workers(models, [s.address for s in shards], transport, share_memory=False,
@@ -98,6 +100,8 @@ async def train_ps(factory: Callable[..., torch.optim.Optimizer], steps: int,
                 w.zero_grad()
                 loss(m, x, y).backward()
             await asyncio.gather(*(w.step() for w in ws))
+        for w in ws:
+            assert_link(w, lane)
         return [p.detach().clone() for p in models[0].parameters()]
 
 
@@ -106,12 +110,12 @@ def test_the_plan_splits_a_tensor_across_the_shards() -> None:
     assert {c.shard for c in chunks} == {0, 1}
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("lane", lanes())
 @pytest.mark.parametrize("factory", [decay_by_dim, decay_by_dim_positional, lr_by_layer],
                          ids=["decay-by-dim", "decay-by-dim-positional", "lr-by-name"])
 async def test_rules_by_dim_and_name_equal_single_process(
-        factory: Callable[[Named], torch.optim.Optimizer], transport: str) -> None:
-    got = await train_ps(factory, 12, transport)
+        factory: Callable[[Named], torch.optim.Optimizer], lane: str) -> None:
+    got = await train_ps(factory, 12, lane)
     want = train_single(factory, 12)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
@@ -158,9 +162,10 @@ def sgd_named(named: Named) -> torch.optim.Optimizer:
     return sgd([p for _, p in named])
 
 
-async def train_clipped(transport: str, norms: list[float], **server: Any
+async def train_clipped(lane: str, norms: list[float], **server: Any
                         ) -> list[torch.Tensor]:
     models = [make_model(), make_model(seed=5)]
+    transport = node_transport(lane)
     async with servers(2, 2, transport, mode="sync", optimizer=sgd, share_memory=False,
                        clip_grad_norm=0.05, **server) as shards, \
             workers(models, [s.address for s in shards], transport, share_memory=False,
@@ -172,13 +177,15 @@ async def train_clipped(transport: str, norms: list[float], **server: Any
             await asyncio.gather(*(w.step() for w in ws))
             assert shards[0].stats["grad_norm"] == shards[1].stats["grad_norm"]
             norms.append(shards[0].stats["grad_norm"])
+        for w in ws:
+            assert_link(w, lane)
         return [p.detach().clone() for p in models[0].parameters()]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_clip_grad_norm_over_two_shards_equals_single_process(transport: str) -> None:
+@pytest.mark.parametrize("lane", lanes())
+async def test_clip_grad_norm_over_two_shards_equals_single_process(lane: str) -> None:
     norms: list[float] = []
-    got = await train_clipped(transport, norms)
+    got = await train_clipped(lane, norms)
     want = train_single(sgd_named, 10, clip=0.05)
     assert min(norms) > 0.05  # every step was clipped
     for g, w in zip(got, want, strict=True):

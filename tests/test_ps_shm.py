@@ -25,11 +25,11 @@ from tensorx.memregion import MemoryRegion, host_id
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
+from .conftest import assert_link, link_options, links
 from .models import cnn, sparse_embedding
 from .test_ps_train import (
     ADAM,
     SGD_MOMENTUM,
-    TRANSPORTS,
     backward,
     batches,
     make_model,
@@ -310,20 +310,22 @@ async def test_rejoin_maps_the_restarted_servers_arenas(tmp_path: Path) -> None:
 
 
 # -- a mapped worker that edits its weights in place (issue 16, item 10) -------------------
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("share", [True, False], ids=["mapped", "copied"])
-async def test_an_edit_in_place_stays_the_workers_own(transport: str, share: bool) -> None:
+@pytest.mark.parametrize("link", links())
+async def test_an_edit_in_place_stays_the_workers_own(link: str) -> None:
     """Before: a mapped worker's edit changed the server's and every worker's parameters,
     while on the copy path it was discarded at the next pull. Now both paths discard it."""
     models = [make_model(), make_model(seed=99)]
-    async with servers(1, 2, transport, mode="sync", optimizer=SGD_MOMENTUM) as (ps,), \
-            workers(models, [ps.address], transport, share_memory=share) as ws:
+    share = link_options(link)["share_memory"]
+    async with servers(1, 2, mode="sync", optimizer=SGD_MOMENTUM, **link_options(link)) \
+            as (ps,), workers(models, [ps.address], **link_options(link)) as ws:
         for step in batches(2, 2):
             for w, m, (x, y) in zip(ws, models, step, strict=True):
                 w.zero_grad()
                 backward(m, x, y)
             await asyncio.gather(*(w.step() for w in ws))
         assert [w.mapped for w in ws] == [[share], [share]]
+        for w in ws:
+            assert_link(w, link)
         assert ps.state is not None
         server = [v.clone() for v in ps.state.views]
         with torch.no_grad():

@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensorx.errors import OptimizerError
 
-from .conftest import lanes, node_transport
+from .conftest import assert_link, lanes, node_transport
 from .models import sparse_embedding
 from .test_ps_train import servers, workers
 
@@ -110,6 +110,9 @@ async def train(make: Callable[[], nn.Module], opt: OptFactory, lane: str, num_s
             await asyncio.gather(*(w.step() for w in ws))
         if mapped is not None:
             mapped += [w.mapped for w in ws]
+        if not share_memory:
+            for w in ws:
+                assert_link(w, lane)
     return models
 
 

@@ -17,7 +17,7 @@ from tensorx._ps import answer
 from tensorx._ps.changed import runs
 from tensorx.ps import ParameterServer
 
-from .conftest import lanes, node_transport
+from .conftest import assert_link, lanes, node_transport
 from .test_ps_train import servers, workers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -90,6 +90,8 @@ async def train(opt: Callable[..., torch.optim.Optimizer], lane: str
             await asyncio.gather(*(w.step() for w in ws))
             if n == 0:
                 before = written(ps)
+        for w in ws:
+            assert_link(w, lane)
         assert ps.state is not None
         per_answer = (written(ps) - before) / (2 * (STEPS - 1))
         return models, per_answer, ps.state.layout.nbytes

@@ -16,7 +16,7 @@ from tensorx.errors import AuthError, PlanMismatchError
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
-from .conftest import transports
+from .conftest import assert_link, lanes, link_options, links, transports
 from .models import sparse_embedding
 
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -77,18 +77,22 @@ async def workers(models: Sequence[nn.Module], addresses: list[str], transport: 
         await asyncio.gather(*(w.aclose() for w in ws), return_exceptions=True)
 
 
-async def train_sync(opt: OptFactory, steps: int, num_shards: int, transport: str,
+async def train_sync(opt: OptFactory, steps: int, num_shards: int, link: str = "default",
                      flat: bool = False, **kw: Any) -> list[torch.Tensor]:
+    """Two sync workers over ``link`` (a :func:`links` parameter); rank 0's parameters."""
     data = batches(steps, 2)
     models = [make_model(), make_model(seed=99)]  # rank 1's own init must be overwritten
-    async with servers(num_shards, 2, transport, mode="sync", optimizer=opt,
-                       flat=flat, **kw) as shards, \
-            workers(models, [ps.address for ps in shards], transport, verify=True) as ws:
+    options = link_options(link)
+    async with servers(num_shards, 2, mode="sync", optimizer=opt, flat=flat, **options,
+                       **kw) as shards, \
+            workers(models, [ps.address for ps in shards], verify=True, **options) as ws:
         for step in data:
             for w, m, (x, y) in zip(ws, models, step, strict=True):
                 w.zero_grad()
                 backward(m, x, y)
             await asyncio.gather(*(w.step() for w in ws))
+        for w in ws:
+            assert_link(w, link)
         assert all(torch.equal(a, b) for a, b in
                    zip(models[0].parameters(), models[1].parameters(), strict=True))
         return [p.detach().clone() for p in models[0].parameters()]
@@ -104,67 +108,35 @@ def train_single(opt: OptFactory, steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-UCX_MARKS = TRANSPORTS[1].marks  # type: ignore[union-attr]
-
-
-@pytest.mark.parametrize(("opt", "num_shards", "transport"), [
-    pytest.param(SGD_MOMENTUM, 1, "tcp", id="sgd-momentum-1-tcp"),
-    pytest.param(ADAM, 1, "tcp", id="adam-1-tcp"),
-    pytest.param(SGD_MOMENTUM, 2, "tcp", id="sgd-momentum-2-tcp"),
-    pytest.param(ADAM, 2, "tcp", id="adam-2-tcp"),
-    pytest.param(SGD_MOMENTUM, 1, "ucx", id="sgd-momentum-1-ucx", marks=UCX_MARKS),
-    pytest.param(ADAM, 2, "ucx", id="adam-2-ucx", marks=UCX_MARKS),
+@pytest.mark.parametrize("link", links())
+@pytest.mark.parametrize(("opt", "num_shards"), [
+    pytest.param(SGD_MOMENTUM, 1, id="sgd-momentum-1"),
+    pytest.param(ADAM, 2, id="adam-2"),
 ])
-async def test_sync_equals_single_process(opt: OptFactory, num_shards: int,
-                                          transport: str) -> None:
-    got = await train_sync(opt, 24, num_shards, transport)
+async def test_sync_equals_single_process(opt: OptFactory, num_shards: int, link: str) -> None:
+    """The defaults, and over each lane with every push and pull crossing it."""
+    got = await train_sync(opt, 24, num_shards, link)
     want = train_single(opt, 24)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-async def test_sync_equals_single_process_over_the_same_host_lane() -> None:
-    """``share_memory=False`` under ``transport="auto"``: every push and pull is a one-sided
-    op of the same-host CMA lane, and training is still exactly single-process training."""
-    from tensorx.transport.cma import CmaLane
-
-    data = batches(16, 2)
-    models = [make_model(), make_model(seed=99)]
-    async with servers(2, 2, "auto", mode="sync", optimizer=ADAM, share_memory=False) \
-            as shards, workers(models, [ps.address for ps in shards], "auto",
-                               verify=True) as ws:
-        for step in data:
-            for w, m, (x, y) in zip(ws, models, step, strict=True):
-                w.zero_grad()
-                backward(m, x, y)
-            await asyncio.gather(*(w.step() for w in ws))
-        eps = [ep for w in ws for ep in w.node.endpoints]
-        assert eps and all(ep.info["host"].startswith("cma") for ep in eps)
-        for ep in eps:
-            lane = ep._lane
-            while not isinstance(lane, CmaLane) and hasattr(lane, "inner"):
-                lane = lane.inner  # (under a CUDA IPC lane on a GPU host)
-            assert isinstance(lane, CmaLane) and lane.ops >= 16
-    for g, want in zip(models[1].parameters(), train_single(ADAM, 16), strict=True):
-        torch.testing.assert_close(g.detach(), want, rtol=1e-5, atol=1e-6)
-
-
 async def test_two_shards_equal_one_shard() -> None:
-    one = await train_sync(ADAM, 20, 1, "tcp")
-    two = await train_sync(ADAM, 20, 2, "tcp")
+    one = await train_sync(ADAM, 20, 1)
+    two = await train_sync(ADAM, 20, 2)
     for a, b in zip(one, two, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 async def test_flat_server_equals_single_process() -> None:
-    got = await train_sync(SGD_MOMENTUM, 20, 2, "tcp", flat=True)
+    got = await train_sync(SGD_MOMENTUM, 20, 2, flat=True)
     for g, w in zip(got, train_single(SGD_MOMENTUM, 20), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("lane", lanes())
 async def test_updates_sent_part_by_part_equal_single_process(
-        transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        lane: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A flat shard in several parts (tiny parts here) applies and writes back the update
     part by part to workers that copy: still exactly single-process training."""
     from tensorx._ps import parts
@@ -172,15 +144,18 @@ async def test_updates_sent_part_by_part_equal_single_process(
     monkeypatch.setattr(parts, "PART_BYTES", 256)
     data = batches(12, 2)
     models = [make_model(), make_model(seed=99)]
-    async with servers(1, 2, transport, mode="sync", optimizer=SGD_MOMENTUM, flat=True,
-                       share_memory=False) as (ps,), \
-            workers(models, [ps.address], transport, verify=True) as ws:
+    options = link_options(lane)
+    async with servers(1, 2, mode="sync", optimizer=SGD_MOMENTUM, flat=True,
+                       **options) as (ps,), \
+            workers(models, [ps.address], verify=True, **options) as ws:
         assert ps.state is not None and ps.state.num_parts > 2
         for step in data:
             for w, m, (x, y) in zip(ws, models, step, strict=True):
                 w.zero_grad()
                 backward(m, x, y)
             await asyncio.gather(*(w.step() for w in ws))
+        for w in ws:
+            assert_link(w, lane)
     for g, want in zip(models[1].parameters(), train_single(SGD_MOMENTUM, 12), strict=True):
         torch.testing.assert_close(g.detach(), want, rtol=1e-5, atol=1e-6)
 
@@ -287,14 +262,15 @@ async def test_checkpoint_and_resume(tmp_path: Path) -> None:
         torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_pulls_never_see_a_half_applied_update(transport: str) -> None:
+@pytest.mark.parametrize("lane", lanes())
+async def test_pulls_never_see_a_half_applied_update(lane: str) -> None:
     """Async mode, many fast steps on a 1 MiB model: every pull is checked against the
     checksum the server stamped on the update it belongs to."""
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(512, 512)) for _ in range(3)]
-    async with servers(1, 3, transport, mode="async") as (ps,), \
-            workers(models, [ps.address], transport, verify=True) as ws:
+    options = link_options(lane)
+    async with servers(1, 3, mode="async", **options) as (ps,), \
+            workers(models, [ps.address], verify=True, **options) as ws:
         async def run(w: Worker, m: nn.Module) -> None:
             for _ in range(40):
                 w.zero_grad()
@@ -302,11 +278,13 @@ async def test_pulls_never_see_a_half_applied_update(transport: str) -> None:
                 await w.step()
 
         await asyncio.gather(*(run(w, m) for w, m in zip(ws, models, strict=True)))
+        for w in ws:
+            assert_link(w, lane)
     assert ps.stats["updates"] == 120
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_sparse_embedding_model_trains(transport: str) -> None:
+@pytest.mark.parametrize("link", links())
+async def test_sparse_embedding_model_trains(link: str) -> None:
     """Embedding and EmbeddingBag with sparse gradients, 2 shards: the loss falls, and
     the result equals one process training on both halves of the batch."""
     models = [sparse_embedding(), sparse_embedding()]
@@ -319,8 +297,9 @@ async def test_sparse_embedding_model_trains(transport: str) -> None:
         part = slice(None) if rank is None else slice(rank * 32, rank * 32 + 32)
         return nn.functional.mse_loss(m(ids[part]), target[part])
 
-    async with servers(2, 2, transport, mode="sync", optimizer=sgd) as shards, \
-            workers(models, [ps.address for ps in shards], transport) as ws:
+    options = link_options(link)
+    async with servers(2, 2, mode="sync", optimizer=sgd, **options) as shards, \
+            workers(models, [ps.address for ps in shards], **options) as ws:
         first = float(loss_of(models[0]).detach())
         for _ in range(25):
             for r, (w, m) in enumerate(zip(ws, models, strict=True)):
@@ -331,6 +310,8 @@ async def test_sparse_embedding_model_trains(transport: str) -> None:
         # the dynamic path carried the rows (2 workers x 25 steps x <= 32*4 ids x 2 tables)
         rows = sum(ps.stats["sparse_rows"] for ps in shards)
         assert 0 < rows <= 2 * 25 * 32 * 4 * 2
+        for w in ws:
+            assert_link(w, link)
     assert last < 0.2 * first
     ref = sparse_embedding()
     opt = sgd(list(ref.parameters()))  # type: ignore[arg-type]

@@ -23,14 +23,9 @@ from tensorx.errors import ProtocolError, UsageError
 from tensorx.ps import ParameterServer
 from tensorx.remote_optimizer import RemoteOptimizer
 
-from .conftest import HAVE_UCX
+from .conftest import assert_link, link_options, links
 
 Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-UCX = pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")
-# the defaults (tcp, same-host mapping) and bytes really crossing tcp and ucx
-LINKS = [pytest.param("tcp", True, id="tcp"),
-         pytest.param("tcp", False, id="tcp-copy"),
-         pytest.param("ucx", False, id="ucx-copy", marks=[pytest.mark.ucx, UCX])]
 
 
 def adamw_groups(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -150,21 +145,19 @@ SCHEDULES: dict[str, Callable[[Any], Any]] = {
 }
 
 
-@pytest.mark.parametrize(("transport", "share"), LINKS)
+@pytest.mark.parametrize("link", links())
 @pytest.mark.parametrize("schedule", ["lambda", "cosine"])
-def test_worker_schedules_equal_single_process(transport: str, share: bool,
-                                               schedule: str) -> None:
+def test_worker_schedules_equal_single_process(link: str, schedule: str) -> None:
     """torch LR schedulers on both workers, weight-decay groups on two shards."""
-    if schedule == "cosine" and (transport, share) != ("tcp", True):
+    if schedule == "cosine" and link != "default":
         pytest.skip("one schedule over every link is enough")
     data = batches(8)
     models = [make_model(), make_model(seed=5)]
-    with serving(2, 2, optimizer=adamw_groups, transport=transport,
-                 share_memory=share) as ps:
+    with serving(2, 2, optimizer=adamw_groups, **link_options(link)) as ps:
         def work(rank: int) -> list[dict[str, Any]]:
-            with RemoteOptimizer(models[rank], ps, rank, 2, transport=transport,
-                                 share_memory=share) as opt:
+            with RemoteOptimizer(models[rank], ps, rank, 2, **link_options(link)) as opt:
                 loop(opt, models[rank], data, rank, sched=SCHEDULES[schedule](opt))
+                assert_link(opt.worker, link)
                 return [{k: v for k, v in g.items() if k != "params"}
                         for g in opt.param_groups]
 
@@ -219,21 +212,20 @@ def test_lr_set_on_one_rank_reaches_the_next_update(caplog: pytest.LogCaptureFix
     assert "ranks 0 and 1 set param_groups[0]['lr'] to 0.02 and 0.9" in caplog.text
 
 
-@pytest.mark.parametrize(("transport", "share"), [LINKS[0], LINKS[2]])
-def test_state_dict_round_trip_resumes_exactly(transport: str, share: bool,
-                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize("link", links())
+def test_state_dict_round_trip_resumes_exactly(link: str, tmp_path: Path) -> None:
     """Tensors split into chunks across two shards: state_dict() equals torch's own, in
     torch's format; saved, loaded into fresh servers, training continues as if never
     interrupted."""
     data = batches(10)
-    opts = {"transport": transport, "share_memory": share,
-            "plan_options": {"chunk_bytes": 256}}
+    opts = {**link_options(link), "plan_options": {"chunk_bytes": 256}}
     models = [make_model(), make_model()]
-    with serving(2, 2, optimizer=adam, transport=transport, share_memory=share) as ps:
+    with serving(2, 2, optimizer=adam, **link_options(link)) as ps:
         def first(rank: int) -> dict[str, Any]:
             with RemoteOptimizer(models[rank], ps, rank, 2, **opts) as opt:
                 assert any(not e.whole for e in opt.worker.plan.entries)  # really chunked
                 loop(opt, models[rank], data[:5], rank)
+                assert_link(opt.worker, link)
                 return opt.state_dict()
 
         saved = on_ranks(first)[0]
@@ -248,12 +240,13 @@ def test_state_dict_round_trip_resumes_exactly(transport: str, share: bool,
 
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     resumed = [make_model(seed=3), make_model(seed=4)]
-    with serving(2, 2, optimizer=adam, transport=transport, share_memory=share) as ps:
+    with serving(2, 2, optimizer=adam, **link_options(link)) as ps:
         def second(rank: int) -> None:
             resumed[rank].load_state_dict(ckpt["model"])
             with RemoteOptimizer(resumed[rank], ps, rank, 2, **opts) as opt:
                 opt.load_state_dict(ckpt["optimizer"])
                 loop(opt, resumed[rank], data[5:], rank)
+                assert_link(opt.worker, link)
 
         on_ranks(second)
     close(resumed[0], local(adam, data)[0])

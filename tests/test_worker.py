@@ -19,6 +19,7 @@ from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer
 from tensorx.worker import RemoteOptimizer, Worker
 
+from .conftest import assert_link, link_options, links
 from .models import mlp
 
 
@@ -88,7 +89,7 @@ def server_thread(**kw: object) -> Iterator[ParameterServer]:
     loop = asyncio.new_event_loop()
 
     async def serve() -> None:
-        ps = ParameterServer(transport="tcp", **kw)  # type: ignore[arg-type]
+        ps = ParameterServer(**{"transport": "tcp", **kw})  # type: ignore[arg-type]
         await ps.start()
         box["ps"] = ps
         ready.set()
@@ -107,8 +108,9 @@ def server_thread(**kw: object) -> Iterator[ParameterServer]:
         loop.close()
 
 
+@pytest.mark.parametrize("link", links())
 @pytest.mark.parametrize("overlap", [True, False])
-def test_remote_optimizer_equals_local_training(overlap: bool) -> None:
+def test_remote_optimizer_equals_local_training(overlap: bool, link: str) -> None:
     """Two backward passes per step (accumulation), an unused parameter, small buckets
     pushed from autograd's hooks on the caller's thread: same result as torch.optim."""
     def sgd(p: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -125,11 +127,12 @@ def test_remote_optimizer_equals_local_training(overlap: bool) -> None:
                 nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
 
-    with server_thread(num_workers=1, optimizer=sgd) as ps:
+    with server_thread(num_workers=1, optimizer=sgd, **link_options(link)) as ps:
         model = WithUnused()
-        with RemoteOptimizer(model, ps=ps.address, transport="tcp", bucket_bytes=2048,
-                             overlap=overlap) as remote:
+        with RemoteOptimizer(model, ps=ps.address, bucket_bytes=2048, overlap=overlap,
+                             **link_options(link)) as remote:
             train(model, remote)
+            assert_link(remote.worker, link)
             pusher = remote.worker._pusher
             assert pusher is not None
             assert (pusher.early > 0) == overlap
@@ -158,12 +161,13 @@ def test_server_and_worker_pass_node_options_on() -> None:
         ParameterServer(num_workers=1, node_options={"no_such_option": 1})
 
 
-@pytest.mark.parametrize("share_memory", [False, True])
+@pytest.mark.parametrize("link", links())
 def test_an_edit_between_backward_and_step_reaches_the_server(
-        share_memory: bool, caplog: pytest.LogCaptureFixture) -> None:
+        link: str, caplog: pytest.LogCaptureFixture) -> None:
     """torch's habit: clip_grad_norm_ between backward() and step(). With overlap on (the
     default) buckets left during backward; the edit must still reach the server, as it
     would a local optimizer, and the trainer is told what keeps the overlap."""
+    share_memory = link_options(link)["share_memory"]
     def sgd(p: list[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(p, lr=0.1)
 
@@ -180,12 +184,13 @@ def test_an_edit_between_backward_and_step_reaches_the_server(
             opt.step()
 
     with caplog.at_level(logging.WARNING, logger="tensorx._ps.buckets"), \
-            server_thread(num_workers=1, optimizer=sgd) as ps:
+            server_thread(num_workers=1, optimizer=sgd, **link_options(link)) as ps:
         model = WithUnused()
-        with RemoteOptimizer(model, ps=ps.address, transport="tcp", bucket_bytes=2048,
-                             share_memory=share_memory) as remote:
+        with RemoteOptimizer(model, ps=ps.address, bucket_bytes=2048,
+                             **link_options(link)) as remote:
             train(model, remote)
             mapped = all(remote.worker.mapped)
+            assert_link(remote.worker, link)
             pusher = remote.worker._pusher
             assert pusher is not None
     assert mapped == share_memory
