@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensorx import _cuda
+from tensorx._deadline import Deadline
 from tensorx._queues import MessageStream
 from tensorx.errors import (
     ClosedError,
@@ -145,16 +146,20 @@ class Endpoint:
                                   notify=notify, timeout=timeout)
             return
         produced = _cuda.ready((region,)) if _is_cuda(region) else []  # recorded at the call
+        t = self._timeout(timeout)
         op = self._op_now(region, remote, offset, remote_offset, nbytes, "w")
         if op is None or produced:  # it may wait before the lane has it: notify waits too
+            deadline = Deadline(t)  # one budget for asking the owner and the write
             async with self._issuing_write():
                 if op is None:
-                    op = await self._op(region, remote, offset, remote_offset, nbytes, "w")
+                    op = await self._op(region, remote, offset, remote_offset, nbytes, "w",
+                                        deadline.left())
                 if produced:
                     await _cuda.wait(produced)
+            t = deadline.left()
         started, failed = time.perf_counter(), True
         try:
-            await self._lane.write(op, timeout=self._timeout(timeout))
+            await self._lane.write(op, timeout=t)
             failed = False
         finally:
             self.stats.record("write", op.nbytes, started, failed)
@@ -166,14 +171,17 @@ class Endpoint:
         region at ``remote_offset`` into ``region``. Returns when the data is local."""
         # kernels enqueued before the call that still use the destination finish first
         used = _cuda.ready((region,)) if _is_cuda(region) else []
+        t = self._timeout(timeout)
         op = self._op_now(region, remote, offset, remote_offset, nbytes, "r")
         if op is None:
-            op = await self._op(region, remote, offset, remote_offset, nbytes, "r")
+            deadline = Deadline(t)  # one budget for asking the owner and the read
+            op = await self._op(region, remote, offset, remote_offset, nbytes, "r", t)
+            t = deadline.left()
         if used:
             await _cuda.wait(used)
         started, failed = time.perf_counter(), True
         try:
-            await self._lane.read(op, timeout=self._timeout(timeout))
+            await self._lane.read(op, timeout=t)
             failed = False
         finally:
             self.stats.record("read", op.nbytes, started, failed)
@@ -187,11 +195,12 @@ class Endpoint:
             _check_payload(notify)
         specs = [_spec(spec) for spec in ops]
         produced = _cuda.ready(s[0] for s in specs if _is_cuda(s[0]))  # recorded at the call
+        deadline = Deadline(self._timeout(timeout))  # checks, writes and notify: one budget
         async with self._issuing_write():
-            checked = [await self._op(*spec, "w") for spec in specs]
+            checked = [await self._op(*spec, "w", deadline.left()) for spec in specs]
             if produced:
                 await _cuda.wait(produced)
-        t = self._timeout(timeout)
+        t = deadline.left()
         carried = False
         if checked:
             started = time.perf_counter()
@@ -204,19 +213,19 @@ class Endpoint:
                 assert notify is not None
                 self.stats.record("notify", len(notify), started, False)
         if notify is not None and not carried:  # the lane could not carry it: flush, notify
-            await self.notify(notify, timeout=t)
+            await self.notify(notify, timeout=deadline.left())
 
     async def notify(self, payload: bytes = b"", *, timeout: float | None = DEFAULT) -> None:
         """Send ``payload`` to the peer's ``node.notifications``. The peer never sees it
         before the data of any write issued earlier on this endpoint."""
         self._check_usable()
         _check_payload(payload)
-        t = self._timeout(timeout)
+        deadline = Deadline(self._timeout(timeout))
         if self._issuing:  # writes started earlier but still being checked
             await asyncio.gather(*self._issuing)
         with self._counted("notify", len(payload)):
-            await self._lane.flush(timeout=t)
-            await self._conn.notify(bytes(payload), t)
+            await self._lane.flush(timeout=deadline.left())
+            await self._conn.notify(bytes(payload), deadline.left())
 
     @contextlib.asynccontextmanager
     async def _issuing_write(self) -> AsyncIterator[None]:
@@ -243,11 +252,12 @@ class Endpoint:
         return self._checked(region, desc, offset, remote_offset, nbytes, need, *limits)
 
     async def _op(self, region: MemoryRegion, remote: RegionDescriptor | bytes, offset: int,
-                  remote_offset: int, nbytes: int | None, need: str) -> Op:
+                  remote_offset: int, nbytes: int | None, need: str,
+                  timeout: float | None) -> Op:
         self._check_usable()
         desc = _descriptor(remote)
         _check_local(region, offset, nbytes, need)
-        size, access = await self._remote_limits(desc)
+        size, access = await self._remote_limits(desc, timeout)
         return self._checked(region, desc, offset, remote_offset, nbytes, need, size, access)
 
     def _checked(self, region: MemoryRegion, desc: RegionDescriptor, offset: int,
@@ -295,14 +305,16 @@ class Endpoint:
             return desc.nbytes, desc.access
         return self._validated.get((desc.region_id, desc.cookie))
 
-    async def _remote_limits(self, desc: RegionDescriptor) -> tuple[int, str]:
-        """:meth:`_remote_limits_now`, asking the owner (once) where needed."""
+    async def _remote_limits(self, desc: RegionDescriptor,
+                             timeout: float | None) -> tuple[int, str]:
+        """:meth:`_remote_limits_now`, asking the owner (once) where needed, within the
+        op's budget."""
         known = self._remote_limits_now(desc)
         if known is not None:
             return known
         key = (desc.region_id, desc.cookie)
         if key not in self._validated:
-            n, access = await self._conn.request_validate(*key, self._node.timeout)
+            n, access = await self._conn.request_validate(*key, timeout)
             if desc.region_id in self._revoked:  # revoked while we asked
                 raise RegionError(f"region {desc.region_id:#x} was closed by its owner")
             if n != desc.nbytes or not set(desc.access) <= set(access):

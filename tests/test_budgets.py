@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import tensorx as tx
 from tensorx import _deadline
 from tensorx.transport._ucx_probe import AddressProbe
 
@@ -112,3 +113,27 @@ async def test_reopening_a_force_closed_ucx_endpoint_spends_the_ops_budget(
             await lane.aclose()
     finally:
         await factory.aclose()
+
+
+@pytest.mark.parametrize("budget", [3600.0, None])
+async def test_asking_the_owner_about_a_descriptor_spends_the_ops_budget(
+        clock: Clock, budget: float | None) -> None:
+    """Over a lane that bypasses the owner, the endpoint checks a new descriptor with it
+    first: that question waited the node's timeout (30 s), whatever the op's budget."""
+    async with tx.Node(same_host=True, timeout=30) as owner, \
+            tx.Node(None, same_host=True, timeout=30) as node:
+        with tx.MemoryRegion.allocate(64) as theirs, tx.MemoryRegion.allocate(64) as mine:
+            desc = owner.export(theirs)
+            ep = await node.connect(owner.address)
+            assert ep._lane.bypasses_owner  # (cma, or ucx)
+            given: list[float | None] = []
+            real = ep._conn.request_validate
+
+            async def validate(rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
+                given.append(timeout)
+                return await real(rid, ck, timeout)
+
+            ep._conn.request_validate = validate  # type: ignore[method-assign]
+            await ep.write(mine, desc, timeout=budget)
+            await ep.read(mine, desc, timeout=budget)  # known now: not asked again
+    assert given == [budget]
