@@ -282,6 +282,8 @@ class Worker:
             with contextlib.suppress(TensorxError):
                 await ep.notify(protocol.encode("bye"), timeout=BYE_TIMEOUT)
         await self.node.aclose()
+        if self._sparse is not None:
+            self._sparse.close()
 
     async def __aenter__(self) -> Worker:
         return await self.start()
@@ -349,12 +351,14 @@ class Worker:
         the push notification travels with the data (never ahead of it)."""
         ops = [] if self._mapped(shard) else [self._bucket_op(b) for b in rest]
         staging: dict[str, bytes] = {}
+        inbox = b""
         if self._sparse is not None and self._headers[shard]:
             staging = self._sparse.stage(shard)
+            inbox = b"" if self._mapped(shard) else self._sparse.inbox(shard)
             ops.append((self._region(shard, "headers"), self._headers[shard]))
         msg = protocol.encode("push", step=self.steps, version=self.version[shard],
                               staging=staging, mapped=self._mapped(shard),
-                              hyper=hyper if self.optim[shard]["groups"] else [])
+                              hyper=hyper if self.optim[shard]["groups"] else [], inbox=inbox)
         with self._naming(shard):
             await self._eps[shard].write_many(ops, notify=msg, timeout=self.timeout)
 
@@ -430,6 +434,8 @@ class Worker:
     def _accept_params(self, shard: int, msg: dict[str, Any]) -> None:
         if self._shared is not None and self._shared.mapped[shard]:
             self._shared.refresh(shard)  # an edit in place is dropped, as a copy would
+        if msg["t"] == "params" and self._sparse is not None:
+            self._sparse.accept(shard, msg)  # rows the shard wrote into our inbox
         self.version[shard] = msg["version"]
         if msg.get("hyper"):
             self._heard(shard, msg["hyper"])

@@ -157,10 +157,10 @@ def test_checksum_changes_with_every_update() -> None:
 # -- control messages -------------------------------------------------------------------
 def test_messages_round_trip() -> None:
     raw = protocol.encode("push", step=3, version=7, staging={"emb.weight": b"desc"},
-                          mapped=False, hyper=[{"lr": 0.5}])
+                          mapped=False, hyper=[{"lr": 0.5}], inbox=b"")
     assert protocol.decode(raw) == {"t": "push", "step": 3, "version": 7,
                                     "staging": {"emb.weight": b"desc"}, "mapped": False,
-                                    "hyper": [{"lr": 0.5}]}
+                                    "hyper": [{"lr": 0.5}], "inbox": b""}
 
 
 @pytest.mark.parametrize("payload", [

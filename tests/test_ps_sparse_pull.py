@@ -43,25 +43,31 @@ def make() -> nn.Module:
     return Tables()
 
 
-def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def data(batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per step, both ranks' batches; ids skewed to the low rows, as recommendation traffic."""
     gen = torch.Generator().manual_seed(3)
     out = []
     for _ in range(STEPS):
-        ids = (torch.rand(2 * BATCH, 4, generator=gen) ** 4 * ROWS).long()
-        out.append((ids, torch.rand(2 * BATCH, 1, generator=gen)))
+        ids = (torch.rand(2 * batch, 4, generator=gen) ** 4 * ROWS).long()
+        out.append((ids, torch.rand(2 * batch, 1, generator=gen)))
     return out
+
+
+def most_rows_changed(batch: int = BATCH) -> int:
+    """The most rows one update changes (both ranks' ids)."""
+    return max(int(ids.unique().numel()) for ids, _ in data(batch))
 
 
 def loss(model: nn.Module, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(model(ids), target)
 
 
-def single(opt: Callable[..., torch.optim.Optimizer]) -> list[torch.Tensor]:
+def single(opt: Callable[..., torch.optim.Optimizer], batch: int = BATCH
+           ) -> list[torch.Tensor]:
     model = make()
     optimizer = opt(list(model.parameters()))
     with torch.sparse.check_sparse_tensor_invariants(enable=False):
-        for ids, target in data():
+        for ids, target in data(batch):
             optimizer.zero_grad()
             loss(model, ids, target).backward()
             optimizer.step()
@@ -72,29 +78,62 @@ def written(ps: ParameterServer) -> int:
     return sum(ep.stats.nbytes["write"] for ep in ps.node.endpoints)
 
 
-async def train(opt: Callable[..., torch.optim.Optimizer], lane: str
-                ) -> tuple[list[nn.Module], float, int]:
+async def train(opt: Callable[..., torch.optim.Optimizer], lane: str, batch: int = BATCH,
+                skip: int = 1) -> tuple[list[nn.Module], float, int]:
     """Sync, 2 workers, one shard; the bytes the shard wrote per answer after the first
-    step, and its arena's size."""
+    ``skip`` steps, and its arena's size."""
     models = [make(), make()]
     transport = node_transport(lane)
     async with servers(1, 2, transport, mode="sync", optimizer=opt) as (ps,), \
             workers(models, [ps.address], transport, share_memory=False, verify=True,
                     timeout=60) as ws:
         before = 0
-        for n, (ids, target) in enumerate(data()):
+        for n, (ids, target) in enumerate(data(batch)):
             for r, (w, m) in enumerate(zip(ws, models, strict=True)):
                 w.zero_grad()
-                loss(m, ids[r * BATCH:(r + 1) * BATCH],
-                     target[r * BATCH:(r + 1) * BATCH]).backward()
+                loss(m, ids[r * batch:(r + 1) * batch],
+                     target[r * batch:(r + 1) * batch]).backward()
             await asyncio.gather(*(w.step() for w in ws))
-            if n == 0:
+            if n == skip - 1:
                 before = written(ps)
         for w in ws:
             assert_link(w, lane)
         assert ps.state is not None
-        per_answer = (written(ps) - before) / (2 * (STEPS - 1))
+        per_answer = (written(ps) - before) / (2 * (STEPS - skip))
         return models, per_answer, ps.state.layout.nbytes
+
+
+def check_equals_one_process(models: list[nn.Module], opt: Any, batch: int = BATCH) -> None:
+    want = single(opt, batch)
+    for m in models:
+        for g, w in zip(m.parameters(), want, strict=True):
+            torch.testing.assert_close(g.detach(), w, rtol=1e-5, atol=1e-6)
+
+
+def packed_bound(rows: int, arena: int) -> int:
+    """An answer's bytes when the changed rows travel packed: the dense bytes (the arena
+    less its table), and per row its values and its id, plus a header's worth."""
+    table = ROWS * DIM * 4
+    return (arena - table) + rows * (DIM * 4 + 8) + 1024
+
+
+@pytest.mark.parametrize("lane", lanes())
+async def test_changed_rows_travel_packed_into_the_workers_inbox(lane: str) -> None:
+    """With the default options an answer writes the changed rows and their ids, packed,
+    not runs over the rows between them (which the skewed ids make most of the table)."""
+    models, per_answer, arena = await train(SGD, lane)
+    check_equals_one_process(models, SGD)
+    assert per_answer <= packed_bound(most_rows_changed(), arena), (per_answer, arena)
+
+
+async def test_an_inbox_too_small_grows_and_then_takes_the_rows() -> None:
+    """More rows than the worker's first inbox holds: that answer goes in runs and asks for
+    a larger inbox, the next push lends one, and later answers are packed again."""
+    batch = 160  # 2 x 640 ids per update: more distinct rows than a first inbox holds
+    assert most_rows_changed(batch) > 256  # the plan's first staging capacity
+    models, per_answer, arena = await train(SGD, "tcp", batch, skip=2)
+    check_equals_one_process(models, SGD, batch)
+    assert per_answer <= packed_bound(most_rows_changed(batch), arena), (per_answer, arena)
 
 
 @pytest.mark.parametrize("lane", lanes())

@@ -18,7 +18,7 @@ from tensorx._ps.changed import runs
 from tensorx.endpoint import Endpoint
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
-__all__ = ["Peer", "apply_in_parts", "last_part", "send_params"]
+__all__ = ["Peer", "RowsAnswer", "apply_in_parts", "last_part", "send_params"]
 
 
 GAP_BYTES = 64 << 10  # unchanged table bytes worth resending to save an op (changed.runs)
@@ -37,11 +37,39 @@ class Peer:
     mapped: bool = False   # it said it mapped them: its arena is ours, nothing to write
 
 
+@dataclass(frozen=True)
+class RowsAnswer:
+    """Whether an answer's changed sparse-table rows go packed into the worker's inbox
+    (see :mod:`tensorx._ps.rowpull`): ``nbytes`` of them (0: no, they go in runs), and
+    the inbox size to ask the worker for (``want``)."""
+
+    nbytes: int = 0
+    want: int = 0
+    sparse: Any = None  # the shard's SparseReceiver
+    changed: dict[int, Any] | None = None
+
+    @classmethod
+    def plan(cls, sparse: Any, rank: int, state: Any,
+             changed: dict[int, Any] | None) -> RowsAnswer:
+        if sparse is None or changed is None:
+            return cls()
+        nbytes, want = sparse.rows_plan(rank, state, changed)
+        return cls(nbytes, want, sparse, changed)
+
+    def op(self, rank: int, state: Any, region: MemoryRegion) -> tuple[Any, ...]:
+        """Gather the rows of ``region`` (the arena answered from) and write them."""
+        assert self.changed is not None
+        return self.sparse.rows_op(rank, state, region, self.changed)  # type: ignore[no-any-return]
+
+
 async def apply_in_parts(state: Any, ranks: list[int], copies: list[Peer],
-                         timeout: float | None) -> dict[int, list[asyncio.Future[None]]]:
+                         timeout: float | None, sparse: Any = None
+                         ) -> dict[int, list[asyncio.Future[None]]]:
     """Apply ``state``'s update part by part and start writing each finished part to
     ``copies``; all but the last part, which :func:`send_params` sends with the
-    notification. Returns the writes in flight, by rank."""
+    notification. The sparse tables' changed rows go packed into a worker's inbox where
+    :meth:`RowsAnswer.plan` says so (``sparse``: the shard's SparseReceiver). Returns the
+    writes in flight, by rank."""
     sending: dict[int, list[asyncio.Future[None]]] = {p.rank: [] for p in copies}
     last = state.num_parts - 1
     # the sparse tables (the first parts, if any) are stepped together: one thread hop
@@ -58,22 +86,32 @@ async def apply_in_parts(state: Any, ranks: list[int], copies: list[Peer],
         if group[-1] == last:
             break
         for peer in copies:
-            ops = []
-            changed = state.changed.since(peer.held, state.version, current=True) \
-                if group is tables else None
-            for k in group:
-                table = state.part_table(k)
-                if changed is None or table is None:
-                    off, nbytes = state.part_bytes(k)
-                    ops.append((state.params_region, peer.params, off, off, nbytes))
-                else:  # a sparse table: the rows changed since the worker's version
-                    ops += table_ops(state, state.params_region, peer.params, table,
-                                     changed.get(table))
+            ops = _part_ops(state, peer, group, group is tables, sparse)
             if ops:
                 sending[peer.rank].append(asyncio.ensure_future(
                     peer.ep.write_many(ops, timeout=timeout)))
     state.finish_update()
     return sending
+
+
+def _part_ops(state: Any, peer: Peer, group: list[int], tables: bool,
+              sparse: Any) -> list[tuple[Any, ...]]:
+    """The writes of the finished parts ``group`` (``tables``: the sparse tables) to
+    ``peer``: whole parts, or of the tables the rows changed since the worker's version."""
+    changed = state.changed.since(peer.held, state.version, current=True) if tables else None
+    rows = RowsAnswer.plan(sparse, peer.rank, state, changed)
+    if rows.nbytes:  # the same plan as the answer's (steps._params_sender)
+        return [rows.op(peer.rank, state, state.params_region)]
+    ops: list[tuple[Any, ...]] = []
+    for k in group:
+        table = state.part_table(k)
+        if changed is None or table is None:
+            off, nbytes = state.part_bytes(k)
+            ops.append((state.params_region, peer.params, off, off, nbytes))
+        else:  # a sparse table: the rows changed since the worker's version, in runs
+            ops += table_ops(state, state.params_region, peer.params, table,
+                             changed.get(table))
+    return ops
 
 
 def _apply_parts(state: Any, ranks: list[int], parts: list[int]) -> None:
@@ -119,16 +157,19 @@ def delta_ops(state: Any, region: MemoryRegion, desc: RegionDescriptor,
 async def send_params(region: MemoryRegion, peer: Peer, msg: bytes,
                       sent: list[asyncio.Future[None]] | None, last: tuple[int, int],
                       timeout: float | None, changed: dict[int, Any] | None = None,
-                      state: Any = None) -> None:
+                      state: Any = None, rows: RowsAnswer | None = None) -> None:
     """The new parameters in ``region`` (or, after :func:`apply_in_parts`, their ``last``
     part; nothing for a mapped worker) with ``msg`` as the notification, ordered after every
     part sent before. ``changed`` (with ``state``): the worker holds a recent version and
-    needs, of the sparse tables, only these rows (see :mod:`tensorx._ps.changed`). Raises
-    the first error of any of the writes."""
+    needs, of the sparse tables, only these rows (see :mod:`tensorx._ps.changed`), packed
+    into its inbox where ``rows`` says so. Raises the first error of any of the writes."""
     ops: list[tuple[Any, ...]] = []
     if sent is not None:
         off, nbytes = last
         ops = [(region, peer.params, off, off, nbytes)]
+    elif not peer.mapped and changed is not None and state is not None and \
+            rows is not None and rows.nbytes:
+        ops = [*delta_ops(state, region, peer.params, {}), rows.op(peer.rank, state, region)]
     elif not peer.mapped and changed is not None and state is not None:
         ops = delta_ops(state, region, peer.params, changed)
     elif not peer.mapped:

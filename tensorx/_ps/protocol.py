@@ -27,7 +27,7 @@ from tensorx.errors import ProtocolError, UsageError
 __all__ = ["MAX_CONTROL", "PROTOCOL", "SHARE_OFFER", "check_hello", "decode", "encode",
            "optim_info", "share_offer"]
 
-PROTOCOL = 5  # 5: a share offer is two descriptors (Node.attach); 4: tensorx checksums
+PROTOCOL = 6  # 6: sparse rows answered in an inbox; 5: a share offer is two descriptors
 MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
 
 _OPT_INT = (int, type(None))
@@ -51,12 +51,17 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # `staging`: {tensor name: descriptor} of sparse staging regions that are new;
     # `mapped`: my slot and arena are the ones you offered, nothing was (or is to be) written;
     # `hyper`: per param group, the hyperparameters I changed for this update ([]: none;
-    # see tensorx._ps.hyper)
-    "push": {"step": int, "version": int, "staging": dict, "mapped": bool, "hyper": list},
+    # see tensorx._ps.hyper); `inbox`: the descriptor of a new region for the changed rows
+    # of sparse tables in your answers (b"": the one I lent before; see tensorx._ps.rowpull)
+    "push": {"step": int, "version": int, "staging": dict, "mapped": bool, "hyper": list,
+             "inbox": bytes},
     # shard -> worker: your arena now holds parameters `version` (its checksum, see
-    # tensorx._ps.checksum, if asked);
+    # tensorx._ps.checksum, if asked), once you scattered the `rows` bytes of sparse-table
+    # rows I wrote into your inbox (0: none); `rows_want`: the inbox size that would have
+    # taken this answer's rows (0: yours did, or none was worth it);
     # `hyper`: the groups' hyperparameters now, when they changed since I last told you
-    "params": {"version": int, "step": int, "checksum": _OPT_INT, "hyper": list},
+    "params": {"version": int, "step": int, "checksum": _OPT_INT, "hyper": list,
+               "rows": int, "rows_want": int},
     # worker -> shard: lend me your optimizer's state (see tensorx._ps.optim_state)
     "state_get": {},
     # shard -> worker: it is packed in `region` (readable by you), laid out as `manifest`

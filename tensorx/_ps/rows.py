@@ -57,6 +57,20 @@ class SparseRows:
     def names(self) -> list[str]:
         return [s.name for s in self._specs.values()]
 
+    def index(self, name: str) -> int:
+        """Table ``name``'s index among the shard's parameters."""
+        return self._index[name]
+
+    def views(self, region: Any, tables: Sequence[int]) -> list[torch.Tensor]:
+        """Tables ``tables``, shaped, in ``region`` (an arena of this shard's layout)."""
+        u8 = region.view(torch.uint8)
+        out = []
+        for i in tables:
+            s = self._specs[i]
+            part = u8[s.offset:s.offset + s.numel * s.dtype.itemsize]
+            out.append(part.view(s.dtype).view(s.shape))
+        return out
+
     def span(self, i: int) -> tuple[int, int]:
         """(offset, nbytes) of table ``i`` in the arena."""
         s = self._specs[i]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tensorx._ps.device import fence
+from tensorx._ps.rowpull import RowInbox, RowOutbox
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -38,6 +39,9 @@ class SparseSender:
         self.entries = list(binding.plan.dynamic_entries)
         self._params = dict(model.named_parameters())
         self._exported: dict[str, int] = {}  # name -> region id we last announced
+        device = str(next(iter(binding.regions.values())).device) if binding.regions else "cpu"
+        self.inboxes = {s: RowInbox([e for e in self.entries if e.shard == s], device)
+                        for s in {e.shard for e in self.entries}}
 
     def rebind(self, binding: Any) -> None:
         """The model was bound anew (arenas mapped or unmapped): stage into the new
@@ -48,6 +52,26 @@ class SparseSender:
     def forget_exports(self) -> None:
         """A new server knows none of our staging regions: announce them all again."""
         self._exported.clear()
+        for inbox in self.inboxes.values():
+            inbox.forget()
+
+    def inbox(self, shard: int) -> bytes:
+        """The descriptor of our inbox for ``shard``'s rows to name in the push (b"": the
+        shard has it; see :mod:`tensorx._ps.rowpull`)."""
+        inbox = self.inboxes.get(shard)
+        return b"" if inbox is None else inbox.announce(self.node)
+
+    def accept(self, shard: int, msg: dict[str, Any]) -> None:
+        """``shard``'s answer landed: scatter the rows it wrote into our inbox."""
+        inbox = self.inboxes.get(shard)
+        if inbox is not None:
+            tables = [self.binding.tensor_view(e.name, "params") for e in self.entries
+                      if e.shard == shard]
+            inbox.accept(msg, tables)
+
+    def close(self) -> None:
+        for inbox in self.inboxes.values():
+            inbox.close()
 
     def stage(self, shard: int) -> dict[str, bytes]:
         """Stage this shard's sparse gradients; descriptors of staging regions to announce."""
@@ -92,6 +116,7 @@ class SparseReceiver:
         self.headers = [MemoryRegion.allocate(size) for _ in range(num_workers)]
         self._staging: dict[tuple[int, str], RegionDescriptor] = {}
         self._recv: dict[str, MemoryRegion] = {}
+        self.answers = RowOutbox(self.entries, device)  # the rows each answer writes
 
     def renew(self, rank: int) -> None:
         """``rank`` left: fresh header memory, and forget its staging regions (a new
@@ -101,8 +126,10 @@ class SparseReceiver:
         old.close()
         for key in [k for k in self._staging if k[0] == rank]:
             del self._staging[key]
+        self.answers.forget(rank)
 
-    def announce(self, rank: int, staging: Mapping[Any, Any]) -> None:
+    def announce(self, rank: int, staging: Mapping[Any, Any], inbox: bytes = b"") -> None:
+        self.answers.announce(rank, inbox)
         names = {d.name for d in self.entries}
         for name, raw in staging.items():
             if name not in names or not isinstance(raw, bytes):
@@ -142,6 +169,23 @@ class SparseReceiver:
                                                               device=self.device)
         return region
 
+    def rows_plan(self, rank: int, state: Any, changed: dict[int, Any]) -> tuple[int, int]:
+        """For an answer to ``rank`` of the rows ``changed`` (see
+        :meth:`tensorx._ps.changed.ChangedRows.since`): (bytes of rows it writes into the
+        worker's inbox, 0: none; the inbox size to ask for, 0: none)."""
+        return self.answers.plan(rank, self._ids(state, changed))
+
+    def rows_op(self, rank: int, state: Any, region: MemoryRegion,
+                changed: dict[int, Any]) -> tuple[Any, ...]:
+        """The write of the rows ``changed`` of the arena ``region`` into ``rank``'s inbox
+        (after :meth:`rows_plan` said it fits)."""
+        tables = state.rows.views(region, [state.rows.index(e.name) for e in self.entries])
+        return self.answers.op(rank, tables, self._ids(state, changed))
+
+    def _ids(self, state: Any, changed: dict[int, Any]) -> list[Any]:
+        return [changed.get(state.rows.index(e.name)) for e in self.entries]
+
     def close(self) -> None:
+        self.answers.close()
         for region in [*self.headers, *self._recv.values()]:
             region.close()

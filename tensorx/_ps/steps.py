@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tensorx._ps import protocol
-from tensorx._ps.answer import Peer, apply_in_parts, last_part, send_params
+from tensorx._ps.answer import Peer, RowsAnswer, apply_in_parts, last_part, send_params
 from tensorx._ps.core import ShardCore
 from tensorx._ps.schedule import Decision
 from tensorx.endpoint import Endpoint
@@ -37,7 +37,7 @@ class Steps(ShardCore):
         self.stats["max_version_lag"] = max(self.stats["max_version_lag"], lag)
         self.timings.pushed(peer.rank, peer.step, lag)
         if self._sparse is not None:
-            self._sparse.announce(peer.rank, msg["staging"])
+            self._sparse.announce(peer.rank, msg["staging"], msg["inbox"])
             rows = await self._sparse.receive(ep, peer.rank, self.timeout)
             self.state.put_rows(peer.rank, rows)
             self.stats["sparse_rows"] += sum(len(ids) for ids, _ in rows.values())
@@ -67,7 +67,7 @@ class Steps(ShardCore):
             try:
                 if copies and self.state.num_parts > 1:
                     sending = await apply_in_parts(self.state, decision.apply, copies,
-                                                   self.send_timeout)
+                                                   self.send_timeout, self._sparse)
                 else:
                     self.state.apply(decision.apply)
             except OptimizerError as exc:
@@ -145,19 +145,20 @@ class Steps(ShardCore):
         """The answer to ``peer`` as of now (arena, version, checksum, hyperparameters),
         to be sent by awaiting the result; a failed or late send drops ``peer``."""
         assert self.state is not None
-        msg = protocol.encode("params", version=self.state.version, step=peer.step,
-                              checksum=self.state.checksum(),
-                              hyper=self.optim.answer(peer.ep, self.state))
         state = self.state
         region, last = state.params_region, last_part(state)
         # a worker that holds a recent version gets, of the sparse tables, the changed rows
         changed = None if peer.mapped or not state.rows else \
             state.changed.since(peer.held, state.version)
+        rows = RowsAnswer.plan(self._sparse, peer.rank, state, changed)
+        msg = protocol.encode("params", version=state.version, step=peer.step,
+                              checksum=state.checksum(), hyper=self.optim.answer(peer.ep, state),
+                              rows=rows.nbytes, rows_want=rows.want)
 
         async def send() -> None:
             try:
                 await send_params(region, peer, msg, sent, last, self.send_timeout,
-                                  changed, state)
+                                  changed, state, rows)
             except TensorxError as exc:
                 if self._peers.get(peer.ep) is peer:  # else it has left already
                     self._drop(peer, "", exc)

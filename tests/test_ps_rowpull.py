@@ -1,0 +1,102 @@
+"""The packed pull of changed sparse rows (tensorx._ps.rowpull) without a network: the shard's
+payload, copied into the worker's inbox as a write would, scatters into the worker's tables;
+a payload that does not add up is a ProtocolError and leaves the tables alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tensorx._ps.rowpull import ALIGN, RowInbox, RowOutbox, layout
+from tensorx.errors import ProtocolError
+from tensorx.memregion import RegionDescriptor
+
+
+@dataclass(frozen=True)
+class Entry:  # what the plan's dynamic entries tell both sides
+    name: str
+    num_rows: int
+    row_shape: tuple[int, ...]
+    dtype: str
+    capacity_rows: int
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * int(torch.tensor(self.row_shape).prod())
+
+
+ENTRIES = [Entry("a", 100, (3,), "float32", 8), Entry("b", 50, (2, 2), "float32", 8)]
+
+
+class Exports:
+    def export(self, region: Any, access: str) -> RegionDescriptor:
+        return RegionDescriptor("me", 1, 0, region.nbytes, "cpu", access)
+
+
+def tables(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(e.num_rows, *e.row_shape, generator=gen) for e in ENTRIES]
+
+
+def deliver(outbox: RowOutbox, inbox: RowInbox, ids: list[torch.Tensor | None],
+            server: list[torch.Tensor]) -> dict[str, Any]:
+    """The answer's write, done by hand; its message."""
+    nbytes, want = outbox.plan(0, ids)
+    if nbytes:
+        src, _, _, _, n = outbox.op(0, server, ids)
+        assert inbox.region is not None
+        inbox.region.view(torch.uint8)[:n].copy_(src.view(torch.uint8)[:n])
+    return {"rows": nbytes, "rows_want": want}
+
+
+def test_layout_aligns_every_part() -> None:
+    at = layout([3, 0, 5], [12, 16, 8])
+    assert at.ids % ALIGN == 0 and all(r % ALIGN == 0 for r in at.rows)
+    assert at.rows[0] >= at.ids + 8 * 8 and at.nbytes >= at.rows[2] + 5 * 8
+
+
+def test_rows_scatter_into_the_workers_tables() -> None:
+    outbox, inbox = RowOutbox(ENTRIES), RowInbox(ENTRIES)
+    outbox.announce(0, inbox.announce(Exports()))
+    server, worker = tables(0), tables(1)
+    ids = [torch.tensor([0, 7, 99]), torch.tensor([3])]
+    inbox.accept(deliver(outbox, inbox, ids, server), worker)
+    for s, w, i in zip(server, worker, ids, strict=True):
+        assert torch.equal(w[i], s[i])
+    untouched = torch.ones(100, dtype=torch.bool)
+    untouched[ids[0]] = False
+    assert not torch.equal(worker[0][untouched], server[0][untouched])
+
+
+def test_a_small_inbox_is_not_used_and_grows() -> None:
+    outbox, inbox = RowOutbox(ENTRIES), RowInbox(ENTRIES)
+    outbox.announce(0, inbox.announce(Exports()))
+    server, worker = tables(0), tables(1)
+    many = [torch.arange(60), torch.arange(40)]  # more than a first inbox takes
+    msg = deliver(outbox, inbox, many, server)
+    assert msg["rows"] == 0 and msg["rows_want"] > 0
+    inbox.accept(msg, worker)
+    raw = inbox.announce(Exports())
+    assert raw  # a larger inbox, named in the next push
+    outbox.announce(0, raw)
+    inbox.accept(deliver(outbox, inbox, many, server), worker)
+    assert all(torch.equal(w[i], s[i]) for s, w, i in zip(server, worker, many, strict=True))
+
+
+def test_a_payload_that_does_not_add_up_is_refused() -> None:
+    outbox, inbox = RowOutbox(ENTRIES), RowInbox(ENTRIES)
+    outbox.announce(0, inbox.announce(Exports()))
+    server, worker = tables(0), tables(1)
+    msg = deliver(outbox, inbox, [torch.tensor([1, 2]), None], server)
+    before = [t.clone() for t in worker]
+    with pytest.raises(ProtocolError, match="holds"):
+        inbox.accept({**msg, "rows": msg["rows"] + ALIGN}, worker)
+    assert inbox.region is not None
+    ids_at = layout([2, 0], [12, 16]).ids
+    inbox.region.view(torch.int64, (1,), ids_at).fill_(100)  # past the table's end
+    with pytest.raises(ProtocolError, match="out of range"):
+        inbox.accept(msg, worker)
+    assert all(torch.equal(b, w) for b, w in zip(before, worker, strict=True))
