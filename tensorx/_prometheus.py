@@ -8,8 +8,8 @@ once (an int or a copied list), so a scrape may lag an event behind, never see a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -17,21 +17,83 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from tensorx.metrics import BOUNDS, OPS, Timing
+from tensorx._counters import BOUNDS, OPS, OpStats, Timing
 
-if TYPE_CHECKING:
-    from tensorx.node import Node
-    from tensorx.ps import ParameterServer
-    from tensorx.worker import Worker
+__all__ = ["Collector", "CountedNode", "TimedShard", "TimedWorker"]
 
-__all__ = ["Collector"]
+
+# What the collectors read, by shape: a Node, a ParameterServer and a Worker have it, and
+# this module (below them) imports none of them.
+class CountedEndpoint(Protocol):
+    @property
+    def peer(self) -> str: ...
+    @property
+    def transport(self) -> str: ...
+    @property
+    def stats(self) -> OpStats: ...
+
+
+class CountedNode(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def endpoints(self) -> Sequence[CountedEndpoint]: ...
+
+
+class SeenRank(Protocol):
+    @property
+    def step(self) -> int: ...
+    @property
+    def version_lag(self) -> int: ...
+    @property
+    def at(self) -> float: ...
+
+
+class ShardTimes(Protocol):
+    @property
+    def apply(self) -> Timing: ...
+    @property
+    def barrier(self) -> Timing: ...
+    @property
+    def send(self) -> Timing: ...
+    @property
+    def ranks(self) -> Mapping[int, SeenRank]: ...
+
+
+class TimedShard(Protocol):
+    @property
+    def shard(self) -> int: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def stats(self) -> Mapping[str, Any]: ...
+    @property
+    def timings(self) -> ShardTimes: ...
+
+
+class WorkerTimes(Protocol):
+    @property
+    def step(self) -> Timing: ...
+    @property
+    def push(self) -> Timing: ...
+    @property
+    def wait(self) -> Timing: ...
+
+
+class TimedWorker(Protocol):
+    @property
+    def rank(self) -> int: ...
+    @property
+    def stats(self) -> Mapping[str, Any]: ...
+    @property
+    def timings(self) -> WorkerTimes: ...
 
 
 class Collector:
     """Everything one exporter serves: endpoints of nodes, shards' and workers' timings."""
 
-    def __init__(self, nodes: tuple[Node, ...], servers: tuple[ParameterServer, ...],
-                 workers: tuple[Worker, ...]) -> None:
+    def __init__(self, nodes: tuple[CountedNode, ...], servers: tuple[TimedShard, ...],
+                 workers: tuple[TimedWorker, ...]) -> None:
         self.nodes = nodes
         self.servers = servers
         self.workers = workers
@@ -52,7 +114,7 @@ def _add(family: HistogramMetricFamily, values: list[str], timing: Timing) -> No
     family.add_metric(values, timing.cumulative(), timing.total)
 
 
-def endpoint_metrics(nodes: tuple[Node, ...]) -> Iterator[Any]:
+def endpoint_metrics(nodes: tuple[CountedNode, ...]) -> Iterator[Any]:
     labels = ["node", "peer", "transport", "op"]
     ops = CounterMetricFamily("tensorx_endpoint_ops", "Operations completed", labels=labels)
     nbytes = CounterMetricFamily("tensorx_endpoint_bytes", "Bytes moved", labels=labels)
@@ -74,7 +136,7 @@ def endpoint_metrics(nodes: tuple[Node, ...]) -> Iterator[Any]:
     yield from (ops, nbytes, errors, latency)
 
 
-def shard_metrics(servers: tuple[ParameterServer, ...]) -> Iterator[Any]:
+def shard_metrics(servers: tuple[TimedShard, ...]) -> Iterator[Any]:
     shard, rank = ["shard"], ["shard", "rank"]
     counters = {key: CounterMetricFamily(f"tensorx_ps_{key}", doc, labels=shard) for key, doc in
                 (("updates", "Optimizer updates applied"), ("pushes", "Gradient pushes received"),
@@ -114,7 +176,7 @@ def shard_metrics(servers: tuple[ParameterServer, ...]) -> Iterator[Any]:
     yield from (*counters.values(), version, *hists.values(), step, lag, age)
 
 
-def worker_metrics(workers: tuple[Worker, ...]) -> Iterator[Any]:
+def worker_metrics(workers: tuple[TimedWorker, ...]) -> Iterator[Any]:
     rank = ["rank"]
     steps = CounterMetricFamily("tensorx_worker_steps", "Steps completed", labels=rank)
     rejoins = CounterMetricFamily("tensorx_worker_rejoins", "Rejoins after a lost server",

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensorx import _cuda
+from tensorx._counters import OpStats
 from tensorx._deadline import Deadline
 from tensorx._queues import MessageStream
 from tensorx.errors import (
@@ -24,7 +25,6 @@ from tensorx.errors import (
     UsageError,
 )
 from tensorx.memregion import MemoryRegion, RegionDescriptor, check_bounds
-from tensorx.metrics import OpStats
 from tensorx.transport.base import DataLane, Op
 from tensorx.transport.tcp import Connection
 

@@ -22,8 +22,8 @@ from tensorx._analyzer.layout import (
     DynamicEntry,
     PlanEntry,
     PlanOptions,
-    TransferPlan,
 )
+from tensorx._analyzer.plan import TransferPlan
 from tensorx._analyzer.planner import GraphAnalyzer, TensorInfo
 from tensorx._analyzer.sparse import (
     SparseHeader,

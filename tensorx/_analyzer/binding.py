@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tensorx._analyzer.layout import PlanEntry, TransferPlan
+from tensorx._analyzer.layout import Layout, PlanEntry
 from tensorx._analyzer.sparse import SparseStaging, StagedSparse
 from tensorx.errors import PlanMismatchError, UsageError
 from tensorx.memregion import MemoryRegion
@@ -43,7 +43,7 @@ __all__ = ["Binding", "allocate_regions"]
 ARENAS = ("params", "grads")
 
 
-def allocate_regions(plan: TransferPlan,
+def allocate_regions(plan: Layout,
                      device: str = "cpu") -> dict[tuple[int, str], MemoryRegion]:
     """One block per arena kind, carved into adjacent per-shard regions."""
     sizes = [plan.arena_bytes(s) for s in range(plan.num_shards)]
@@ -84,7 +84,7 @@ class Binding:
     shares with this process already holds the parameters) and copies nothing.
     """
 
-    def __init__(self, plan: TransferPlan, model: nn.Module,
+    def __init__(self, plan: Layout, model: nn.Module,
                  regions: Mapping[tuple[int, str], MemoryRegion] | None = None,
                  device: str | None = None, densify_sparse: bool = True,
                  init: str = "tensor") -> None:

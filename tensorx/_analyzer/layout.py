@@ -1,27 +1,23 @@
-"""The plan as plain data: entries, arenas, fingerprint, wire form, and the checks on them.
+"""The plan as plain data: entries, arenas, options, fingerprint and wire form.
 
-Nothing here needs a model: the parameter server rebuilds a :class:`TransferPlan` from
-``to_bytes()`` and views its own arenas with :meth:`TransferPlan.views`.
+The lowest module of the analyzer: it imports none of the others. Above it, in this
+order: :mod:`~tensorx._analyzer.wire` (decode, check, compare, print), ``sparse`` and
+``binding`` (torch views and registered arenas), :mod:`~tensorx._analyzer.plan` (the
+:class:`TransferPlan` users get) and the planner that makes one from a model.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import astuple, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
-from tensorx.errors import PlanMismatchError, ProtocolError, UsageError
+from tensorx.errors import ProtocolError, UsageError
 
-if TYPE_CHECKING:
-    import torch
-
-    from tensorx._analyzer.binding import Binding
-    from tensorx.memregion import MemoryRegion
-
-__all__ = ["HEADER_BYTES", "DynamicEntry", "PlanEntry", "PlanOptions", "TransferPlan"]
+__all__ = ["HEADER_BYTES", "DynamicEntry", "Layout", "PlanEntry", "PlanOptions"]
 
 PLAN_VERSION = 3  # 3: shards cut at whole rows to balance dense bytes (2: whole-row chunks)
 HEADER_BYTES = 64  # one header slot: rows, nbytes, version, capacity (u64 each), padding
@@ -151,8 +147,10 @@ class DynamicEntry:
         return self.values_offset(rows, alignment) + rows * self.row_bytes
 
 
-class TransferPlan:
-    """Where every tensor that crosses the worker/PS boundary lives, per shard and arena."""
+class Layout:
+    """Where every tensor that crosses the worker/PS boundary lives, per shard and arena:
+    the plan as data (:class:`~tensorx._analyzer.plan.TransferPlan` adds what decodes,
+    checks, prints and binds it, from the modules above this one)."""
 
     def __init__(self, entries: Iterable[PlanEntry], options: PlanOptions,
                  dynamic_entries: Iterable[DynamicEntry] = ()) -> None:
@@ -243,96 +241,6 @@ class TransferPlan:
     def to_bytes(self) -> bytes:
         packed: bytes = msgpack.packb([*self._payload(), self.fingerprint], use_bin_type=True)
         return packed
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> TransferPlan:
-        """Rebuild a plan sent by a peer; raise ProtocolError if it is malformed or corrupt."""
-        from tensorx._analyzer.wire import decode_plan
-
-        return decode_plan(cls, data)
-
-    def problems(self) -> list[str]:
-        """Layout invariants that do not hold (empty for a sound plan)."""
-        from tensorx._analyzer.wire import layout_problems
-
-        return layout_problems(self)
-
-    def check_same(self, other: TransferPlan | bytes | str | tuple[str, bytes]) -> None:
-        """Raise PlanMismatchError naming the first tensor where ``other`` differs.
-
-        ``other`` is a plan, its ``to_bytes()``, a ``(fingerprint, to_bytes())`` pair (the
-        bytes are decoded only when the fingerprints differ), or just a fingerprint (then the
-        error can only say that the fingerprints differ).
-        """
-        if isinstance(other, tuple):
-            fingerprint, data = other
-            other = fingerprint if fingerprint == self.fingerprint else data
-        if isinstance(other, str):
-            if other != self.fingerprint:
-                raise PlanMismatchError(
-                    f"plan fingerprint {other} differs from ours {self.fingerprint}; "
-                    "exchange to_bytes() to see which tensor differs"
-                )
-            return
-        if isinstance(other, (bytes, bytearray, memoryview)):
-            other = TransferPlan.from_bytes(bytes(other))
-        from tensorx._analyzer.wire import first_difference
-
-        diff = first_difference(self, other)
-        if diff is not None:
-            raise PlanMismatchError(diff)
-
-    # -- presentation -------------------------------------------------------------------
-    def describe(self, max_rows: int | None = None) -> str:
-        """A readable table of the layout, then one summary line per shard."""
-        from tensorx._analyzer.wire import describe_plan
-
-        return describe_plan(self, max_rows)
-
-    def summary(self) -> str:
-        from tensorx._analyzer.wire import summarize_plan
-
-        return summarize_plan(self)
-
-    def __repr__(self) -> str:
-        return (f"<TransferPlan {len(self.entries)} entries, {self.num_shards} shards, "
-                f"{self.total_bytes} B, {self.fingerprint}>")
-
-    # -- memory -------------------------------------------------------------------------
-    def bind(self, model: torch.nn.Module,
-             regions: Mapping[tuple[int, str], MemoryRegion] | None = None,
-             device: str | None = None, densify_sparse: bool = True) -> Binding:
-        """Rebind the model's parameters (and gradients) as views into registered arenas.
-
-        ``regions`` maps ``(shard, "params"|"grads")`` to regions of at least
-        ``arena_bytes(shard)``; by default they are allocated on ``device`` (the model's).
-        """
-        from tensorx._analyzer.binding import Binding
-
-        return Binding(self, model, regions=regions, device=device,
-                       densify_sparse=densify_sparse)
-
-    def allocate_regions(self, device: str = "cpu") -> dict[tuple[int, str], MemoryRegion]:
-        """Per-shard ``params``/``grads`` regions carved from one block per arena kind.
-
-        Carving keeps shard arenas adjacent, so a tensor split across two shards can still
-        be a single view: pass the result to :meth:`bind` or use it on the PS.
-        """
-        from tensorx._analyzer.binding import allocate_regions
-
-        return allocate_regions(self, device)
-
-    @staticmethod
-    def views(plan_entries: Iterable[PlanEntry],
-              region: MemoryRegion) -> dict[str | tuple[str, int], torch.Tensor]:
-        """1-D torch views of each entry inside ``region`` (one shard's arena); no copy.
-
-        Keys are the tensor name for whole tensors and ``(name, chunk)`` for chunks.
-        """
-        import torch
-
-        return {e.key: region.view(getattr(torch, e.dtype), (e.numel,), e.offset)
-                for e in plan_entries}
 
 
 def _entry_row(e: PlanEntry) -> list[Any]:

@@ -41,10 +41,10 @@ from tensorx._analyzer.layout import (
     DynamicEntry,
     PlanEntry,
     PlanOptions,
-    TransferPlan,
     align_up,
     numel_of,
 )
+from tensorx._analyzer.plan import TransferPlan
 from tensorx._analyzer.sample import traceless
 from tensorx.errors import UsageError
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorx._analyzer.layout import HEADER_BYTES, DynamicEntry, TransferPlan
+from tensorx._analyzer.layout import HEADER_BYTES, DynamicEntry, Layout
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
 
@@ -72,7 +72,7 @@ def payload_views(region: MemoryRegion, entry: DynamicEntry,
 class SparseStaging:
     """The sender's staging regions and local header slots for every dynamic entry."""
 
-    def __init__(self, plan: TransferPlan, device: str = "cpu") -> None:
+    def __init__(self, plan: Layout, device: str = "cpu") -> None:
         self.plan = plan
         self.device = device
         self._headers = {s: MemoryRegion.allocate(plan.header_bytes(s))

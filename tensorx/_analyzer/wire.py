@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import astuple, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -15,20 +15,23 @@ from tensorx._analyzer.layout import (
     PLAN_VERSION,
     ROLES,
     DynamicEntry,
+    Layout,
     PlanEntry,
     PlanOptions,
-    TransferPlan,
     numel_of,
 )
 from tensorx.errors import ProtocolError, UsageError
 
 MAX_ARENA_BYTES = 1 << 48  # bounds what a forged plan could make a receiver allocate
 
-__all__ = ["decode_plan", "describe_plan", "first_difference", "layout_problems"]
+__all__ = ["decode_plan", "describe_plan", "first_difference", "layout_problems",
+           "summarize_plan"]
+
+L = TypeVar("L", bound=Layout)
 
 
 # -- decoding ------------------------------------------------------------------------------
-def decode_plan(cls: type[TransferPlan], data: bytes) -> TransferPlan:
+def decode_plan(cls: type[L], data: bytes) -> L:
     try:
         fields_ = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
     except Exception as exc:
@@ -48,7 +51,7 @@ def decode_plan(cls: type[TransferPlan], data: bytes) -> TransferPlan:
                [_dynamic(r) for r in _rows(dynamic)])
     if plan.fingerprint != fingerprint:
         raise ProtocolError(f"plan fingerprint {fingerprint!r} does not match its contents")
-    problems = plan.problems()
+    problems = layout_problems(plan)
     if problems:
         raise ProtocolError(f"unsound plan: {problems[0]}")
     return plan
@@ -112,7 +115,7 @@ def _dynamic(row: list[Any]) -> DynamicEntry:
 
 
 # -- invariants ----------------------------------------------------------------------------
-def layout_problems(plan: TransferPlan) -> list[str]:
+def layout_problems(plan: Layout) -> list[str]:
     """Each broken invariant, in words: alignment, overlap, bounds, coverage."""
     out: list[str] = []
     for e in plan.entries:
@@ -128,7 +131,7 @@ def layout_problems(plan: TransferPlan) -> list[str]:
     return out
 
 
-def _entry_problems(plan: TransferPlan, e: PlanEntry) -> list[str]:
+def _entry_problems(plan: Layout, e: PlanEntry) -> list[str]:
     out = []
     if not 0 <= e.shard < plan.num_shards:
         out.append(f"{e.label}: shard {e.shard} out of range")
@@ -163,7 +166,7 @@ def _coverage(name: str, chunks: list[PlanEntry]) -> list[str]:
     return []
 
 
-def _dynamic_problems(plan: TransferPlan) -> list[str]:
+def _dynamic_problems(plan: Layout) -> list[str]:
     out = []
     names = {e.name for e in plan.entries if e.kind == "dynamic"}
     slots = sorted((d.shard, d.header_offset) for d in plan.dynamic_entries)
@@ -176,7 +179,7 @@ def _dynamic_problems(plan: TransferPlan) -> list[str]:
 
 
 # -- comparison ----------------------------------------------------------------------------
-def first_difference(mine: TransferPlan, theirs: TransferPlan) -> str | None:
+def first_difference(mine: Layout, theirs: Layout) -> str | None:
     """A sentence naming the first tensor where two plans differ, or None if equal."""
     if mine.options != theirs.options:
         return f"plan options differ: ours {mine.options}, theirs {theirs.options}"
@@ -203,7 +206,7 @@ def _brief(e: PlanEntry) -> str:
 _COLUMNS = ("shard", "offset", "nbytes", "kind", "dtype", "shape", "tensor")
 
 
-def describe_plan(plan: TransferPlan, max_rows: int | None) -> str:
+def describe_plan(plan: Layout, max_rows: int | None) -> str:
     rows: list[tuple[str, ...]] = [_COLUMNS]
     ordered = [e for s in range(plan.num_shards) for e in plan.shard_entries(s)]
     shown = ordered if max_rows is None else ordered[:max_rows]
@@ -216,7 +219,7 @@ def describe_plan(plan: TransferPlan, max_rows: int | None) -> str:
     return "\n".join([*lines, "", summarize_plan(plan)])
 
 
-def _dynamic_lines(plan: TransferPlan) -> list[str]:
+def _dynamic_lines(plan: Layout) -> list[str]:
     if not plan.dynamic_entries:
         return []
     lines = ["", "dynamic (sparse) gradients: tensor, shard, header slot, staging rows/budget"]
@@ -233,7 +236,7 @@ def table(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
-def summarize_plan(plan: TransferPlan) -> str:
+def summarize_plan(plan: Layout) -> str:
     tensors = len(plan.tensors())
     numel = sum(e.numel for e in plan.entries)
     lines = [f"plan {plan.fingerprint}: {len(plan.entries)} entries, {tensors} tensors, "

@@ -10,14 +10,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorx._prometheus import CountedNode, TimedShard
 
 __all__ = ["report", "start_exporter", "stop_exporter"]
 
 logger = logging.getLogger("tensorx.ps")
 
 
-def start_exporter(port: int | None, addr: str, node: Any, server: Any) -> Any:
+def start_exporter(port: int | None, addr: str, node: CountedNode, server: TimedShard
+                   ) -> Any:
     """Serve ``server``'s and ``node``'s metrics on ``addr:port`` (None: off; 0: any port,
     see the returned exporter's ``server_port``)."""
     if port is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tensorx.metrics import Timing, quantile
+from tensorx._counters import Timing, quantile
 
 __all__ = ["RankSeen", "ShardTimings", "WorkerTimings", "describe"]
 
