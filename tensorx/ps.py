@@ -16,7 +16,11 @@ The shard handles one message at a time (a session per peer, taking turns: see
 :mod:`tensorx._ps.service`), and an update never runs on an arena that
 parameters are being written out of (async and bounded answers in flight keep theirs, see
 :mod:`tensorx._ps.outbox`): a worker never sees a half-applied update, and since a push
-notification is ordered after its gradient write, a partial gradient is never applied.
+notification is ordered after its gradient write, a partial gradient is never applied. In
+sync mode a shard with a flat update in several parts applies each part as soon as every
+worker's part has landed and writes it back at once, while later parts still arrive; a
+part applied early is backed up, and restored if the push does not complete (see
+:mod:`tensorx._ps.round`), so this holds there too.
 
 A worker that goes away (killed mid-push, crashed, cut off) loses what it had pushed for
 the barrier in progress, and its gradient slot is replaced by fresh memory with a fresh
@@ -45,6 +49,7 @@ from tensorx._ps.nonfinite import NonFiniteGuard
 from tensorx._ps.normx import NormExchange
 from tensorx._ps.optim_service import OptimService
 from tensorx._ps.outbox import Outbox
+from tensorx._ps.pipelined import Pipelined
 from tensorx._ps.plan import PlanHolder
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
@@ -71,7 +76,7 @@ def _default_optimizer(params: list[Any]) -> Any:
     return torch.optim.SGD(params, lr=0.1)
 
 
-class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
+class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     """One parameter-server shard. ``async with ParameterServer(...) as ps: await ps.serve()``.
 
     ``mode``: ``"sync"``, ``"async"`` or ``"bounded"`` (with ``staleness``).
@@ -217,6 +222,10 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
         self.sharing = Sharing(shard, mode, share_memory, self.device)  # same-host mapping
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
         self._turn = asyncio.Lock()  # sessions take turns: see tensorx._ps.service
+        self._round = self._round_of = self._backups = None  # see tensorx._ps.pipelined
+        self._writes, self._release, self._deferred = {}, [], []
+        self._round_t0 = 0.0
+        self._applier = self._applying = None
         self._sessions: set[asyncio.Task[None]] = set()
         # async and bounded modes: answers in flight, and the arenas they read
         self.outbox = Outbox(shard, limit=max(1, num_workers - 1))
@@ -230,7 +239,8 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
                       "max_version_lag": 0, "apply_s": 0.0,
                       "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,
                       "worker_losses": 0, "nonfinite": 0,
-                      "checkpoint_failures": 0, "arena_moves": 0}
+                      "checkpoint_failures": 0, "arena_moves": 0,
+                      "parts_early": 0, "rollbacks": 0}
         self.timings = ShardTimings(sync=mode == "sync")
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
@@ -317,6 +327,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, PlanHolder):
         await asyncio.gather(*tasks, return_exceptions=True)
         exporter, self._metrics = self._metrics, None
         await observe.stop_exporter(exporter)
+        await self._abandon_round()  # a checkpoint never holds part of an update
         try:
             self.checkpoint()
         finally:

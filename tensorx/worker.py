@@ -17,6 +17,7 @@ from /dev/shm, see :mod:`tensorx._ps.shared`) and a step only exchanges notifica
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import random
@@ -111,6 +112,7 @@ class Worker:
         self.hyper: list[list[dict[str, Any]]] = []  # per shard: group values it last told us
         self._eps: list[Endpoint] = []
         self._slots: list[RegionDescriptor] = []
+        self._parts: list[list[tuple[int, int]]] = []  # per shard: its pipelined parts
         self._headers: list[bytes] = []
         self._overlap = overlap
         self.reconnect = reconnect
@@ -183,6 +185,8 @@ class Worker:
                                           for s in range(self.num_shards)))
         self._slots = [RegionDescriptor.from_bytes(w["slot"]) for w in welcomes]
         self._headers = [w["headers"] for w in welcomes]
+        self._parts = [check_parts(w["parts"], self.plan.arena_bytes(s))
+                       for s, w in enumerate(welcomes)]
         if self._pusher is None:
             self._pusher = BucketPusher(make_buckets(self.plan, self._bucket_bytes),
                                         self.model, self._write_bucket,
@@ -348,7 +352,9 @@ class Worker:
 
     async def _push(self, shard: int, rest: list[Bucket], hyper: list[dict[str, Any]]) -> None:
         """Write what is left of this step's gradient for ``shard`` and tell it, in one go:
-        the push notification travels with the data (never ahead of it)."""
+        the push notification travels with the data (never ahead of it). A pipelined shard
+        gets the push first, then each part with its own notification (see
+        :mod:`tensorx._ps.round`), so it can apply the first parts while later ones land."""
         ops = [] if self._mapped(shard) else [self._bucket_op(b) for b in rest]
         staging: dict[str, bytes] = {}
         inbox = b""
@@ -356,11 +362,21 @@ class Worker:
             staging = self._sparse.stage(shard)
             inbox = b"" if self._mapped(shard) else self._sparse.inbox(shard)
             ops.append((self._region(shard, "headers"), self._headers[shard]))
+        by_part = split_ops(ops, self._parts[shard]) if self._parts[shard] else None
         msg = protocol.encode("push", step=self.steps, version=self.version[shard],
                               staging=staging, mapped=self._mapped(shard),
-                              hyper=hyper if self.optim[shard]["groups"] else [], inbox=inbox)
+                              hyper=hyper if self.optim[shard]["groups"] else [],
+                              inbox=inbox, parts=[k for k in range(len(self._parts[shard]))
+                                     if by_part is not None and k not in by_part])
+        ep = self._eps[shard]
         with self._naming(shard):
-            await self._eps[shard].write_many(ops, notify=msg, timeout=self.timeout)
+            if by_part is None:
+                await ep.write_many(ops, notify=msg, timeout=self.timeout)
+                return
+            await ep.notify(msg, timeout=self.timeout)
+            await asyncio.gather(*(ep.write_many(part_ops, timeout=self.timeout,
+                                                 notify=protocol.encode("part", k=k))
+                                   for k, part_ops in sorted(by_part.items())))
 
     def _lost(self, shard: int, detail: str = "") -> BrokenError:
         return BrokenError(f"lost the connection to ps shard {shard} "
@@ -539,6 +555,40 @@ class Worker:
         if self._notes.get(shard) != why:
             logger.info("worker rank %d: ps shard %d holds our step: %r", self.rank, shard, why)
         self._notes[shard] = why
+
+
+def check_parts(parts: Any, nbytes: int) -> list[tuple[int, int]]:
+    """A welcome's ``parts`` ([[offset, nbytes], ...] in order, inside an arena of
+    ``nbytes``), checked."""
+    out: list[tuple[int, int]] = []
+    at = 0
+    for part in parts:
+        if not (isinstance(part, list) and len(part) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in part)):
+            raise ProtocolError(f"welcome: malformed part {part!r}")
+        off, n = part
+        if off < at or n <= 0 or off + n > nbytes:
+            raise ProtocolError(f"welcome: part {part!r} out of order or outside the arena")
+        out.append((off, n))
+        at = off + n
+    return out
+
+
+def split_ops(ops: list[tuple[Any, ...]], parts: list[tuple[int, int]]
+              ) -> dict[int, list[tuple[Any, ...]]]:
+    """``ops`` (region, desc, offset, remote offset, nbytes: the same offsets on both
+    sides) cut at the ``parts``' bounds, by part; bytes outside every part (alignment
+    padding) go with the part before them, or the first."""
+    out: dict[int, list[tuple[Any, ...]]] = {}
+    starts = [off for off, _ in parts]
+    for region, desc, off, _, n in ops:
+        end = off + n
+        while off < end:
+            k = max(0, bisect.bisect_right(starts, off) - 1)
+            stop = end if k + 1 == len(parts) else min(end, max(starts[k + 1], off + 1))
+            out.setdefault(k, []).append((region, desc, off, off, stop - off))
+            off = stop
+    return out
 
 
 def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:

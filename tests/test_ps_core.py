@@ -157,10 +157,11 @@ def test_checksum_changes_with_every_update() -> None:
 # -- control messages -------------------------------------------------------------------
 def test_messages_round_trip() -> None:
     raw = protocol.encode("push", step=3, version=7, staging={"emb.weight": b"desc"},
-                          mapped=False, hyper=[{"lr": 0.5}], inbox=b"")
+                          mapped=False, hyper=[{"lr": 0.5}], inbox=b"", parts=[0, 2])
     assert protocol.decode(raw) == {"t": "push", "step": 3, "version": 7,
                                     "staging": {"emb.weight": b"desc"}, "mapped": False,
-                                    "hyper": [{"lr": 0.5}], "inbox": b""}
+                                    "hyper": [{"lr": 0.5}], "inbox": b"", "parts": [0, 2]}
+    assert protocol.decode(protocol.encode("part", k=5)) == {"t": "part", "k": 5}
 
 
 @pytest.mark.parametrize("payload", [

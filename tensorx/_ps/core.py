@@ -13,9 +13,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import concurrent.futures
+
     from tensorx._ps.answer import Peer
     from tensorx._ps.grads import GradProcessing
     from tensorx._ps.losses import LossWatch
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
     from tensorx._ps.normx import NormExchange
     from tensorx._ps.optim_service import OptimService
     from tensorx._ps.outbox import Outbox
+    from tensorx._ps.round import PartBackups, Round
     from tensorx._ps.schedule import Decision, Scheduler
     from tensorx._ps.shard import OptimizerFactory, SchedulerFactory, ShardState
     from tensorx._ps.sharing import Sharing
@@ -83,6 +87,16 @@ class ShardCore(abc.ABC):
     _sessions: set[asyncio.Task[None]]
     _stopped: asyncio.Event
     _closed: bool  # aclose() has begun
+    # a sync update applied part by part (see _ps.round, _ps.pipelined)
+    _round: Round | None
+    _round_of: ShardState | None  # the state _round belongs to
+    _backups: PartBackups | None
+    _writes: dict[int, list[asyncio.Future[None]]]  # parts on their way, by rank
+    _release: list[int]  # the ranks the round answers
+    _round_t0: float
+    _applier: concurrent.futures.ThreadPoolExecutor | None
+    _applying: concurrent.futures.Future[Any] | None
+    _deferred: list[Peer]  # joined while a round was open: welcomed after it
     _until: str | None
     stats: dict[str, Any]
 
@@ -133,3 +147,36 @@ class ShardCore(abc.ABC):
 
     @abc.abstractmethod
     async def _act(self, decision: Decision) -> None: ...
+
+    @abc.abstractmethod
+    async def _fail_update(self, exc: Exception, targets: list[Peer]) -> None: ...
+
+    @abc.abstractmethod
+    def _params_sender(self, peer: Peer, sent: list[asyncio.Future[None]] | None,
+                       last: tuple[int, int] | None = None
+                       ) -> Callable[[], Awaitable[None]]: ...
+
+    @abc.abstractmethod
+    async def _welcome(self, peer: Peer) -> None: ...
+
+    # -- offered by pipelined.Pipelined ---------------------------------------------------
+    @abc.abstractmethod
+    def _pipelined(self) -> bool: ...
+
+    @abc.abstractmethod
+    def _parts_offer(self) -> list[list[int]]: ...
+
+    @abc.abstractmethod
+    def _pushed_parts(self, peer: Peer, done: list[Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def _part(self, ep: Endpoint, msg: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def _start_round(self, decision: Decision) -> None: ...
+
+    @abc.abstractmethod
+    async def _round_lost(self, rank: int) -> None: ...
+
+    @abc.abstractmethod
+    async def _abandon_round(self) -> None: ...

@@ -32,7 +32,7 @@ from tensorx._ps.schedule import Decision
 from tensorx._ps.shard import views
 from tensorx.errors import UsageError
 
-__all__ = ["POLICIES", "NonFiniteGuard", "finite"]
+__all__ = ["POLICIES", "NonFiniteGuard", "all_finite", "finite"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def finite(state: Any, rank: int) -> bool:
     if state.rows:  # the tables' part of the slot is never written: O(rows), not O(table)
         tensors = [region.view(s.dtype, (s.numel,), s.offset) for s in layout.param_specs()
                    if not s.sparse and s.dtype.is_floating_point]
-        return state.rows.finite(rank) and _all_finite(tensors)
+        return state.rows.finite(rank) and all_finite(tensors)
     if len(dtypes) == 1:
         (dtype,) = dtypes
         if not dtype.is_floating_point:
@@ -56,10 +56,11 @@ def finite(state: Any, rank: int) -> bool:
         tensors = [region.view(dtype, (layout.nbytes // size,))]  # padding is zero or ours
     else:
         tensors = [v for v in views(layout, region) if v.is_floating_point()]
-    return _all_finite(tensors)
+    return all_finite(tensors)
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Is every value of every tensor finite? (One sum each, see the module docstring.)"""
     with torch.no_grad():
         for t in tensors:
             acc = torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -82,12 +83,16 @@ class NonFiniteGuard:
         """The ranks among ``ranks`` whose gradient is not finite (logged and counted)."""
         bad = [r for r in ranks if not finite(state, r)]
         for r in bad:
-            self.count += 1
-            logger.warning("ps shard %d: rank %d pushed a gradient with NaN or Inf (its step "
-                           "%d); %s (on_nonfinite=%r)", self.shard, r, steps.get(r, -1),
-                           "not applied, no update for this step" if self.policy == "skip"
-                           else "push refused, the worker is disconnected", self.policy)
+            self.flag(r, steps.get(r, -1))
         return bad
+
+    def flag(self, rank: int, step: int) -> None:
+        """Count and log ``rank``'s non-finite gradient of ``step``."""
+        self.count += 1
+        logger.warning("ps shard %d: rank %d pushed a gradient with NaN or Inf (its step "
+                       "%d); %s (on_nonfinite=%r)", self.shard, rank, step,
+                       "not applied, no update for this step" if self.policy == "skip"
+                       else "push refused, the worker is disconnected", self.policy)
 
     def decide(self, decision: Decision, bad: list[int]) -> Decision:
         """What remains of ``decision`` once ``bad`` ranks' gradients are left out."""

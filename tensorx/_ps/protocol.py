@@ -10,6 +10,13 @@ One step, seen from a worker::
     worker: write(grads -> slot); notify(push)       # notify is ordered after the write
     shard:  apply when the mode allows; write(params -> worker arena); notify(params)
 
+Pipelined (sync, a shard whose welcome lists ``parts``): the push comes first, then each
+part of the slot with a ``part`` message; the shard applies each part once every rank's
+has landed and writes it back at once; ``params`` follows the last (see tensorx._ps.round)::
+
+    worker: notify(push); write(part k -> slot) + part(k), for every k not written yet
+    shard:  per part: apply, write(params part -> worker arena); after the last: params
+
 Same host, sync mode: a worker that asks (hello ``share``) may be offered the shard's
 parameter arena and its own slot as /dev/shm files (welcome ``share``); once it has mapped
 them its model's tensors *are* that memory, it says so on each push (``mapped``), and both
@@ -27,7 +34,7 @@ from tensorx.errors import ProtocolError, UsageError
 __all__ = ["MAX_CONTROL", "PROTOCOL", "SHARE_OFFER", "check_hello", "decode", "encode",
            "optim_info", "share_offer"]
 
-PROTOCOL = 6  # 6: sparse rows answered in an inbox; 5: a share offer is two descriptors
+PROTOCOL = 7  # 7: pipelined rounds (parts); 6: sparse rows answered in an inbox; 5: share
 MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
 
 _OPT_INT = (int, type(None))
@@ -42,9 +49,11 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # (and, with sparse tensors, your header region for the dynamic path; else b"");
     # `share`: {} or the offer to map (see SHARE_OFFER); `optim`: this shard's optimizer,
     # {"defaults": {hyperparameters}, "groups": [{"hp": {...}, "params": [labels]}],
-    #  "flat": its parameters span several entries (no state transfer)}
+    #  "flat": its parameters span several entries (no state transfer)};
+    # `parts`: [[offset, nbytes], ...] of the slot, when this shard applies a sync update
+    # part by part as the gradient lands (push them as `part` messages); [] otherwise
     "welcome": {"slot": bytes, "headers": bytes, "version": int, "mode": str,
-                "checksum": _OPT_INT, "share": dict, "optim": dict},
+                "checksum": _OPT_INT, "share": dict, "optim": dict, "parts": list},
     # shard -> worker: the handshake or a step failed; `code` names the error class
     "error": {"code": str, "msg": str},
     # worker -> shard: my slot holds the gradient of my step `step`, computed on `version`;
@@ -52,9 +61,14 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # `mapped`: my slot and arena are the ones you offered, nothing was (or is to be) written;
     # `hyper`: per param group, the hyperparameters I changed for this update ([]: none;
     # see tensorx._ps.hyper); `inbox`: the descriptor of a new region for the changed rows
-    # of sparse tables in your answers (b"": the one I lent before; see tensorx._ps.rowpull)
+    # of sparse tables in your answers (b"": the one I lent before; see tensorx._ps.rowpull);
+    # `parts`: with welcome `parts`, the parts of the slot already written (the others
+    # follow, each with a `part` message); ignored otherwise
     "push": {"step": int, "version": int, "staging": dict, "mapped": bool, "hyper": list,
-             "inbox": bytes},
+             "inbox": bytes, "parts": list},
+    # worker -> shard, after a push, when the welcome listed parts: part `k` of my slot
+    # holds this step's gradient (carried by the write of that part: never ahead of it)
+    "part": {"k": int},
     # shard -> worker: your arena now holds parameters `version` (its checksum, see
     # tensorx._ps.checksum, if asked), once you scattered the `rows` bytes of sparse-table
     # rows I wrote into your inbox (0: none); `rows_want`: the inbox size that would have

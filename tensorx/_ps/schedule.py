@@ -74,6 +74,11 @@ class Scheduler:
         self.excused.add(rank)
         return self._sync_ready() if self.mode == "sync" else Decision()
 
+    def reopen(self, ranks: list[int]) -> None:
+        """Sync: a barrier that was complete is not any more (one of its ranks went away
+        before its update was committed): ``ranks`` pushed for it and wait again."""
+        self.pending.update(r for r in ranks if r in self.active)
+
     def waiting_for(self) -> list[int]:
         """Sync: the ranks a barrier in progress still waits for ([] when none is)."""
         if self.mode != "sync" or not self.pending:

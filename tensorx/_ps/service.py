@@ -94,6 +94,8 @@ class ServiceLoop(ShardCore):
             await self._hello(ep, msg)
         elif kind == "push":
             await self._push(ep, msg)
+        elif kind == "part":
+            await self._part(ep, msg)
         elif kind == "bye":
             await self._goodbye(ep)
         elif kind in ("state_get", "state_done", "state_put"):

@@ -260,6 +260,23 @@ class ShardState:
             return len(self.rows) + len(self.fast.ranges)
         return len(self.params) if self.flat else 1
 
+    @property
+    def pipelined(self) -> bool:
+        """The update can be applied part by part while gradients land (see
+        :mod:`tensorx._ps.round`): the flat update in host memory, no sparse table."""
+        return self.fast is not None and not self.rows and self.num_parts > 1 \
+            and not self.params_region.is_cuda
+
+    def slot_part(self, rank: int, k: int) -> torch.Tensor:
+        """``rank``'s gradient in flat range ``k`` (a view of its slot)."""
+        assert self._fast is not None
+        return self._fast_slots[rank][k]
+
+    def part_state(self, k: int) -> tuple[dict[Any, Any], Any]:
+        """Where the optimizer keeps flat range ``k``'s state: (mapping, key)."""
+        assert self._fast is not None
+        return self._fast.engine.state, self._fast.flat[k]
+
     def part_table(self, k: int) -> int | None:
         """The sparse table part ``k`` is (its index among the parameters), if it is one."""
         return self._tables[k] if self.fast is not None and k < len(self.rows) else None

@@ -36,6 +36,8 @@ class Steps(ShardCore):
         lag = self.state.version - msg["version"]
         self.stats["max_version_lag"] = max(self.stats["max_version_lag"], lag)
         self.timings.pushed(peer.rank, peer.step, lag)
+        if self._pipelined():
+            self._pushed_parts(peer, msg["parts"])
         if self._sparse is not None:
             self._sparse.announce(peer.rank, msg["staging"], msg["inbox"])
             rows = await self._sparse.receive(ep, peer.rank, self.timeout)
@@ -47,6 +49,9 @@ class Steps(ShardCore):
 
     async def _act(self, decision: Decision) -> None:
         assert self.state is not None
+        if decision.apply and self._pipelined():
+            await self._start_round(decision)
+            return
         by_rank = {p.rank: p for p in self._peers.values()}
         if decision.apply:
             decision = await self._drop_nonfinite(decision, by_rank)
@@ -140,13 +145,16 @@ class Steps(ShardCore):
                            sent: list[asyncio.Future[None]] | None = None) -> None:
         await self._params_sender(peer, sent)()
 
-    def _params_sender(self, peer: Peer, sent: list[asyncio.Future[None]] | None
+    def _params_sender(self, peer: Peer, sent: list[asyncio.Future[None]] | None,
+                       last: tuple[int, int] | None = None
                        ) -> Callable[[], Awaitable[None]]:
         """The answer to ``peer`` as of now (arena, version, checksum, hyperparameters),
-        to be sent by awaiting the result; a failed or late send drops ``peer``."""
+        to be sent by awaiting the result; a failed or late send drops ``peer``. With
+        ``sent`` (parts on their way), the notification travels with part ``last``
+        ((offset, nbytes); default: the state's last part)."""
         assert self.state is not None
         state = self.state
-        region, last = state.params_region, last_part(state)
+        region, last = state.params_region, last or last_part(state)
         # a worker that holds a recent version gets, of the sparse tables, the changed rows
         changed = None if peer.mapped or not state.rows else \
             state.changed.since(peer.held, state.version)

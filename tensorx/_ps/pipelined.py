@@ -1,0 +1,285 @@
+"""A sync update applied part by part as the workers' gradients land (the I/O of it).
+
+See :mod:`tensorx._ps.round` for what is guaranteed and how. The parts are the flat
+update's ranges; the welcome lists them (``parts``), a worker's push comes first and each
+part follows with a ``part`` message carried by its write. Each time a part of every rank
+of the barrier is in, it is applied in the shard's apply thread (the loop meanwhile lands
+the next parts) and written back to every worker that copies, at once; the ``params``
+notification follows the last part. A rank of the barrier that goes away, or a part that
+holds NaN or Inf, restores every part applied so far from its backup first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+import torch
+
+from tensorx._ps import round as rounds
+from tensorx._ps.answer import Peer
+from tensorx._ps.core import ShardCore
+from tensorx._ps.nonfinite import all_finite
+from tensorx._ps.round import PartBackups, Round
+from tensorx._ps.schedule import Decision
+from tensorx.endpoint import Endpoint
+from tensorx.errors import OptimizerError, ProtocolError
+
+logger = logging.getLogger("tensorx.ps")  # one logger name for the whole server
+
+Writes = dict[int, list["asyncio.Future[None]"]]
+
+
+class Pipelined(ShardCore):
+    """The part of a ParameterServer that applies a sync update part by part."""
+
+    # -- set up ------------------------------------------------------------------------
+    def _pipelined(self) -> bool:
+        return self.mode == "sync" and self.state is not None and self.state.pipelined \
+            and not self.grads.active
+
+    def _parts_offer(self) -> list[list[int]]:
+        """The welcome's ``parts``: [[offset, nbytes], ...], or [] when not pipelined."""
+        if not self._pipelined():
+            return []
+        assert self.state is not None
+        return [list(self.state.part_bytes(k)) for k in range(self.state.num_parts)]
+
+    def _the_round(self) -> Round:
+        """The round of the current state (a state built anew gets a new one)."""
+        state = self.state
+        assert state is not None
+        if self._round is None or self._round_of is not state:
+            self._round = Round([state.part_bytes(k)[1] for k in range(state.num_parts)])
+            self._round_of, self._backups = state, PartBackups(state.layout.nbytes)
+            self._writes = {}
+        return self._round
+
+    # -- messages ----------------------------------------------------------------------
+    def _pushed_parts(self, peer: Peer, done: list[Any]) -> None:
+        """A push on a pipelined shard: which parts of ``peer``'s gradient are in."""
+        rnd = self._the_round()
+        rnd.header(peer.rank, range(rnd.num_parts) if peer.mapped else done)
+
+    async def _part(self, ep: Endpoint, msg: dict[str, Any]) -> None:
+        peer = self._peers.get(ep)
+        if peer is None and ep.closed:
+            return  # the last words of a connection that has left
+        if peer is None or not self._pipelined():
+            raise ProtocolError("a part message, but no pipelined push is in progress")
+        self._the_round().land(peer.rank, msg["k"])
+        await self._advance()
+
+    # -- the round ---------------------------------------------------------------------
+    async def _start_round(self, decision: Decision) -> None:
+        """The barrier is complete: apply parts as they are (or become) ready."""
+        assert self.state is not None
+        rnd = self._the_round()
+        for r in decision.apply:
+            rnd.landed.setdefault(r, set())
+        self.stats["barrier_s"] += self.timings.barrier_done()
+        self.optim.before_update(decision.apply, self.state)
+        rnd.start(decision.apply)
+        self._release = list(decision.release)
+        self._round_t0 = time.perf_counter()
+        await self._advance()
+
+    async def _advance(self) -> None:
+        """Apply every part that can be, write it back; commit after the last."""
+        rnd = self._the_round()
+        while rnd.ranks is not None and not rnd.complete():
+            settled = rnd.all_landed()
+            todo = rnd.ready()
+            if rnd.skip or not todo or (not settled and rnd.outstanding() < rounds.EARLY_BYTES):
+                break
+            if settled and not rnd.checked:  # nothing can undo the rest: check it all first
+                bad = await self._in_thread(self._check_parts, rnd.ranks, todo)
+                rnd.checked = True
+                if bad:
+                    await self._nonfinite(bad)
+                    continue
+            try:
+                bad = await self._in_thread(self._apply_parts, rnd.ranks, todo, not settled)
+            except OptimizerError as exc:
+                await self._round_failed(exc)
+                return
+            if bad:
+                await self._nonfinite(bad)
+                continue
+            self._write_back([k for k in todo if k in rnd.applied], hold_last=rnd.complete())
+        if rnd.skip and rnd.all_landed():
+            await self._finish_round(updated=False)
+        elif rnd.complete():
+            await self._finish_round(updated=True)
+
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` in the shard's apply thread; if we are cancelled meanwhile (the server
+        closes), the thread still finishes what it does (see :meth:`_abandon_round`)."""
+        if self._applier is None:
+            self._applier = concurrent.futures.ThreadPoolExecutor(1, "tensorx-ps-apply")
+        self._applying = self._applier.submit(fn, *args)
+        return await asyncio.wrap_future(self._applying)
+
+    def _check_parts(self, ranks: list[int], parts: list[int]) -> list[int]:
+        assert self.state is not None
+        return [r for r in ranks if not all_finite([self.state.slot_part(r, k) for k in parts])]
+
+    def _apply_parts(self, ranks: list[int], parts: list[int], backup: bool) -> list[int]:
+        """Apply ``parts`` (in the apply thread), each after its backup and its check when
+        ``backup``; the ranks whose gradient is not finite ([]: all applied)."""
+        state, rnd, backups = self.state, self._round, self._backups
+        assert state is not None
+        assert rnd is not None
+        assert backups is not None
+        with torch.no_grad():
+            for k in parts:
+                if backup:
+                    bad = self._check_parts(ranks, [k])
+                    if bad:
+                        return bad
+                    start, n = state.part_bytes(k)
+                    owner, key = state.part_state(k)
+                    backups.backup(k, state.params_region.view(torch.uint8, (n,), start),
+                                   start, owner.get(key))
+                    rnd.backed_up.add(k)
+                    self.stats["parts_early"] += 1
+                state.apply_part(ranks, k)
+                rnd.applied.append(k)
+        return []
+
+    def _write_back(self, parts: list[int], hold_last: bool) -> None:
+        """Start writing ``parts`` of the new parameters to every worker that copies (the
+        last one of the update waits for the ``params`` notification to travel with it)."""
+        assert self.state is not None
+        if hold_last:
+            parts = parts[:-1]
+        if not parts:
+            return
+        region = self.state.params_region
+        spans = [self.state.part_bytes(k) for k in parts]
+        for peer in self._copying():
+            ops = [(region, peer.params, off, off, n) for off, n in spans]
+            self._writes.setdefault(peer.rank, []).append(asyncio.ensure_future(
+                peer.ep.write_many(ops, timeout=self.send_timeout)))
+
+    def _copying(self) -> list[Peer]:
+        by_rank = {p.rank: p for p in self._peers.values()}
+        return [by_rank[r] for r in self._release if r in by_rank and not by_rank[r].mapped]
+
+    async def _finish_round(self, updated: bool) -> None:
+        """Commit (or, with nothing applied, end) the round and answer its workers."""
+        assert self.state is not None
+        assert self._round is not None
+        rnd, state = self._round, self.state
+        last = state.part_bytes(rnd.applied[-1]) if updated else None
+        writes, self._writes = self._writes, {}
+        if updated:
+            state.finish_update()
+            self.stats["updates"] += 1
+            self.stats["apply_s"] += self.timings.apply.since(self._round_t0)
+            if self.checkpoint_every and state.version % self.checkpoint_every == 0:
+                self.checkpoint()
+        rnd.finish()
+        by_rank = {p.rank: p for p in self._peers.values()}
+        targets = [by_rank[r] for r in self._release if r in by_rank]
+        self._release = []
+        self.stats["max_gap"] = self.scheduler.max_gap
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self._params_sender(p, writes.get(p.rank), last)()
+                               for p in targets))
+        self.stats["send_s"] += self.timings.sent(t0, len(targets))
+        await self._welcome_deferred()
+
+    # -- when it cannot go on as it started ----------------------------------------------
+    async def _rollback(self) -> None:
+        """Put back every part applied so far (what the workers were sent of them is
+        superseded by what they are sent later)."""
+        rnd, state, backups = self._round, self.state, self._backups
+        if rnd is None or state is None or backups is None:
+            return
+        writes, self._writes = self._writes, {}
+        await asyncio.gather(*(f for fs in writes.values() for f in fs),
+                             return_exceptions=True)
+        with torch.no_grad():
+            for k in reversed(rnd.applied):
+                if k not in rnd.backed_up:  # applied once nothing could undo it: never here
+                    logger.error("ps shard %d: part %d cannot be rolled back", self.shard, k)
+                    continue
+                start, n = state.part_bytes(k)
+                owner, key = state.part_state(k)
+                backups.restore(k, state.params_region.view(torch.uint8, (n,), start), start,
+                                owner, key)
+        if rnd.applied:
+            self.stats["rollbacks"] += 1
+            logger.info("ps shard %d: rolled back %d part(s) of update %d", self.shard,
+                        len(rnd.applied), state.version + 1)
+        rnd.applied.clear()
+        rnd.backed_up.clear()
+        rnd.checked = False
+
+    async def _round_lost(self, rank: int) -> None:
+        """``rank`` is gone: nothing of its push stays; a barrier it belonged to is open
+        again (the others' pushes stand, the policy decides about it)."""
+        rnd = self._round
+        if rnd is None or self._round_of is not self.state:
+            return
+        if rnd.ranks is not None and rank in rnd.ranks:
+            await self._rollback()
+        others = rnd.drop(rank)
+        if others is not None:
+            self._release = []
+            self.scheduler.reopen(others)
+            await self._welcome_deferred()
+
+    async def _nonfinite(self, bad: list[int]) -> None:
+        """Some of the barrier's gradients hold NaN or Inf (``on_nonfinite`` decides)."""
+        rnd = self._the_round()
+        assert rnd.ranks is not None
+        await self._rollback()
+        by_rank = {p.rank: p for p in self._peers.values()}
+        steps = {r: p.step for r, p in by_rank.items()}
+        for r in bad:
+            self.nonfinite.flag(r, steps.get(r, -1))
+        self.stats["nonfinite"] = self.nonfinite.count
+        if self.nonfinite.policy == "skip":
+            rnd.skip = True  # no update: answered once every part has landed
+            return
+        rnd.ranks = [r for r in rnd.ranks if r not in bad]
+        self._release = [r for r in self._release if r not in bad]
+        for r in bad:
+            rnd.landed.pop(r, None)
+            if r in by_rank:
+                await self._refuse(by_rank[r].ep, self.nonfinite.error(r, steps[r]))
+        if not rnd.ranks:
+            rnd.skip = True
+
+    async def _round_failed(self, exc: OptimizerError) -> None:
+        await self._rollback()
+        assert self.state is not None
+        assert self._round is not None
+        by_rank = {p.rank: p for p in self._peers.values()}
+        targets = [by_rank[r] for r in self._release if r in by_rank]
+        self._round.finish()
+        self._release = []
+        await self._fail_update(exc, targets)
+        await self._welcome_deferred()
+
+    async def _abandon_round(self) -> None:
+        """The server closes mid-round: let the apply thread finish, then undo the parts,
+        so that a checkpoint never holds part of an update."""
+        if self._applying is not None and not self._applying.done():
+            await asyncio.to_thread(concurrent.futures.wait, [self._applying])
+        if self._round is not None and self._round.open:
+            await self._rollback()
+        if self._applier is not None:
+            self._applier.shutdown(wait=False)
+
+    async def _welcome_deferred(self) -> None:
+        """Welcome the workers that joined while a round was open (they get its result)."""
+        if self._round is not None and self._round.open:
+            return
+        deferred, self._deferred = self._deferred, []
+        await asyncio.gather(*(self._welcome(p) for p in deferred if p.ep in self._peers))
