@@ -1,7 +1,9 @@
-"""Endpoint: one authenticated connection to a peer node, with its data lane.
+"""Endpoint: one authenticated connection to a peer node, with its data lanes.
 
-The endpoint checks every op against the local region and the remote descriptor before it
-reaches a lane, routes data to the lane (TCP frames or UCX RMA) and notifications over the
+It owns the connection's control channel (started here), the owner service that serves the
+peer's requests on it, and the lane the node chose (see ``transport/auto.py``). It checks
+every op against the local region and the remote descriptor before it reaches a lane,
+sends data to the lane (TCP frames, UCX RMA, same-host copies) and notifications over the
 control channel, flushing the lane first so a notification never overtakes its data.
 """
 
@@ -11,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensorx import _cuda
@@ -26,7 +28,8 @@ from tensorx.errors import (
 )
 from tensorx.memregion import MemoryRegion, RegionDescriptor, check_bounds
 from tensorx.transport.base import DataLane, Op
-from tensorx.transport.tcp import Connection
+from tensorx.transport.control import ChannelEvents, ControlChannel
+from tensorx.transport.owner import OwnerService
 
 if TYPE_CHECKING:
     from tensorx.node import Node
@@ -50,11 +53,17 @@ OpSpec = tuple[MemoryRegion, "RegionDescriptor | bytes", int, int, "int | None"]
 class Endpoint:
     """A connection to one peer; both sides of a connection get one and can use it fully."""
 
-    def __init__(self, node: Node, conn: Connection, lane: DataLane, address: str, *,
-                 notes: dict[str, str] | None = None, bypassed: bool = False) -> None:
+    def __init__(self, node: Node, channel: ControlChannel, owner: OwnerService,
+                 lane: DataLane, *, peer: str, address: str, notes: dict[str, Any] | None = None,
+                 bypassed: bool = False, claimed: bool = False) -> None:
+        """Made by the node once the handshake is done and the lanes are open; starts
+        serving the peer (``claimed``: its notifications go to :attr:`messages` from the
+        first one)."""
         self._node = node
-        self._conn = conn
+        self._channel = channel
+        self._owner = owner
         self._lane = lane
+        self._peer = peer
         self.address = address
         self._notes = dict(notes or {})  # e.g. why there is no same-host lane
         # Whether either side's lane may reach the other's memory without its code (UCX,
@@ -63,13 +72,15 @@ class Endpoint:
         self.bypassed = lane.bypasses_owner or bypassed
         self._validated: dict[tuple[int, int], tuple[int, str]] = {}
         self._revoked: set[int] = set()
-        conn.on_revoke = self._revoke
         self._acks: set[asyncio.Task[None]] = set()
         self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
         self.stats = OpStats()
-        self._stream = MessageStream(f"endpoint to {conn.peer}")
-        self._claimed = False  # our notifications go to _stream, not node.notifications
+        self._stream = MessageStream(f"endpoint to {peer}")
+        self._claimed = claimed  # our notifications go to _stream, not node.notifications
+        channel.start(owner, ChannelEvents(
+            deliver=self._deliver, revoked=self._revoke, ended=self._ended,
+            revoke_acked=lambda region_id: node._revoke_acked(self, region_id)))
 
     @property
     def messages(self) -> MessageStream:
@@ -82,11 +93,23 @@ class Endpoint:
         self._claimed = True
         return self._stream
 
-    def _deliver(self, payload: bytes) -> Any:
+    def _deliver(self, payload: bytes) -> Awaitable[None]:
         """Where a notification from the peer goes (an awaitable: waits while it is full)."""
         if self._claimed:
             return self._stream.put(payload)
         return self._node.notifications.put((self, payload))
+
+    def _ended(self, exc: BaseException | None) -> None:
+        """The control channel ended (the peer left or broke it, or we closed it): release
+        the lanes too (a UCX endpoint would otherwise keep its socket and state forever),
+        end the message stream, tell the node."""
+        self._lane.peer_gone(str(exc or "the peer closed the endpoint"))
+        self._stream.end(exc)
+        self._node._endpoint_ended(self, exc)
+
+    def _unexported(self, region_id: int) -> None:
+        """The node stopped exporting a region: tell the peer (best effort, no wait)."""
+        self._channel.revoke(region_id)
 
     def __repr__(self) -> str:
         return f"<Endpoint to {self.peer} at {self.address} over {self._lane.name}>"
@@ -95,7 +118,7 @@ class Endpoint:
     @property
     def peer(self) -> str:
         """The peer node's id (``Node.id`` on the other side)."""
-        return self._conn.peer
+        return self._peer
 
     @property
     def transport(self) -> str:
@@ -103,10 +126,12 @@ class Endpoint:
 
     @property
     def info(self) -> dict[str, Any]:
-        """``{"transport", "lanes", "why", "host", "peer", "address", "stats", "socket"}``
-        (``"gpu"`` too where GPU memory has a path of its own)."""
+        """``{"transport", "lanes", "why", "host", "skipped", "peer", "address", "stats",
+        "socket"}`` (``"gpu"`` too where GPU memory has a path of its own): the lane
+        between hosts, its lanes and why it is the one; how host memory moves between
+        same-host peers or why not; why each lane factory left out was (by name)."""
         return {**self._lane.info, **self._notes, "peer": self.peer, "address": self.address,
-                "stats": self.stats.snapshot(), "socket": dict(self._conn.stats)}
+                "stats": self.stats.snapshot(), "socket": dict(self._channel.stats)}
 
     @contextlib.contextmanager
     def _counted(self, op: str, nbytes: int) -> Iterator[None]:
@@ -119,13 +144,13 @@ class Endpoint:
 
     @property
     def closed(self) -> bool:
-        return self._closed or self._conn.broken is not None
+        return self._closed or self._channel.broken is not None
 
     def _check_usable(self) -> None:
         if self._closed:
             raise ClosedError(f"endpoint to {self.peer} is closed")
-        if self._conn.broken is not None:
-            raise type(self._conn.broken)(str(self._conn.broken))
+        if self._channel.broken is not None:
+            raise type(self._channel.broken)(str(self._channel.broken))
 
     def _timeout(self, timeout: Any) -> float | None:
         return self._node.timeout if timeout is DEFAULT else timeout  # type: ignore[no-any-return]
@@ -225,7 +250,7 @@ class Endpoint:
             await asyncio.gather(*self._issuing)
         with self._counted("notify", len(payload)):
             await self._lane.flush(timeout=deadline.left())
-            await self._conn.notify(bytes(payload), deadline.left())
+            await self._channel.notify(bytes(payload), deadline.left())
 
     @contextlib.asynccontextmanager
     async def _issuing_write(self) -> AsyncIterator[None]:
@@ -289,8 +314,8 @@ class Endpoint:
             await self._lane.flush(timeout=self._node.timeout)
         except TensorxError as exc:  # a broken or closed lane has nothing in flight either
             logger.debug("flush before acknowledging a revocation: %s", exc)
-        if not self._conn.broken:
-            self._conn.revoke_ack(region_id)
+        if not self._channel.broken:
+            self._channel.revoke_ack(region_id)
 
     def _remote_limits_now(self, desc: RegionDescriptor) -> tuple[int, str] | None:
         """Size and rights of the remote region if known without asking: from the
@@ -314,7 +339,7 @@ class Endpoint:
             return known
         key = (desc.region_id, desc.cookie)
         if key not in self._validated:
-            n, access = await self._conn.request_validate(*key, timeout)
+            n, access = await self._channel.requests.validate(*key, timeout)
             if desc.region_id in self._revoked:  # revoked while we asked
                 raise RegionError(f"region {desc.region_id:#x} was closed by its owner")
             if n != desc.nbytes or not set(desc.access) <= set(access):
@@ -327,7 +352,7 @@ class Endpoint:
         """Ask the peer node about itself: ``"exports"`` (regions, sizes, rights - never
         their cookies) or ``"endpoints"`` (peers, transports, counters)."""
         self._check_usable()
-        return await self._conn.request_query(what, self._timeout(timeout))
+        return await self._channel.requests.query(what, self._timeout(timeout))
 
     # -- closing ------------------------------------------------------------------------
     async def aclose(self) -> None:
@@ -340,7 +365,7 @@ class Endpoint:
         finally:
             for task in list(self._acks):
                 task.cancel()
-            await self._conn.aclose()
+            await self._channel.aclose()
             self._node._forget(self)
 
     def abort(self) -> None:
@@ -349,7 +374,7 @@ class Endpoint:
         for task in list(self._acks):
             task.cancel()
         self._lane.abort()
-        self._conn.abort()
+        self._channel.abort()
         self._node._forget(self)
 
     async def __aenter__(self) -> Endpoint:

@@ -1,7 +1,8 @@
 """Node: one process's presence on the network. Exports regions, makes and accepts endpoints.
 
-The transport is chosen per endpoint and always reported: UCX when both peers have it and a
-lane opens, TCP otherwise, with one INFO line per endpoint naming transport, lanes and why.
+A node holds its lane factories in a list, fastest first (same-host lanes, UCX, TCP last);
+the lanes are chosen per endpoint by what both peers can do (``transport/auto.py``) and
+always reported: one INFO line per endpoint naming transport, lanes and why.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import os
 import secrets
 import socket
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
 from typing import Any
 from urllib.parse import urlsplit
 
-from tensorx import _auth, _cuda
+from tensorx import _auth
 from tensorx._deadline import Deadline, wait_for
 from tensorx._queues import LatestQueue, NotificationQueue
 from tensorx._text import printable
@@ -31,13 +31,16 @@ from tensorx.errors import (
     UsageError,
 )
 from tensorx.memregion import ExportTable, MemoryRegion, RegionDescriptor, host_id
-from tensorx.transport import cma as cma_lane
-from tensorx.transport import cuda_ipc as cuda_ipc_lane
-from tensorx.transport import handshake
-from tensorx.transport._tcp_lane import TcpLane
-from tensorx.transport.base import DataLane, LaneFactory
-from tensorx.transport.gpu_route import GpuViaTcp
-from tensorx.transport.tcp import Connection, TcpListener, open_socket
+from tensorx.transport import auto, handshake
+from tensorx.transport._sock import TcpListener, open_socket
+from tensorx.transport.base import LaneFactory, Link
+from tensorx.transport.cma import CmaFactory
+from tensorx.transport.cma import enabled as same_host_enabled
+from tensorx.transport.control import ControlChannel
+from tensorx.transport.cuda_ipc import CudaIpcFactory
+from tensorx.transport.cuda_ipc import enabled as cuda_ipc_enabled
+from tensorx.transport.owner import OwnerService
+from tensorx.transport.tcp import TcpFactory
 
 __all__ = ["Node"]
 
@@ -46,9 +49,7 @@ logger = logging.getLogger(__name__)
 SHM_KEY = "shm"  # a descriptor's /dev/shm name and host, for Node.attach
 
 TRANSPORTS = ("auto", "tcp", "ucx")
-REQUIREMENTS = (None, "ucx", "rdma")
 MAX_DISCONNECTED = 1024  # disconnect events kept for a user who never reads them
-RDMA_LANES = ("rc", "dc", "ud", "ib", "roce", "mlx", "verbs", "efa")
 
 
 def _is_loopback(host: str) -> bool:
@@ -113,8 +114,8 @@ class Node:
         if transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         require = require if require is not None else os.environ.get("TENSORX_REQUIRE") or None
-        if require not in REQUIREMENTS:
-            raise UsageError(f"require must be one of {REQUIREMENTS}, got {require!r}")
+        if require not in auto.REQUIREMENTS:
+            raise UsageError(f"require must be one of {auto.REQUIREMENTS}, got {require!r}")
         self.id = secrets.token_hex(8)
         self.transport = transport
         self.require = require
@@ -124,20 +125,18 @@ class Node:
         self._token = b""
         self.handshake_timeout = handshake_timeout
         self.max_handshakes = max_handshakes
-        self._handshaking: dict[Connection, str] = {}  # unauthenticated, oldest first
-        self._dropped: set[Connection] = set()  # pushed out by newer ones, not yet gone
+        self._handshaking: dict[ControlChannel, str] = {}  # unauthenticated, oldest first
+        self._dropped: set[ControlChannel] = set()  # pushed out by newer ones, not yet gone
         self._failures = handshake.FailureLog()
         self._ucx_options = dict(ucx_options or {})
         self._insecure = insecure
-        self._cuda_ipc = cuda_ipc_lane.enabled(cuda_ipc)
-        self._cma = cma_lane.enabled(same_host, transport)
-        self._cma_pool: Executor | None = None
-        self._probes: dict[Connection, cma_lane.Probe] = {}  # per connection, while it lives
+        self._cuda_ipc = cuda_ipc_enabled(cuda_ipc)
+        self._same_host = same_host_enabled(same_host, transport)
         self._exports = ExportTable(self.id)
-        self._factory: LaneFactory | None = None
-        self._factory_why = ""
+        self._factories: list[LaneFactory] = []  # fastest first, TCP last
+        self._unavailable: dict[str, str] = {}  # factories this node could not start: why
         self._listener: TcpListener | None = None
-        self._endpoints: set[Endpoint] = set()
+        self._endpoints: dict[Endpoint, bytes] = {}  # and their connection's binding
         self._handler = handler
         self._handling: set[asyncio.Task[None]] = set()  # handler(ep) tasks
         # closed regions whose memory peers may still reach: region, peers yet to ack
@@ -157,16 +156,19 @@ class Node:
             raise UsageError(f"node already {self._state}")
         self._state = "starting"
         self._token = self._resolve_secret()
-        self._factory, self._factory_why = self._make_factory()
+        self._factories = self._make_factories()
         if self._listen is not None:
             scheme, host, port = parse_address(self._listen)
             self._check_exposure(host)
-            if scheme == "ucx" and self._factory is None:
-                raise TransportUnavailableError(f"cannot listen on ucx://: {self._factory_why}")
+            if scheme == "ucx" and not self._one_sided():
+                raise TransportUnavailableError(
+                    f"cannot listen on ucx://: {self._unavailable.get('ucx', 'no UCX')}")
             self._listener = await TcpListener.start(host, port, self._on_accept)
         self._state = "running"
-        logger.info("node %s up: %s; data transport %s", self.id,
-                    self.address if self._listener else "client only", self._factory_why)
+        logger.info("node %s up: %s; lanes %s%s", self.id,
+                    self.address if self._listener else "client only",
+                    ", ".join(f.name for f in self._factories),
+                    "".join(f"; no {name}: {why}" for name, why in self._unavailable.items()))
         return self
 
     def _resolve_secret(self) -> bytes:
@@ -182,19 +184,35 @@ class Node:
         raise UsageError(f"listening on {host} (not loopback) needs a token: pass token= or "
                          "set TENSORX_TOKEN (or insecure=True to accept any peer)")
 
-    def _make_factory(self) -> tuple[LaneFactory | None, str]:
+    def _make_factories(self) -> list[LaneFactory]:
+        """The lane factories, fastest first: the same-host lanes (each says why it is off,
+        where it is), UCX where it starts, TCP."""
+        factories: list[LaneFactory] = [CudaIpcFactory(self._cuda_ipc),
+                                        CmaFactory(self.id, self._same_host)]
+        ucx = self._make_ucx()
+        if ucx is not None:
+            factories.append(ucx)
+        factories.append(TcpFactory())
+        return sorted(factories, key=lambda f: -f.caps.rank)
+
+    def _make_ucx(self) -> LaneFactory | None:
         if self.transport == "tcp":
-            return None, "tcp (asked for transport='tcp')"
+            self._unavailable["ucx"] = "off (asked for transport='tcp')"
+            return None
         try:
             from tensorx.transport.ucx import UcxFactory
 
-            factory: LaneFactory = UcxFactory(**self._ucx_options)
+            return UcxFactory(**self._ucx_options)
         except (ImportError, TransportUnavailableError) as exc:
             why = f"UCX unavailable ({exc})"
             if self.transport == "ucx" or self.require is not None:
                 raise TransportUnavailableError(why) from exc
-            return None, f"tcp ({why})"
-        return factory, "ucx when the peer has it, else tcp"
+            self._unavailable["ucx"] = why
+            return None
+
+    def _one_sided(self) -> bool:
+        """Whether this node offers a one-sided lane between hosts (a ``ucx://`` address)."""
+        return any(f.caps.one_sided and not f.caps.same_host for f in self._factories)
 
     async def aclose(self) -> None:
         """Close every endpoint, the listener and all registrations. Idempotent."""
@@ -211,18 +229,16 @@ class Node:
             await asyncio.gather(*(ep.aclose() for ep in list(self._endpoints)),
                                  return_exceptions=True)
         finally:
-            if self._cma_pool is not None:  # every lane has waited for its copies
-                self._cma_pool.shutdown(wait=False)
-            if self._factory is not None:
-                await self._factory.aclose()
+            for factory in self._factories:  # every lane has waited for its ops
+                await factory.aclose()
 
     def abort(self) -> None:
         for task in list(self._handling):
             task.cancel()
         for ep in list(self._endpoints):
             ep.abort()
-        if self._cma_pool is not None:  # its threads finish the piece they copy, then end
-            self._cma_pool.shutdown(wait=False)
+        for factory in self._factories:
+            factory.abort()
         self._state = "closed"
 
     async def __aenter__(self) -> Node:
@@ -242,7 +258,7 @@ class Node:
         if self._listener is None:
             raise UsageError("this node does not listen (listen=None) or is not started")
         host, port = self._listener.host_port
-        scheme = "ucx" if self._factory is not None else "tcp"
+        scheme = "ucx" if self._one_sided() else "tcp"
         return f"{scheme}://{host}:{port}"
 
     @property
@@ -257,12 +273,10 @@ class Node:
         if not isinstance(region, MemoryRegion):
             region = MemoryRegion.register(region, writable="w" in access)
         keys: dict[str, Any] = {}
-        if self._factory is not None and (not region.is_cuda or self._factory_gpu()):
-            keys[self._factory.name] = self._factory.register(region)
-        if region.is_cuda and self._cuda_ipc:
-            ipc = cuda_ipc_lane.export_keys(region)
-            if ipc is not None:
-                keys[cuda_ipc_lane.KEY] = ipc
+        for factory in self._factories:
+            mine = factory.register(region)
+            if mine is not None:
+                keys[factory.name] = mine
         if region.shared_name is not None and region._shm is not None:  # our /dev/shm file
             keys[SHM_KEY] = {"host": host_id(), "name": region.shared_name}
         desc = self._exports.add(region, access, keys)
@@ -322,17 +336,15 @@ class Node:
         exported = self._exports.remove(region)
         holders = set()
         for ep in self._endpoints:
-            ep._conn.revoke(region.region_id)
+            ep._unexported(region.region_id)
             if ep.bypassed and not ep.closed:
                 holders.add(ep)
         if not (exported and holders):
             return
         held = self._held.get(region.region_id)
         if held is None:
-            if self._factory is not None:
-                self._factory.hold(region)
-            else:  # only a CUDA IPC lane reaches it: keep the memory itself
-                region._pin()
+            for factory in self._factories:
+                factory.hold(region)
             self._held[region.region_id] = (region, holders)
         else:
             held[1].update(holders)
@@ -345,34 +357,35 @@ class Node:
         held[1].discard(ep)
         if not held[1]:
             del self._held[region_id]
-            if self._factory is not None:
-                self._factory.release(held[0])
-            else:
-                held[0]._unpin()
+            for factory in self._factories:
+                factory.release(held[0])
 
     def exports(self) -> list[RegionDescriptor]:
         """Descriptors of every region this node exports now."""
         return self._exports.regions()
 
     # -- endpoints ----------------------------------------------------------------------
-    def _caps_for(self, conn: Connection) -> Callable[[bytes], dict[str, Any]]:
-        """Our capabilities on ``conn``, given its handshake binding (see _caps)."""
-        return lambda binding: self._caps(conn, binding)
+    def _caps_for(self, bindings: list[bytes]) -> Callable[[bytes], dict[str, Any]]:
+        """Our capabilities for one connection, given its handshake binding: each factory's
+        offer under its name. The binding is kept in ``bindings``, so what the factories
+        keep for it can be forgotten if the connection fails before it has an endpoint."""
 
-    def _caps(self, conn: Connection | None = None, binding: bytes = b"") -> dict[str, Any]:
-        caps: dict[str, Any] = {"transport": self.transport}
-        if self._factory is not None:
-            caps[self._factory.name] = self._factory.local_info()
-        if self._cuda_ipc and _cuda.available():
-            caps[cuda_ipc_lane.KEY] = {"host": host_id(), "pid": os.getpid()}
-        if self._cma and conn is not None:  # the probe token belongs to this connection
-            probe = self._probes[conn] = cma_lane.Probe(binding, self.id)
-            caps[cma_lane.KEY] = probe.caps()
+        def caps(binding: bytes) -> dict[str, Any]:
+            bindings.append(binding)
+            offers = {f.name: f.offer(binding) for f in self._factories}
+            return {"transport": self.transport,
+                    **{name: offer for name, offer in offers.items() if offer is not None}}
+
         return caps
+
+    def _forget_offers(self, bindings: list[bytes]) -> None:
+        for binding in bindings:
+            for factory in self._factories:
+                factory.forget(binding)
 
     async def connect(self, address: str, *, timeout: float | None = DEFAULT) -> Endpoint:
         """Connect and authenticate to the node at ``address``; ``timeout`` is one budget for
-        connecting, the handshake and opening the data lane."""
+        connecting, the handshake and opening the data lanes."""
         self._check_running()
         deadline = Deadline(self.timeout if timeout is DEFAULT else timeout)
         _, host, port = parse_address(address)
@@ -380,14 +393,15 @@ class Node:
             sock = await wait_for(open_socket(host, port), deadline.left())
         except asyncio.TimeoutError:
             raise TimeoutError(f"connecting to {address} timed out") from None
-        conn = Connection(sock, self._exports, f"{self.id}->{address}")
+        channel = ControlChannel(sock, f"{self.id}->{address}")
+        bindings: list[bytes] = []
         try:
-            await handshake.initiate(conn, self.id, self._token, self._caps_for(conn),
-                                     deadline.left())
-            return await self._finish(conn, address, deadline.left())
+            hello = await handshake.initiate(channel, self.id, self._token,
+                                             self._caps_for(bindings), deadline.left())
+            return await self._finish(channel, hello, address, deadline.left())
         except BaseException:
-            self._probes.pop(conn, None)
-            conn.abort()
+            self._forget_offers(bindings)
+            channel.abort()
             raise
 
     async def _on_accept(self, sock: socket.socket) -> None:
@@ -396,25 +410,26 @@ class Node:
         except OSError:  # already gone
             sock.close()
             return
-        conn = Connection(sock, self._exports, f"{self.id}<-{peer}")
+        channel = ControlChannel(sock, f"{self.id}<-{peer}")
         deadline = Deadline(self.timeout)  # one budget for the handshake and the lanes
+        bindings: list[bytes] = []
         try:
-            await self._authenticate(conn, peer, deadline)
-            ep = await self._finish(conn, f"tcp://{peer}", deadline.left(),
+            hello = await self._authenticate(channel, peer, deadline, bindings)
+            ep = await self._finish(channel, hello, f"tcp://{peer}", deadline.left(),
                                     claim=self._handler is not None)
             if self._handler is not None:
                 self._handle(ep, self._handler)
         except TensorxError as exc:
-            if conn not in self._dropped:  # (a dropped one was reported when dropped)
+            if channel not in self._dropped:  # (a dropped one was reported when dropped)
                 self._failures.failed(peer.rsplit(":", 1)[0], exc)
-            self._probes.pop(conn, None)
-            conn.abort()
+            self._forget_offers(bindings)
+            channel.abort()
         except BaseException:
-            self._probes.pop(conn, None)
-            conn.abort()
+            self._forget_offers(bindings)
+            channel.abort()
             raise
         finally:
-            self._dropped.discard(conn)
+            self._dropped.discard(channel)
 
     def _handle(self, ep: Endpoint, handler: Callable[[Endpoint], Awaitable[None]]) -> None:
         task = asyncio.get_running_loop().create_task(self._run_handler(ep, handler))
@@ -430,19 +445,21 @@ class Node:
                              self.id, printable(ep.peer))
             ep.abort()
 
-    async def _authenticate(self, conn: Connection, peer: str, deadline: Deadline) -> None:
+    async def _authenticate(self, channel: ControlChannel, peer: str, deadline: Deadline,
+                            bindings: list[bytes]) -> handshake.Hello:
         """The handshake of an accepted connection: within ``handshake_timeout`` too (a
         limit on what an unauthenticated peer may hold, not a caller's budget), and at most
         ``max_handshakes`` at once (a new one pushes out the oldest, which a real peer,
         done in milliseconds, never is)."""
         if len(self._handshaking) >= self.max_handshakes:
             self._drop_oldest_handshake()
-        self._handshaking[conn] = peer
+        self._handshaking[channel] = peer
         timeout = deadline.least(self.handshake_timeout)
         try:
-            await handshake.accept(conn, self.id, self._token, self._caps_for(conn), timeout)
+            return await handshake.accept(channel, self.id, self._token,
+                                          self._caps_for(bindings), timeout)
         finally:
-            self._handshaking.pop(conn, None)
+            self._handshaking.pop(channel, None)
 
     def _drop_oldest_handshake(self) -> None:
         """Push out the oldest unauthenticated connection. Shutting its socket down ends
@@ -458,98 +475,26 @@ class Node:
             f"{self.max_handshakes} unauthenticated connections at once: dropped the "
             "oldest (raise Node(max_handshakes=) if real peers need more)"))
 
-    async def _finish(self, conn: Connection, address: str, timeout: float | None,
-                      claim: bool = False) -> Endpoint:
-        lane, notes = await self._choose_lane(conn, timeout)
-        bypassed = cma_lane.offered(self._cma, conn.peer_caps.get(cma_lane.KEY))
-        ep = Endpoint(self, conn, lane, address, notes=notes, bypassed=bypassed)
-        if claim:  # before the first notification can arrive
-            ep.messages  # noqa: B018
-        conn.on_notify = lambda c, payload: ep._deliver(payload)
-        conn.on_closed = lambda c, exc: self._on_broken(ep, exc)
-        conn.on_query = self._answer
-        conn.on_revoke_ack = lambda region_id: self._revoke_acked(ep, region_id)
-        conn.start()
-        self._endpoints.add(ep)
+    async def _finish(self, channel: ControlChannel, hello: handshake.Hello, address: str,
+                      timeout: float | None, claim: bool = False) -> Endpoint:
+        """Open the lanes and start serving the peer on its endpoint (``claim``: its
+        notifications go to ``ep.messages`` from the first one)."""
+        link = Link(hello.peer, hello.caps, hello.binding, channel)
+        choice = await auto.choose(
+            self._factories, link, require=self.require, skipped=self._unavailable,
+            strict=self.transport == "ucx" or self.require is not None, timeout=timeout)
+        bypassed = any(f.reaches(link.offer(f.name)) for f in self._factories)
+        ep = Endpoint(self, channel, OwnerService(channel, self._exports, self._answer),
+                      choice.lane, peer=hello.peer, address=address,
+                      notes={**choice.notes, "skipped": choice.skipped},
+                      bypassed=bypassed, claimed=claim)
+        self._endpoints[ep] = hello.binding
         info = ep.info
         logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s why=%s%s; host=%s",
-                    self.id, conn.peer, address, info["transport"], ",".join(info["lanes"]),
+                    self.id, hello.peer, address, info["transport"], ",".join(info["lanes"]),
                     printable(info["why"]), f"; gpu={info['gpu']}" if "gpu" in info else "",
-                    printable(info["host"]))
+                    printable(info.get("host", "none")))
         return ep
-
-    async def _choose_lane(self, conn: Connection, timeout: float | None
-                           ) -> tuple[DataLane, dict[str, str]]:
-        lane = await self._try_ucx(conn, timeout)
-        if lane is None:
-            lane = TcpLane(conn, self._tcp_why(conn))
-        self._enforce_require(lane)
-        lane, notes = self._with_cma(conn, lane)
-        return self._with_cuda_ipc(conn, lane), notes
-
-    def _with_cma(self, conn: Connection, lane: DataLane) -> tuple[DataLane, dict[str, str]]:
-        """Same-host peers that may read each other's memory get the CMA lane for host
-        memory; otherwise ``ep.info["host"]`` says why not (a WARNING where it should have
-        worked: the peer is on this host and offered it)."""
-        expected = cma_lane.token(conn.binding, conn.peer)
-        pid, why, loud = cma_lane.check(self._cma, conn.peer_caps.get(cma_lane.KEY), expected)
-        if pid is None:
-            if loud:
-                logger.warning("endpoint to %s: no same-host lane, host memory goes over %s: "
-                               "%s", conn.peer, lane.name, why)
-            return lane, {"host": why}
-        if self._cma_pool is None:
-            self._cma_pool = cma_lane.make_pool()
-        return cma_lane.CmaLane(lane, conn, pid, self._cma_pool), {}
-
-    def _with_cuda_ipc(self, conn: Connection, lane: DataLane) -> DataLane:
-        """Same-host peers that both use CUDA get the CUDA IPC lane for GPU memory."""
-        theirs = conn.peer_caps.get(cuda_ipc_lane.KEY)
-        if not (self._cuda_ipc and isinstance(theirs, dict) and _cuda.available()):
-            return lane
-        pid = theirs.get("pid")
-        if theirs.get("host") != host_id() or not isinstance(pid, int):
-            return lane
-        return cuda_ipc_lane.CudaIpcLane(lane, pid)
-
-    def _factory_gpu(self) -> bool:
-        """Whether the UCX factory can register and move GPU memory."""
-        return bool(getattr(self._factory, "gpu_memory", True))
-
-    async def _try_ucx(self, conn: Connection, timeout: float | None) -> DataLane | None:
-        peer_info = conn.peer_caps.get("ucx")
-        if self._factory is None or not isinstance(peer_info, dict):
-            return None
-        try:
-            lane = await self._factory.open_lane(peer_info, peer=conn.peer, timeout=timeout)
-            if _cuda.available() and (not self._factory_gpu() or peer_info.get("gpu") is False):
-                return GpuViaTcp(lane, TcpLane(conn, "GPU memory UCX cannot move"),
-                                 self._factory_gpu())
-            return lane
-        except TransportUnavailableError as exc:
-            if self.transport == "ucx" or self.require is not None:
-                raise
-            conn.peer_caps["ucx_error"] = str(exc)
-            return None
-
-    def _tcp_why(self, conn: Connection) -> str:
-        if self._factory is None:
-            return self._factory_why
-        if "ucx_error" in conn.peer_caps:
-            return f"UCX lane failed to open: {conn.peer_caps['ucx_error']}"
-        return f"peer has no UCX (its transport={conn.peer_caps.get('transport')!r})"
-
-    def _enforce_require(self, lane: DataLane) -> None:
-        if self.require is None:
-            return
-        lanes = lane.info["lanes"]
-        ok = lane.name == "ucx" if self.require == "ucx" else any(
-            name.split("/")[0].startswith(RDMA_LANES) for name in lanes)
-        if not ok:
-            lane.abort()
-            raise TransportUnavailableError(
-                f"require={self.require!r} but this endpoint would use {lane.name} over "
-                f"{', '.join(lanes) or 'no lanes'} ({lane.info['why']})")
 
     def _answer(self, what: str) -> dict[str, Any]:
         """What an authenticated peer may learn about this node (``Endpoint.query``)."""
@@ -563,22 +508,21 @@ class Node:
                 {k: v for k, v in ep.info.items() if k != "socket"} for ep in self._endpoints]}
         raise UsageError(f"unknown query {what!r}; ask for 'exports' or 'endpoints'")
 
-    def _on_broken(self, ep: Endpoint, exc: BaseException | None) -> None:
-        """The connection ended (peer left or broke, or we closed it): release the data
-        lane too (a UCX endpoint would otherwise keep its socket and state forever)."""
+    def _endpoint_ended(self, ep: Endpoint, exc: BaseException | None) -> None:
+        """``ep``'s connection ended (the peer left or broke it, or we closed it); it has
+        released its lanes."""
         if exc is not None:
             logger.warning("endpoint to %s broke: %s", ep.peer, printable(str(exc)))
-        ep._lane.peer_gone(str(exc or "the peer closed the endpoint"))
-        ep._stream.end(exc)
-        self._probes.pop(ep._conn, None)
         if ep in self._endpoints:
-            self._endpoints.discard(ep)
+            self._forget(ep)
             self.disconnected.put_nowait(ep)
         self._release_held(ep)
 
     def _forget(self, ep: Endpoint) -> None:
-        self._endpoints.discard(ep)
-        self._probes.pop(ep._conn, None)
+        """``ep`` is closed or gone: no longer ours, and it holds no memory of ours."""
+        binding = self._endpoints.pop(ep, None)
+        if binding is not None:
+            self._forget_offers([binding])
         self._release_held(ep)
 
     def _release_held(self, ep: Endpoint) -> None:

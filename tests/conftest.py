@@ -91,15 +91,19 @@ def assert_link(worker: Worker, link: str) -> None:
             assert cma_lane(ep).ops > 0, f"the CMA lane of {ep!r} carried no op"
 
 
+def lanes_of(ep: Endpoint) -> list[Any]:
+    """The lanes of ``ep``, fastest first."""
+    lane: Any = ep._lane
+    return list(getattr(lane, "lanes", [lane]))
+
+
 def cma_lane(ep: Endpoint) -> CmaLane:
-    """The CMA lane under ``ep`` (under a CUDA IPC lane on a GPU host)."""
+    """The CMA lane of ``ep``."""
     from tensorx.transport.cma import CmaLane
 
-    lane: Any = ep._lane
-    while lane is not None and not isinstance(lane, CmaLane):
-        lane = getattr(lane, "inner", None)
-    assert lane is not None, f"no CMA lane under {ep._lane!r}"
-    return lane
+    found = [lane for lane in lanes_of(ep) if isinstance(lane, CmaLane)]
+    assert found, f"no CMA lane among {lanes_of(ep)!r}"
+    return found[0]
 
 
 @pytest.fixture

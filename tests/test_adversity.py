@@ -247,7 +247,7 @@ async def test_refused_requests_are_logged_once_then_summarized(
         caplog: pytest.LogCaptureFixture) -> None:
     """A peer whose 1000 requests are all refused: one line at once and a summary when it
     leaves (it was one INFO line per refusal); the peer still gets every refusal."""
-    caplog.set_level(logging.INFO, logger="tensorx.transport.tcp")
+    caplog.set_level(logging.INFO, logger="tensorx.transport.control")
     async with tx.Node(transport="tcp", token=TOKEN) as owner:
         desc = owner.export(np.arange(16, dtype=np.uint8), access="r")
         codes = await asyncio.to_thread(_bad_reads, owner.address, 1000)

@@ -75,7 +75,7 @@ async def test_opening_a_ucx_lane_spends_the_callers_connect_budget(
         factory._probe.check = probe  # type: ignore[method-assign]
         original, UcxLane._connect = UcxLane._connect, connect  # type: ignore[method-assign]
         try:
-            lane = await factory.open_lane(factory.local_info(), peer="self", timeout=budget)
+            lane = await factory.connect(factory.local_info(), peer="self", timeout=budget)
         finally:
             UcxLane._connect = original  # type: ignore[method-assign]
         lane.abort()
@@ -95,7 +95,7 @@ async def test_reopening_a_force_closed_ucx_endpoint_spends_the_ops_budget(
 
     factory = UcxFactory()
     try:
-        lane = await factory.open_lane(factory.local_info(), peer="self", timeout=60)
+        lane = await factory.connect(factory.local_info(), peer="self", timeout=60)
         try:
             given: list[float | None] = []
             real_connect = lane._connect
@@ -127,13 +127,13 @@ async def test_asking_the_owner_about_a_descriptor_spends_the_ops_budget(
             ep = await node.connect(owner.address)
             assert ep._lane.bypasses_owner  # (cma, or ucx)
             given: list[float | None] = []
-            real = ep._conn.request_validate
+            real = ep._channel.requests.validate
 
             async def validate(rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
                 given.append(timeout)
                 return await real(rid, ck, timeout)
 
-            ep._conn.request_validate = validate  # type: ignore[method-assign]
+            ep._channel.requests.validate = validate  # type: ignore[method-assign]
             await ep.write(mine, desc, timeout=budget)
             await ep.read(mine, desc, timeout=budget)  # known now: not asked again
     assert given == [budget]

@@ -21,7 +21,7 @@ import tensorx as tx
 from tensorx.testing import OwnerProcess, digest, pattern
 from tensorx.transport import cma
 
-from .conftest import cma_lane
+from .conftest import cma_lane, lanes_of
 
 
 async def pair(owner: OwnerProcess, node: tx.Node) -> tx.Endpoint:
@@ -168,7 +168,7 @@ async def test_a_failed_probe_falls_back_loudly(how: str, monkeypatch: pytest.Mo
     async with tx.Node() as server, tx.Node(listen=None) as client:
         ep = await client.connect(server.address)
         assert ep.info["host"].startswith("none (the peer's probe"), ep.info["host"]
-        assert not isinstance(ep._lane, cma.CmaLane)
+        assert not any(isinstance(lane, cma.CmaLane) for lane in lanes_of(ep))
         region = tx.MemoryRegion.register(np.zeros(64, np.uint8))
         desc = server.export(region)
         await ep.write(tx.MemoryRegion.register(pattern(64, 1)), desc)  # the inner lane

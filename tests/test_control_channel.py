@@ -1,7 +1,7 @@
 """The control channel and its handshake over a socketpair: no processes, no listener.
 
-Both ends are :class:`tensorx.transport.tcp.Connection` objects in this event loop, joined by
-``socket.socketpair()``; what crosses is the real wire format. The same code runs under
+Both ends are :class:`tensorx.transport.control.ControlChannel` objects in this event loop,
+joined by ``socket.socketpair()``; what crosses is the real wire format. The same code runs under
 every lane (the data lanes sit beside this channel), so these tests hold for all of them.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -19,25 +19,27 @@ from tensorx._wire import Kind
 from tensorx.errors import AuthError, ProtocolError, TimeoutError
 from tensorx.memregion import ExportTable
 from tensorx.transport import handshake
-from tensorx.transport.tcp import Connection
+from tensorx.transport.control import ChannelEvents, ControlChannel
+from tensorx.transport.owner import OwnerService
 
 TOKEN = b"a token both sides were given"
 
 
 @pytest.fixture
-async def pair() -> AsyncIterator[tuple[Connection, Connection]]:
+async def pair() -> AsyncIterator[tuple[ControlChannel, ControlChannel]]:
     a, b = socket.socketpair()
     for s in (a, b):
         s.setblocking(False)
-    client = Connection(a, ExportTable("client"), "client")
-    server = Connection(b, ExportTable("server"), "server")
+    client = ControlChannel(a, "client")
+    server = ControlChannel(b, "server")
     yield client, server
     for conn in (client, server):
         await conn.aclose()
 
 
-async def shake(client: Connection, server: Connection, client_token: bytes = TOKEN,
+async def shake(client: ControlChannel, server: ControlChannel, client_token: bytes = TOKEN,
                 client_id: str = "client-1", timeout: float = 10.0) -> list[Any]:
+    """[client's Hello or error, server's Hello or error]."""
     return await asyncio.gather(
         handshake.initiate(client, client_id, client_token, {"lane": "c"}, timeout),
         handshake.accept(server, "server-1", TOKEN, lambda binding: {"lane": "s",
@@ -46,26 +48,42 @@ async def shake(client: Connection, server: Connection, client_token: bytes = TO
         return_exceptions=True)
 
 
+def start(channel: ControlChannel, deliver: Callable[[bytes], Awaitable[None]] | None = None,
+          ended: asyncio.Future[BaseException | None] | None = None) -> None:
+    """Serve ``channel`` as an endpoint would: its notifications to ``deliver``, its end
+    into ``ended``."""
+
+    async def ignore(payload: bytes) -> None:
+        return None
+
+    def end(exc: BaseException | None) -> None:
+        if ended is not None and not ended.done():
+            ended.set_result(exc)
+
+    owner = OwnerService(channel, ExportTable(channel.label), lambda what: {})
+    channel.start(owner, ChannelEvents(deliver or ignore, lambda rid: None, lambda rid: None,
+                                       end))
+
+
 async def test_a_handshake_exchanges_ids_caps_and_one_binding(
-        pair: tuple[Connection, Connection]) -> None:
+        pair: tuple[ControlChannel, ControlChannel]) -> None:
     client, server = pair
-    assert await shake(client, server) == [None, None]
-    assert (client.peer, server.peer) == ("server-1", "client-1")
-    assert server.peer_caps == {"lane": "c"}
+    at_client, at_server = await shake(client, server)
+    assert (at_client.peer, at_server.peer) == ("server-1", "client-1")
+    assert at_server.caps == {"lane": "c"}
     # the server's caps were made for this connection: both nonces, the same on both ends
-    assert client.peer_caps == {"lane": "s", "bound": client.binding}
-    assert client.binding == server.binding and len(client.binding) > 16
+    assert at_client.caps == {"lane": "s", "bound": at_client.binding}
+    assert at_client.binding == at_server.binding and len(at_client.binding) > 16
 
 
 async def test_a_wrong_token_is_refused_on_both_sides(
-        pair: tuple[Connection, Connection]) -> None:
+        pair: tuple[ControlChannel, ControlChannel]) -> None:
     client, server = pair
     got = await shake(client, server, client_token=b"a guess")
-    assert isinstance(got[0], AuthError) and isinstance(got[1], AuthError)
-    assert client.peer_caps == {} and server.peer_caps == {}  # nothing learned either way
+    assert isinstance(got[0], AuthError) and isinstance(got[1], AuthError)  # nothing learned
 
 
-async def test_the_client_proves_first(pair: tuple[Connection, Connection]) -> None:
+async def test_the_client_proves_first(pair: tuple[ControlChannel, ControlChannel]) -> None:
     """A client that has proved nothing gets a challenge with nothing in it that helps
     guess the token: no proof, no capabilities; a bad proof gets a refusal, not one."""
     client, server = pair
@@ -83,7 +101,7 @@ async def test_the_client_proves_first(pair: tuple[Connection, Connection]) -> N
 
 @pytest.mark.parametrize("peer_id", ["rank 0 joined\nforged", "", "x" * 65, "é"])
 async def test_a_malformed_peer_id_is_refused_with_the_reason(
-        pair: tuple[Connection, Connection], peer_id: str) -> None:
+        pair: tuple[ControlChannel, ControlChannel], peer_id: str) -> None:
     client, server = pair
     got = await shake(client, server, client_id=peer_id)
     assert isinstance(got[1], ProtocolError) and "malformed peer id" in str(got[1])
@@ -92,26 +110,20 @@ async def test_a_malformed_peer_id_is_refused_with_the_reason(
 
 
 async def test_a_silent_peer_times_the_handshake_out(
-        pair: tuple[Connection, Connection]) -> None:
+        pair: tuple[ControlChannel, ControlChannel]) -> None:
     _, server = pair
     with pytest.raises(TimeoutError, match="handshake timed out"):
         await handshake.accept(server, "server-1", TOKEN, {}, 0.2)
 
 
 async def test_after_the_handshake_notifications_arrive_in_order_and_close_is_clean(
-        pair: tuple[Connection, Connection]) -> None:
+        pair: tuple[ControlChannel, ControlChannel]) -> None:
     client, server = pair
-    assert await shake(client, server) == [None, None]
+    await shake(client, server)
     got: asyncio.Queue[bytes] = asyncio.Queue()
     closed: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-
-    async def on_notify(conn: Connection, payload: bytes) -> None:
-        await got.put(payload)
-
-    server.on_notify = on_notify
-    server.on_closed = lambda conn, exc: closed.done() or closed.set_result(exc)
-    client.start()
-    server.start()
+    start(client)
+    start(server, got.put, closed)
     for n in range(50):
         await client.notify(n.to_bytes(2, "little") * (n + 1), timeout=10)
     for n in range(50):
@@ -122,13 +134,12 @@ async def test_after_the_handshake_notifications_arrive_in_order_and_close_is_cl
 
 
 async def test_an_aborted_peer_is_a_failure_for_the_other_side(
-        pair: tuple[Connection, Connection]) -> None:
+        pair: tuple[ControlChannel, ControlChannel]) -> None:
     client, server = pair
-    assert await shake(client, server) == [None, None]
+    await shake(client, server)
     closed: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-    server.on_closed = lambda conn, exc: closed.done() or closed.set_result(exc)
-    client.start()
-    server.start()
+    start(client)
+    start(server, ended=closed)
     client.abort()  # no BYE: the socket just ends
     exc = await asyncio.wait_for(closed, 10)
     assert exc is not None  # a broken connection, reported as one

@@ -146,6 +146,5 @@ async def test_concurrent_gpu_ops_with_a_bounded_pool() -> None:
                                for i in range(n)))
         assert np.array_equal(host(remote)[:n * piece], src_host)
         assert np.array_equal(host(out), src_host)
-        conns = [ep._conn, *(e._conn for e in owner.endpoints)]
-        assert all(c._stage_in.buffers <= POOL and c._stage_out.buffers <= POOL
-                   for c in conns)
+        conns = [ep._channel, *(e._channel for e in owner.endpoints)]
+        assert all(max(c.staging_buffers) <= POOL for c in conns)

@@ -111,7 +111,7 @@ async def test_a_peer_that_breaks_ends_its_stream_with_a_broken_error() -> None:
             tx.Node(listen=None, transport="tcp") as client:
         ep = await client.connect(server.address)
         await ep.notify(b"hello")
-        ep._conn.sock.close()  # gone without a goodbye, as a killed process would be
+        ep._channel.sock.close()  # gone without a goodbye, as a killed process would be
         assert isinstance(await asyncio.wait_for(ended, 10), tx.BrokenError)
 
 

@@ -16,10 +16,9 @@ from torch import nn
 from tensorx import GraphAnalyzer, MemoryRegion, Node
 from tensorx._ps import protocol
 from tensorx.errors import RankTakenError
-from tensorx.memregion import ExportTable
 from tensorx.ps import ParameterServer
 from tensorx.transport import handshake
-from tensorx.transport.tcp import Connection
+from tensorx.transport.control import ControlChannel
 from tensorx.worker import Worker
 
 from .conftest import transports
@@ -169,7 +168,7 @@ async def test_building_a_large_state_does_not_starve_other_handshakes() -> None
         def late_peer() -> None:
             async def run() -> None:
                 building.wait(30)  # the server is building now
-                conn = Connection(sock, ExportTable("late"), "late")
+                conn = ControlChannel(sock, "late")
                 try:
                     await handshake.initiate(conn, "late-peer", ps.node._token, {}, 10)
                     # served while the build still ran (before: only once it was over)

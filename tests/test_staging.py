@@ -107,10 +107,9 @@ async def test_many_concurrent_ops_share_a_bounded_pool(monkeypatch: pytest.Monk
                                for i in range(n)))
         assert np.array_equal(remote.view(np.uint8)[:n * piece], src)
         assert np.array_equal(out, pattern(n * piece, 4))
-        conns = [ep._conn, *(e._conn for e in owner.endpoints)]
-        assert all(c._stage_in.buffers <= POOL and c._stage_out.buffers <= POOL
-                   for c in conns)
-        assert ep._conn._stage_in.buffers == ep._conn._stage_out.buffers == POOL
+        conns = [ep._channel, *(e._channel for e in owner.endpoints)]
+        assert all(max(c.staging_buffers) <= POOL for c in conns)
+        assert ep._channel.staging_buffers == (POOL, POOL)
 
 
 async def test_notification_never_precedes_staged_writes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,7 +204,7 @@ async def test_owner_keeps_serving_when_a_writer_dies_mid_stream(
         transfer = asyncio.ensure_future(client.transfer(0, "write", big, seed=11))
         ep = await b.connect(owner.address)
         for _ in range(200):  # the dying write is under way
-            if any(e._conn.stats["bytes_in"] > CHUNK
+            if any(e._channel.stats["bytes_in"] > CHUNK
                    for e in owner.endpoints):
                 break
             await asyncio.sleep(0.01)
@@ -220,4 +219,4 @@ async def test_owner_keeps_serving_when_a_writer_dies_mid_stream(
                 break
             await asyncio.sleep(0.05)
         assert len(owner.endpoints) == 1
-        assert all(e._conn._stage_in.buffers <= POOL for e in owner.endpoints)
+        assert all(e._channel.staging_buffers[0] <= POOL for e in owner.endpoints)

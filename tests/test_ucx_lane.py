@@ -72,7 +72,7 @@ async def _owner(conn: Connection, error_handling: bool) -> None:
             off, n = args
             conn.send(_digest(region.buffer()[off:off + n]))
         elif cmd == "lane":  # symmetric: the owner opens its own lane to the client
-            lane = await factory.open_lane(args[0], peer="client", timeout=10)
+            lane = await factory.connect(args[0], peer="client", timeout=10)
             conn.send(lane.info)
         elif cmd == "write_back":  # owner writes its first n bytes into the client region
             n, remote = args[0], RegionDescriptor.from_bytes(args[1])
@@ -142,7 +142,7 @@ async def factory() -> AsyncIterator[UcxFactory]:
 
 @pytest.fixture
 async def lane(factory: UcxFactory, owner: Owner) -> AsyncIterator[UcxLane]:
-    lane = await factory.open_lane(owner.info, peer="owner", timeout=10)
+    lane = await factory.connect(owner.info, peer="owner", timeout=10)
     yield lane
     await lane.aclose()
 
@@ -236,7 +236,7 @@ async def test_bad_descriptors_and_ranges(lane: UcxLane, owner: Owner) -> None:
 
 
 async def test_closed_lane_raises_closed(factory: UcxFactory, owner: Owner) -> None:
-    lane = await factory.open_lane(owner.info, peer="owner", timeout=10)
+    lane = await factory.connect(owner.info, peer="owner", timeout=10)
     await lane.aclose()
     await lane.aclose()
     lane.abort()
@@ -260,9 +260,9 @@ async def test_mismatched_error_handling_is_unavailable(owner: Owner) -> None:
     fast = UcxFactory(error_handling=False)
     try:
         with pytest.raises(TransportUnavailableError, match="error handling"):
-            await fast.open_lane(owner.info, peer="owner", timeout=5)
+            await fast.connect(owner.info, peer="owner", timeout=5)
         with pytest.raises(ProtocolError, match="worker address"):
-            await fast.open_lane({}, peer="nobody", timeout=5)
+            await fast.connect({}, peer="nobody", timeout=5)
     finally:
         await fast.aclose()
 
@@ -286,7 +286,7 @@ async def _write_forever(lane: UcxLane, op: Op) -> None:
 async def test_peer_killed_mid_transfer_then_reconnect(factory: UcxFactory) -> None:
     local = MemoryRegion.allocate(64 * MiB)
     with owner_process() as victim:
-        lane = await factory.open_lane(victim.info, peer="victim", timeout=10)
+        lane = await factory.connect(victim.info, peer="victim", timeout=10)
         op = Op(local, victim.desc, 0, 0, 64 * MiB)
         await lane.write(op, timeout=10)
         asyncio.get_running_loop().call_later(0.02, victim.kill)
@@ -298,7 +298,7 @@ async def test_peer_killed_mid_transfer_then_reconnect(factory: UcxFactory) -> N
             await lane.read(op, timeout=10)
         await asyncio.wait_for(lane.aclose(), 5)
     with owner_process() as reborn:  # a restarted peer is reachable from the same factory
-        lane = await factory.open_lane(reborn.info, peer="reborn", timeout=10)
+        lane = await factory.connect(reborn.info, peer="reborn", timeout=10)
         local.view(np.uint8)[:4096] = 5
         await lane.write(Op(local, reborn.desc, 0, 0, 4096), timeout=10)
         assert reborn.ask("digest", 0, 4096) == _digest(bytes([5] * 4096))
@@ -308,7 +308,7 @@ async def test_peer_killed_mid_transfer_then_reconnect(factory: UcxFactory) -> N
 async def test_stopped_peer_times_out(factory: UcxFactory) -> None:
     local = MemoryRegion.allocate(64 * MiB)
     with owner_process() as sleeper:
-        lane = await factory.open_lane(sleeper.info, peer="sleeper", timeout=10)
+        lane = await factory.connect(sleeper.info, peer="sleeper", timeout=10)
         os.kill(sleeper.pid, signal.SIGSTOP)
         try:
             with pytest.raises(TimeoutError):
@@ -325,7 +325,7 @@ async def test_without_error_handling_uses_shared_memory_lanes() -> None:
     fast = UcxFactory(error_handling=False)
     try:
         with owner_process(error_handling=False) as peer:
-            lane = await fast.open_lane(peer.info, peer="peer", timeout=10)
+            lane = await fast.connect(peer.info, peer="peer", timeout=10)
             assert {"cma/memory", "posix/memory"} & set(lane.info["lanes"])
             assert "rma_bw" in lane.info["roles"].get("cma/memory", [])
             local = MemoryRegion.allocate(16 * MiB)
@@ -366,7 +366,7 @@ def _fast_lane_after_peer_death(conn: Connection) -> None:
         fast = UcxFactory(error_handling=False)
         try:
             with owner_process(error_handling=False) as peer:
-                lane = await fast.open_lane(peer.info, peer="peer", timeout=10)
+                lane = await fast.connect(peer.info, peer="peer", timeout=10)
                 op = Op(MemoryRegion.allocate(4096), peer.desc, 0, 0, 4096)
                 await lane.write(op, timeout=10)
                 peer.kill()
@@ -439,7 +439,7 @@ async def test_progress_driver_takes_over_and_hands_back(owner: Owner) -> None:
     first = UcxFactory(error_handling=True, progress_spin_us=20)
     try:
         assert first.driver
-        lane = await first.open_lane(owner.info, peer="owner", timeout=10)
+        lane = await first.connect(owner.info, peer="owner", timeout=10)
         await _big_roundtrip(lane, owner, 11)
         await lane.aclose()
     finally:
@@ -448,7 +448,7 @@ async def test_progress_driver_takes_over_and_hands_back(owner: Owner) -> None:
     plain = UcxFactory(error_handling=True, progress_spin_us=None)
     try:
         assert not plain.driver
-        lane = await plain.open_lane(owner.info, peer="owner", timeout=10)
+        lane = await plain.connect(owner.info, peer="owner", timeout=10)
         await _big_roundtrip(lane, owner, 12)  # progressed by ucxx's thread again
         await lane.aclose()
     finally:

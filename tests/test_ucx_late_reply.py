@@ -56,7 +56,7 @@ async def test_timed_out_get_never_writes_the_buffer_again(error_handling: bool)
     factory = UcxFactory(error_handling=error_handling)
     try:
         with owner_process(error_handling=error_handling) as peer:
-            lane = await factory.open_lane(peer.info, peer="peer", timeout=10)
+            lane = await factory.connect(peer.info, peer="peer", timeout=10)
             timed_out = 0
             for timeout in (0.0005, 0.005):
                 out = np.zeros(BIG, np.uint8)
@@ -76,7 +76,7 @@ async def test_cancelled_get_never_writes_the_buffer_again(error_handling: bool)
     factory = UcxFactory(error_handling=error_handling)
     try:
         with owner_process(error_handling=error_handling) as peer:
-            lane = await factory.open_lane(peer.info, peer="peer", timeout=10)
+            lane = await factory.connect(peer.info, peer="peer", timeout=10)
             for delay in (0, 0.005):
                 out = np.zeros(BIG, np.uint8)
                 task = asyncio.ensure_future(
@@ -97,7 +97,7 @@ async def test_other_reads_in_flight_survive_the_reset(error_handling: bool) -> 
     factory = UcxFactory(error_handling=error_handling)
     try:
         with owner_process(error_handling=error_handling) as peer:
-            lane = await factory.open_lane(peer.info, peer="peer", timeout=10)
+            lane = await factory.connect(peer.info, peer="peer", timeout=10)
             half = BIG // 2
             slow = MemoryRegion.allocate(BIG)
             others = [MemoryRegion.allocate(half) for _ in range(3)]
@@ -123,7 +123,7 @@ async def test_get_whose_owner_stalls_mid_transfer_never_lands_late(
     factory = UcxFactory(error_handling=error_handling)
     try:
         with owner_process(error_handling=error_handling) as peer:
-            lane = await factory.open_lane(peer.info, peer="peer", timeout=10)
+            lane = await factory.connect(peer.info, peer="peer", timeout=10)
             out = np.zeros(BIG, np.uint8)
             task = asyncio.ensure_future(
                 lane.read(Op(MemoryRegion.register(out), peer.desc, 0, 0, BIG), timeout=1.0))

@@ -43,11 +43,12 @@ async def test_a_garbage_worker_address_is_refused_and_the_owner_keeps_serving(
     async with OwnerProcess("ucx") as owner:
         desc = await owner.export(4096, seed=1)
         async with tx.Node(listen=None, transport="ucx") as liar:
-            real = liar._factory.local_info()  # type: ignore[union-attr]
+            ucx = next(f for f in liar._factories if f.name == "ucx")
+            real = ucx.offer(b"")
             address = real["worker_address"]
             bad = {"ff": b"\xff" * 64, "truncated": address[:len(address) // 2],
                    "empty": b""}[garbage]
-            liar._factory.local_info = lambda: {**real, "worker_address": bad}  # type: ignore
+            ucx.offer = lambda binding: {**real, "worker_address": bad}  # type: ignore
             with contextlib.suppress(tx.TensorxError):
                 await liar.connect(owner.address, timeout=20)
                 # the owner refuses once it has looked at the address: the link closes
@@ -141,7 +142,7 @@ async def test_a_peer_that_never_acknowledges_keeps_the_memory_held_until_it_lea
         desc = tx.RegionDescriptor.from_bytes(await owner.call("export_allocated", 4096, 1))
         async with tx.Node(listen=None, transport="ucx") as node:
             ep = await node.connect(owner.address, timeout=20)
-            ep._conn.revoke_ack = lambda region_id: None  # a peer that never acknowledges
+            ep._channel.revoke_ack = lambda region_id: None  # type: ignore  # a peer that never acknowledges
             await ep.write(tx.MemoryRegion.register(pattern(4096, 2)), desc)
             await owner.call("replace", desc.region_id, 3)
             with pytest.raises(tx.RegionError):  # the revocation reached us

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tensorx import _cuda
 from tensorx._deadline import Deadline
 from tensorx.errors import (
     BrokenError,
@@ -23,7 +24,7 @@ from tensorx.errors import (
     UsageError,
 )
 from tensorx.memregion import RegionDescriptor
-from tensorx.transport import _ucp
+from tensorx.transport import _staging, _ucp
 from tensorx.transport._exceptions import map_exceptions
 from tensorx.transport.base import DataLane, Op
 
@@ -34,6 +35,7 @@ __all__ = ["ORPHANS", "UcxLane"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
 
+RDMA_LANES = ("rc", "dc", "ud", "ib", "roce", "mlx", "verbs", "efa")
 # How long aclose() (which takes no timeout) waits for the peer to complete our ops and the
 # endpoint to close before it forces the close: a bound on closing, not on a caller's op.
 CLOSE_TIMEOUT = 2.0
@@ -51,6 +53,7 @@ class UcxLane(DataLane):
 
     def __init__(self, factory: UcxFactory, address: bytes, peer: str,
                  peer_info: Mapping[str, Any]) -> None:
+        self._gpu = factory.gpu_memory  # ours moves GPU memory
         self._f = factory
         self._lib = factory._lib
         self.peer = peer
@@ -74,9 +77,25 @@ class UcxLane(DataLane):
 
     @property
     def info(self) -> dict[str, Any]:
-        return {"transport": "ucx", "lanes": list(self.lanes), "why": self.why,
+        info = {"transport": "ucx", "lanes": list(self.lanes), "why": self.why,
                 "roles": {k: list(v) for k, v in self.roles.items()},
                 "error_handling": self._f.error_handling}
+        if _cuda.available() and (not self._gpu or self._peer_info.get("gpu") is False):
+            why = ("UCX here has no CUDA transport" if not self._gpu else
+                   "for GPU regions the peer's UCX cannot move")
+            info["gpu"] = f"{_staging.describe()} ({why})"  # the TCP lane takes them
+        return info
+
+    def carries(self, op: Op) -> bool:
+        """Not GPU memory this side's UCX cannot move, nor GPU regions the peer exported
+        without UCX keys (its UCX cannot): those go to the TCP lane."""
+        if op.local.is_cuda and not self._gpu:
+            return False
+        return op.remote.device != "cuda" or (self._gpu and "ucx" in op.remote.keys)
+
+    @property
+    def rdma(self) -> bool:  # type: ignore[override]
+        return any(name.split("/")[0].startswith(RDMA_LANES) for name in self.lanes)
 
     async def _connect(self, timeout: float | None) -> None:
         ep = self._f._ffi.new("uintptr_t *")

@@ -2,10 +2,15 @@
 
 A *connection* between two nodes has two parts:
 
-* a **control channel** (always the tensorx TCP protocol, see ``tcp.py``): authentication,
-  descriptor validation, notifications, error reports;
-* a **data lane** (:class:`DataLane`): the one-sided reads and writes. The TCP lane sends
-  frames over the control socket; the UCX lane issues ``ucp_put_nbx``/``ucp_get_nbx``.
+* a **control channel** (always the tensorx TCP protocol, see ``control.py``):
+  authentication, descriptor validation, notifications, error reports;
+* **data lanes** (:class:`DataLane`): the one-sided reads and writes. The TCP lane sends
+  frames over the control socket; the UCX lane issues ``ucp_put_nbx``/``ucp_get_nbx``; the
+  same-host lanes copy straight between the two processes.
+
+A node holds a list of :class:`LaneFactory`, one per backend, each declaring what its
+lanes can do (:class:`Capabilities`); ``auto.py`` opens, per endpoint, the lanes both peers
+can use and sends each op to the fastest lane that :meth:`DataLane.carries` it.
 
 Every method that waits takes ``timeout`` (seconds, ``None`` = wait forever) and raises
 :class:`tensorx.errors.TimeoutError` when it runs out. Backends raise only
@@ -17,11 +22,53 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
-__all__ = ["DataLane", "LaneFactory", "Op"]
+if TYPE_CHECKING:
+    from tensorx.transport.control import ControlChannel
+
+__all__ = ["CUDA", "HOST", "Capabilities", "DataLane", "LaneFactory", "Link", "Op"]
+
+HOST, CUDA = "host", "cuda"  # the memory kinds a lane may move
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a factory's lanes can do: lanes are chosen by these, never by name."""
+
+    memory: frozenset[str]
+    """The memory kinds its lanes move (:data:`HOST`, :data:`CUDA`), on both sides of an op."""
+    one_sided: bool
+    """True: the owner's code never runs for an op (RMA, cross-memory attach); False:
+    emulated, the owner serves each op (the TCP lane)."""
+    peer_death: bool
+    """A peer that dies fails the lane's ops with ``BrokenError``; False: it can abort or
+    hang this process (UCX without error handling)."""
+    same_host: bool
+    """Only between two processes of one host."""
+    rank: int
+    """Speed: ``auto`` tries factories from the highest rank down."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One authenticated peer, as a factory sees it when it opens a lane there."""
+
+    peer: str
+    """The peer node's id."""
+    caps: dict[str, Any]
+    """What the peer offered in the handshake: each of its factories' offer under the
+    factory's name (see :meth:`LaneFactory.offer`), and its ``"transport"`` setting."""
+    binding: bytes
+    """Both handshake nonces: unique to this connection, known to both ends only."""
+    channel: ControlChannel
+    """The control channel to the peer (descriptor checks, the TCP lane's frames)."""
+
+    def offer(self, name: str) -> Any:
+        """What the peer's factory called ``name`` offered (None: it offered nothing)."""
+        return self.caps.get(name)
 
 
 @dataclass(frozen=True)
@@ -44,7 +91,11 @@ class DataLane(abc.ABC):
     """
 
     name: str
-    """Transport name reported in ``ep.info["transport"]``: ``"tcp"`` or ``"ucx"``."""
+    """Reported in ``ep.info["transport"]`` for a lane that carries ops between hosts
+    (``"tcp"`` or ``"ucx"``) and in ``repr``; never used to choose or route."""
+
+    rdma = False
+    """Whether the lane runs on RDMA hardware (``require="rdma"``)."""
 
     bypasses_owner = False
     """Whether the peer's ops reach this side's memory without this side's code checking
@@ -54,7 +105,15 @@ class DataLane(abc.ABC):
     @property
     @abc.abstractmethod
     def info(self) -> dict[str, Any]:
-        """``{"transport": ..., "lanes": [...], "why": ...}`` - what this lane really uses."""
+        """What this lane really uses, for ``ep.info``: ``{"transport", "lanes", "why"}``
+        for a lane between hosts; a same-host lane says how it moves the memory kind it
+        takes (``{"host": ...}``, ``{"gpu": ...}``)."""
+
+    def carries(self, op: Op) -> bool:
+        """Whether this lane moves ``op`` (its memory kinds, the keys its descriptor
+        carries). An endpoint sends each op to the fastest of its lanes that carries it;
+        the last one (the TCP lane) carries every op. Cheap: asked for every op."""
+        return True
 
     @abc.abstractmethod
     async def write(self, op: Op, *, timeout: float | None) -> None:
@@ -118,17 +177,25 @@ class DataLane(abc.ABC):
 class LaneFactory(abc.ABC):
     """A node-wide backend that registers memory and opens lanes to peers.
 
-    One instance per :class:`tensorx.Node`. Constructing it may apply backend settings
+    One instance per :class:`tensorx.Node` and backend; the node keeps them in a list
+    ordered by :attr:`Capabilities.rank`. Constructing one may apply backend settings
     (environment variables, contexts) - never at import time.
     """
 
     name: str
+    """The key of its offer in the handshake and of its keys in a descriptor."""
+    caps: Capabilities
 
-    @abc.abstractmethod
-    def register(self, region: MemoryRegion) -> dict[str, Any]:
+    note = ""
+    """The ``ep.info`` key that says why this factory's lane is not used, where it is not
+    (the same-host lane for host memory: ``"host"``); empty: none."""
+
+    def register(self, region: MemoryRegion) -> dict[str, Any] | None:
         """Register ``region`` for remote access (cached per region) and return the keys a
-        peer needs (they travel in ``RegionDescriptor.keys[self.name]``). Deregisters when
-        the region is closed."""
+        peer needs (they travel in ``RegionDescriptor.keys[self.name]``), or None where
+        this backend has nothing to register for it. Deregisters when the region is
+        closed."""
+        return None
 
     def hold(self, region: MemoryRegion) -> None:
         """Keep ``region``'s memory mapped and registered, even once it is closed, until
@@ -139,18 +206,33 @@ class LaneFactory(abc.ABC):
         """Undo one :meth:`hold`; a closed region is deregistered once nothing holds it."""
         region._unpin()
 
-    @abc.abstractmethod
-    def local_info(self) -> dict[str, Any]:
-        """What a peer needs to open a lane to us (e.g. a UCX worker address); sent in the
-        authenticated handshake, so it never reaches an unauthenticated peer."""
+    def offer(self, binding: bytes) -> Any:
+        """What a peer needs to open a lane to us (e.g. a UCX worker address), for the
+        connection with ``binding``; sent in the authenticated handshake, so it never
+        reaches an unauthenticated peer. None: nothing to offer."""
+        return None
+
+    def forget(self, binding: bytes) -> None:
+        """The connection with ``binding`` ended: drop what :meth:`offer` kept for it."""
+        return None
+
+    def reaches(self, offer: Any) -> bool:
+        """Whether a peer that offered ``offer`` may reach our memory without our code
+        (it can open a one-sided lane to us): the node then holds a closed region's memory
+        until that peer has acknowledged the revocation. Symmetric by construction: it
+        depends only on what both sides offer."""
+        return False
 
     @abc.abstractmethod
-    async def open_lane(self, peer_info: dict[str, Any], *, peer: str,
-                        timeout: float | None) -> DataLane:
-        """Open a lane to the peer that sent ``peer_info``. Raises TransportUnavailableError
-        if it cannot be reached this way (the node then falls back, or fails under
-        ``require``)."""
+    async def open_lane(self, link: Link, *, timeout: float | None) -> DataLane:
+        """Open a lane to the peer of ``link``. Raises TransportUnavailableError, saying
+        why, if it cannot be reached this way (not offered, another host, refused): the
+        node then uses the next factory, or fails under ``require``."""
 
-    @abc.abstractmethod
     async def aclose(self) -> None:
         """Release every registration and the backend context. Idempotent."""
+        return None
+
+    def abort(self) -> None:
+        """Release at once what :meth:`aclose` would (threads, pools). Idempotent."""
+        return None

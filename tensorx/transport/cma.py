@@ -10,9 +10,9 @@ Addresses come from the owner only, never from the descriptor: on first use of a
 (region, cookie) the lane asks the owner over the control channel (a VALIDATE request that
 also asks for the address), and caches the answer.
 
-The lane wraps the endpoint's other lane (TCP or UCX), which keeps everything else: GPU
-memory, zero-byte ops, notifications. It is chosen when both peers offer it, are on the same
-host (:func:`tensorx._shm.host_id`) and a ``process_vm_readv`` of the peer's probe buffer
+The endpoint's other lanes (TCP or UCX) keep everything else: GPU memory, zero-byte ops,
+notifications. It is chosen when both peers offer it, are on the same host
+(:func:`tensorx._shm.host_id`) and a ``process_vm_readv`` of the peer's probe buffer
 returns the token it advertised: that proves we may read its memory (yama ``ptrace_scope``,
 containers, pid namespaces) and that the pid is the peer's. The token is bound to the
 connection (a hash of both handshake nonces and the peer's node id), so no other process
@@ -45,12 +45,20 @@ from typing import Any
 
 from tensorx._deadline import wait_for
 from tensorx._shm import host_id
-from tensorx.errors import BrokenError, ClosedError, RegionError, TimeoutError, UsageError
+from tensorx.errors import (
+    BrokenError,
+    ClosedError,
+    RegionError,
+    TimeoutError,
+    TransportUnavailableError,
+    UsageError,
+)
 from tensorx.memregion import check_bounds
-from tensorx.transport.base import DataLane, Op
-from tensorx.transport.tcp import Connection
+from tensorx.transport.base import HOST, Capabilities, DataLane, LaneFactory, Link, Op
+from tensorx.transport.control import ControlChannel
 
-__all__ = ["KEY", "CmaLane", "Probe", "check", "enabled", "make_pool", "offered", "token"]
+__all__ = ["KEY", "CmaFactory", "CmaLane", "Probe", "check", "enabled", "make_pool", "offered",
+           "token"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,17 +232,65 @@ def check(ours: bool, theirs: Any, expected: bytes) -> tuple[int | None, str, bo
     return pid, "", False
 
 
-# -- the lane -------------------------------------------------------------------------------
-class CmaLane(DataLane):
-    """Host-memory ops to a same-host peer by ``process_vm_writev/readv``; every other op
-    goes to ``inner``."""
+# -- the factory and the lane ---------------------------------------------------------------
+class CmaFactory(LaneFactory):
+    """Offers a probe per connection and opens :class:`CmaLane` s to peers that pass
+    :func:`check`. ``enabled``: see :func:`enabled`; a disabled factory offers nothing
+    and says so in ``ep.info["host"]``."""
 
+    name = KEY
+    caps = Capabilities(memory=frozenset({HOST}), one_sided=True, peer_death=True,
+                        same_host=True, rank=30)
+    note = "host"
+
+    def __init__(self, node_id: str, enabled: bool) -> None:
+        self._node_id = node_id
+        self._enabled = enabled
+        self._probes: dict[bytes, Probe] = {}  # per connection, while it lives
+        self._pool: Executor | None = None
+
+    def offer(self, binding: bytes) -> Any:
+        if not self._enabled:
+            return None
+        probe = self._probes[binding] = Probe(binding, self._node_id)
+        return probe.caps()
+
+    def forget(self, binding: bytes) -> None:
+        self._probes.pop(binding, None)
+
+    def reaches(self, offer: Any) -> bool:
+        return offered(self._enabled, offer)
+
+    async def open_lane(self, link: Link, *, timeout: float | None) -> CmaLane:
+        """The lane, or TransportUnavailableError saying why not (logged as a WARNING
+        where it should have worked: the peer is on this host and offered it)."""
+        pid, why, loud = check(self._enabled, link.offer(KEY), token(link.binding, link.peer))
+        if pid is None:
+            if loud:
+                logger.warning("endpoint to %s: no same-host lane, host memory goes over the "
+                               "lane between hosts: %s", link.peer, why)
+            raise TransportUnavailableError(why)
+        if self._pool is None:
+            self._pool = make_pool()
+        return CmaLane(link.channel, pid, self._pool)
+
+    async def aclose(self) -> None:
+        self.abort()  # the node closed every endpoint first: each waited for its copies
+
+    def abort(self) -> None:
+        if self._pool is not None:  # its threads finish the piece they copy, then end
+            self._pool.shutdown(wait=False)
+
+
+class CmaLane(DataLane):
+    """Host-memory ops to a same-host peer by ``process_vm_writev/readv``; the endpoint
+    sends every other op to its other lanes."""
+
+    name = KEY
     bypasses_owner = True
 
-    def __init__(self, inner: DataLane, conn: Connection, pid: int, pool: Executor) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self._conn = conn
+    def __init__(self, channel: ControlChannel, pid: int, pool: Executor) -> None:
+        self._requests = channel.requests
         self._pid = pid
         self._pool = pool
         self._addrs: dict[tuple[int, int], asyncio.Future[int | None]] = {}
@@ -245,23 +301,32 @@ class CmaLane(DataLane):
 
     @property
     def info(self) -> dict[str, Any]:
-        return {**self.inner.info, "host": HOW}
+        return {"host": HOW}
 
-    # -- which ops are ours ---------------------------------------------------------------
-    @staticmethod
-    def _ours(op: Op) -> bool:
+    def carries(self, op: Op) -> bool:
         return op.nbytes > 0 and not op.local.is_cuda and op.remote.device != "cuda"
 
-    async def _address(self, op: Op, timeout: float | None) -> int | None:
-        """The owner's address of ``op.remote`` (None: not host memory, the inner lane)."""
+    async def _address(self, op: Op, timeout: float | None) -> int:
+        """The owner's address of ``op.remote``."""
         key = (op.remote.region_id, op.remote.cookie)
         fut = self._addrs.get(key)
         if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
-            return fut.result()  # the usual case: no event-loop hop
+            addr = fut.result()  # the usual case: no event-loop hop
+        else:
+            addr = await self._ask_once(key, op.remote.nbytes, fut, timeout)
+        if addr is None:  # GPU memory, under a descriptor that says host
+            raise RegionError(f"descriptor of region {key[0]:#x} does not match what its "
+                              "owner exported")
+        return addr
+
+    async def _ask_once(self, key: tuple[int, int], nbytes: int,
+                        fut: asyncio.Future[int | None] | None,
+                        timeout: float | None) -> int | None:
+        """Ask the owner for the address (one request for every op that waits on it)."""
         if fut is None:
             if len(self._addrs) >= MAX_CACHED:
                 self._addrs = {k: f for k, f in self._addrs.items() if not f.done()}
-            fut = self._addrs[key] = asyncio.ensure_future(self._ask(key, op.remote.nbytes))
+            fut = self._addrs[key] = asyncio.ensure_future(self._ask(key, nbytes))
             fut.add_done_callback(_retrieve)
         try:
             return await wait_for(asyncio.shield(fut), timeout)
@@ -274,7 +339,7 @@ class CmaLane(DataLane):
             raise
 
     async def _ask(self, key: tuple[int, int], nbytes: int) -> int | None:
-        n, _, addr = await self._conn.request_address(*key, None)
+        n, _, addr = await self._requests.address(*key, None)
         if n != nbytes:
             raise RegionError(f"descriptor of region {key[0]:#x} does not match what its "
                               "owner exported")
@@ -285,11 +350,10 @@ class CmaLane(DataLane):
         return addr
 
     def _at_once(self, op: Op, to_remote: bool) -> bool:
-        """Do a small op of ours whose address we know right here (nothing to wait for,
-        so nothing in flight for :meth:`flush` to track); False where it is not that."""
+        """Do a small op whose address we know right here (nothing to wait for, so
+        nothing in flight for :meth:`flush` to track); False where it is not that."""
         addr = self._known.get((op.remote.region_id, op.remote.cookie))
-        if (addr is None or self._halt is not None or op.nbytes > POOL_ABOVE
-                or not self._ours(op)):
+        if addr is None or self._halt is not None or op.nbytes > POOL_ABOVE:
             return False
         check_bounds(op.remote.nbytes, op.remote_offset, op.nbytes)
         copy(self._pid, [(op.local.address + op.local_offset, addr + op.remote_offset,
@@ -297,22 +361,15 @@ class CmaLane(DataLane):
         self.ops += 1
         return True
 
-    async def _split(self, ops: Sequence[Op], timeout: float | None
-                     ) -> tuple[list[Segment], list[Op], list[Op]]:
-        """(our segments, their ops, the ops for the inner lane)."""
-        mine: list[Segment] = []
-        ours: list[Op] = []
-        rest: list[Op] = []
+    async def _segments(self, ops: Sequence[Op], timeout: float | None) -> list[Segment]:
+        segments: list[Segment] = []
         for op in ops:
-            addr = await self._address(op, timeout) if self._ours(op) else None
-            if addr is None:
-                rest.append(op)
-            else:  # the endpoint checked the range against the owner's size; defence:
-                check_bounds(op.remote.nbytes, op.remote_offset, op.nbytes)
-                ours.append(op)
-                mine.append((op.local.address + op.local_offset, addr + op.remote_offset,
+            addr = await self._address(op, timeout)
+            # the endpoint checked the range against the owner's size; defence:
+            check_bounds(op.remote.nbytes, op.remote_offset, op.nbytes)
+            segments.append((op.local.address + op.local_offset, addr + op.remote_offset,
                              op.nbytes))
-        return mine, ours, rest
+        return segments
 
     # -- the contract ---------------------------------------------------------------------
     async def write(self, op: Op, *, timeout: float | None) -> None:
@@ -320,57 +377,37 @@ class CmaLane(DataLane):
             await self.write_many([op], timeout=timeout)
 
     async def read(self, op: Op, *, timeout: float | None) -> None:
-        if self._at_once(op, False):
-            return
-        async with self._tracked():
-            mine, ours, rest = await self._split([op], timeout)
-            if rest:
-                await self.inner.read(op, timeout=timeout)
-            else:
-                await self._copy(mine, ours, False, timeout)
+        if not self._at_once(op, False):
+            await self._run([op], False, timeout)
 
     async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
-        async with self._tracked():
-            mine, ours, rest = await self._split(ops, timeout)
-            if not rest:
-                await self._copy(mine, ours, True, timeout)
-            elif not mine:
-                await self.inner.write_many(ops, timeout=timeout)
-            else:
-                await asyncio.gather(self._copy(mine, ours, True, timeout),
-                                     self.inner.write_many(rest, timeout=timeout))
+        await self._run(ops, True, timeout)
 
-    async def write_notify(self, ops: Sequence[Op], payload: bytes, *,
-                           timeout: float | None) -> bool:
-        if any(self._ours(op) for op in ops):
-            return False  # the endpoint writes, flushes and notifies
-        return await self.inner.write_notify(ops, payload, timeout=timeout)
+    async def _run(self, ops: Sequence[Op], to_remote: bool, timeout: float | None) -> None:
+        async with self._tracked():
+            segments = await self._segments(ops, timeout)
+            await self._copy(segments, list(ops), to_remote, timeout)
 
     async def flush(self, *, timeout: float | None) -> None:
         """Every op started before (reads too: a revocation is acknowledged after this)
-        has finished, here and on the inner lane."""
+        has finished."""
         pending = list(self._inflight)
         if pending:
             try:
                 await wait_for(asyncio.gather(*pending), timeout)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"cma: ops did not finish within {timeout} s") from None
-        await self.inner.flush(timeout=timeout)
 
     async def aclose(self) -> None:
-        if self._halt is None:
-            self._halt = ClosedError("lane closed")
-        await self.inner.aclose()
+        self.abort()
 
     def abort(self) -> None:
         if self._halt is None:
-            self._halt = ClosedError("lane aborted")
-        self.inner.abort()
+            self._halt = ClosedError("lane closed")
 
     def peer_gone(self, why: str) -> None:
         if self._halt is None or isinstance(self._halt, ClosedError):
             self._halt = BrokenError(f"peer gone: {why}")
-        self.inner.peer_gone(why)
 
     # -- copies ---------------------------------------------------------------------------
     def _stopped(self) -> BaseException | None:

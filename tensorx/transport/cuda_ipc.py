@@ -10,9 +10,9 @@ runs). Completion is the copy's CUDA event. Peer death is seen by the control ch
 every lane: ops then fail with ``BrokenError`` and the mappings are closed once the lane's
 copies have finished; nothing aborts.
 
-The lane wraps the endpoint's other lane (UCX or TCP), which keeps everything else: host
-memory, notifications' flush, GPU memory of peers whose descriptors carry no handle. It is
-reported in ``ep.info["gpu"]`` and in the endpoint's INFO line.
+The endpoint's other lanes (UCX or TCP) keep everything else: host memory, GPU memory of
+peers whose descriptors carry no handle. It is reported in ``ep.info["gpu"]`` and in the
+endpoint's INFO line.
 
 Switch it off with ``Node(cuda_ipc=False)`` or ``TENSORX_CUDA_IPC=0``.
 """
@@ -27,11 +27,18 @@ from typing import Any
 
 from tensorx import _cuda
 from tensorx._deadline import wait_for
-from tensorx.errors import BrokenError, ClosedError, TensorxError, TimeoutError
+from tensorx._shm import host_id
+from tensorx.errors import (
+    BrokenError,
+    ClosedError,
+    TensorxError,
+    TimeoutError,
+    TransportUnavailableError,
+)
 from tensorx.memregion import MemoryRegion, RegionDescriptor
-from tensorx.transport.base import DataLane, Op
+from tensorx.transport.base import CUDA, Capabilities, DataLane, LaneFactory, Link, Op
 
-__all__ = ["KEY", "CudaIpcLane", "enabled", "export_keys"]
+__all__ = ["KEY", "CudaIpcFactory", "CudaIpcLane", "enabled", "export_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +71,46 @@ def export_keys(region: MemoryRegion) -> dict[str, Any] | None:
 _told: set[str] = set()
 
 
-class CudaIpcLane(DataLane):
-    """Device-to-device copies into and out of a same-host peer's GPU regions; every other
-    op goes to ``inner``."""
+class CudaIpcFactory(LaneFactory):
+    """Puts CUDA IPC handles into GPU regions' descriptors and opens :class:`CudaIpcLane` s
+    to same-host peers that use CUDA too. ``enabled``: see :func:`enabled`."""
 
+    name = KEY
+    caps = Capabilities(memory=frozenset({CUDA}), one_sided=True, peer_death=True,
+                        same_host=True, rank=40)
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+
+    def register(self, region: MemoryRegion) -> dict[str, Any] | None:
+        return export_keys(region) if self._enabled and region.is_cuda else None
+
+    def offer(self, binding: bytes) -> Any:
+        if not (self._enabled and _cuda.available()):
+            return None
+        return {"host": host_id(), "pid": os.getpid()}
+
+    def reaches(self, offer: Any) -> bool:
+        return self._enabled and isinstance(offer, dict) and offer.get("host") == host_id()
+
+    async def open_lane(self, link: Link, *, timeout: float | None) -> CudaIpcLane:
+        theirs = link.offer(KEY)
+        if not (self._enabled and isinstance(theirs, dict) and _cuda.available()):
+            raise TransportUnavailableError("not offered by both peers")
+        pid = theirs.get("pid")
+        if theirs.get("host") != host_id() or not isinstance(pid, int):
+            raise TransportUnavailableError("the peer is on another host")
+        return CudaIpcLane(pid)
+
+
+class CudaIpcLane(DataLane):
+    """Device-to-device copies into and out of a same-host peer's GPU regions (the
+    endpoint sends every other op to its other lanes)."""
+
+    name = KEY
     bypasses_owner = True
 
-    def __init__(self, inner: DataLane, peer_pid: int) -> None:
-        self.inner = inner
-        self.name = inner.name
+    def __init__(self, peer_pid: int) -> None:
         self._same_process = peer_pid == os.getpid()
         self._maps: dict[bytes, _cuda.IpcMapping] = {}
         self._keys: dict[tuple[int, int], _cuda.IpcKeys | None] = {}
@@ -86,8 +124,10 @@ class CudaIpcLane(DataLane):
     def info(self) -> dict[str, Any]:
         how = ("same process: device to device" if self._same_process else
                "CUDA IPC: device to device, same host")
-        return {**self.inner.info, "gpu": f"{KEY} ({how}; peer death seen by the control "
-                                          "channel)"}
+        return {"gpu": f"{KEY} ({how}; peer death seen by the control channel)"}
+
+    def carries(self, op: Op) -> bool:
+        return op.nbytes > 0 and self._ipc_keys(op.remote) is not None
 
     # -- which ops are ours ---------------------------------------------------------------
     def _ipc_keys(self, desc: RegionDescriptor) -> _cuda.IpcKeys | None:
@@ -104,70 +144,43 @@ class CudaIpcLane(DataLane):
             self._keys[key] = keys
         return self._keys[key]
 
-    def _split(self, ops: Sequence[Op]) -> tuple[list[tuple[Op, _cuda.IpcKeys]], list[Op]]:
-        mine: list[tuple[Op, _cuda.IpcKeys]] = []
-        rest: list[Op] = []
+    def _items(self, ops: Sequence[Op]) -> list[tuple[Op, _cuda.IpcKeys]]:
+        items = []
         for op in ops:
             keys = self._ipc_keys(op.remote)
-            if keys is None or op.nbytes == 0:
-                rest.append(op)
-            else:
-                mine.append((op, keys))
-        return mine, rest
+            if keys is None:  # the endpoint only gives us ops we carry
+                raise BrokenError(f"region {op.remote.region_id:#x} has no CUDA IPC handle")
+            items.append((op, keys))
+        return items
 
     # -- the contract ---------------------------------------------------------------------
     async def write(self, op: Op, *, timeout: float | None) -> None:
         await self.write_many([op], timeout=timeout)
 
     async def read(self, op: Op, *, timeout: float | None) -> None:
-        mine, rest = self._split([op])
-        if rest:
-            await self.inner.read(op, timeout=timeout)
-            return
-        await self._copy(mine, to_remote=False, timeout=timeout)
+        await self._copy(self._items([op]), to_remote=False, timeout=timeout)
 
     async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
-        mine, rest = self._split(ops)
-        if not mine:
-            await self.inner.write_many(ops, timeout=timeout)
-            return
-        if rest:
-            await asyncio.gather(self._copy(mine, to_remote=True, timeout=timeout),
-                                 self.inner.write_many(rest, timeout=timeout))
-        else:
-            await self._copy(mine, to_remote=True, timeout=timeout)
-
-    async def write_notify(self, ops: Sequence[Op], payload: bytes, *,
-                           timeout: float | None) -> bool:
-        mine, _ = self._split(ops)
-        if mine:
-            return False  # the endpoint writes, flushes (ours and the inner lane) and notifies
-        return await self.inner.write_notify(ops, payload, timeout=timeout)
+        await self._copy(self._items(ops), to_remote=True, timeout=timeout)
 
     async def flush(self, *, timeout: float | None) -> None:
         events = list(self._last.values())
         if events:
             await self._wait(events, timeout)
-        await self.inner.flush(timeout=timeout)
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._release()
-        finally:
-            await self.inner.aclose()
+        self._release()
 
     def abort(self) -> None:
         self._closed = True
         self._release()
-        self.inner.abort()
 
     def peer_gone(self, why: str) -> None:
         self._gone = why
         self._release()
-        self.inner.peer_gone(why)
 
     # -- copies ---------------------------------------------------------------------------
     def _check(self) -> None:

@@ -14,7 +14,8 @@ import collections
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tensorx import _auth
@@ -22,9 +23,9 @@ from tensorx._deadline import wait_for
 from tensorx._text import printable
 from tensorx._wire import Kind
 from tensorx.errors import AuthError, ProtocolError, TensorxError, TimeoutError, error_code
-from tensorx.transport.tcp import Connection
+from tensorx.transport.control import ControlChannel
 
-__all__ = ["FailureLog", "accept", "initiate"]
+__all__ = ["FailureLog", "Hello", "accept", "initiate"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,26 +34,36 @@ PEER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 Caps = dict[str, Any] | Callable[[bytes], dict[str, Any]]
 """Capabilities, or a function of the connection's binding (both nonces, see
-``Connection.binding``) that returns them: for values that must belong to this connection."""
+:attr:`Hello.binding`) that returns them: for values that must belong to this connection."""
 
 
-async def initiate(conn: Connection, node_id: str, token: bytes, caps: Caps,
-                   timeout: float | None) -> None:
-    """Client side. Sets ``conn.peer``, ``conn.peer_caps`` and ``conn.binding``; AuthError
-    on a bad token."""
-    await _within(_initiate(conn, node_id, token, caps), timeout, conn.label)
+@dataclass(frozen=True)
+class Hello:
+    """What a handshake established about the peer."""
+
+    peer: str
+    """The peer node's id."""
+    caps: dict[str, Any]
+    """The capabilities it offered (what each of its lane factories offers, by name)."""
+    binding: bytes
+    """Both nonces: unique to this connection, known to both ends only."""
 
 
-async def accept(conn: Connection, node_id: str, token: bytes, caps: Caps,
-                 timeout: float | None) -> None:
-    """Server side. Sets ``conn.peer``, ``conn.peer_caps`` and ``conn.binding``; AuthError
-    on a bad proof."""
-    await _within(_accept(conn, node_id, token, caps), timeout, conn.label)
+async def initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
+                   timeout: float | None) -> Hello:
+    """Client side; AuthError on a bad token."""
+    return await _within(_initiate(conn, node_id, token, caps), timeout, conn.label)
 
 
-async def _within(coro: Any, timeout: float | None, label: str) -> None:
+async def accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
+                 timeout: float | None) -> Hello:
+    """Server side; AuthError on a bad proof."""
+    return await _within(_accept(conn, node_id, token, caps), timeout, conn.label)
+
+
+async def _within(coro: Awaitable[Hello], timeout: float | None, label: str) -> Hello:
     try:
-        await wait_for(coro, timeout)
+        return await wait_for(coro, timeout)
     except asyncio.TimeoutError:
         raise TimeoutError(f"{label}: handshake timed out after {timeout} s") from None
 
@@ -64,13 +75,11 @@ def _peer_id(value: str) -> str:
     return value
 
 
-def _caps(caps: Caps, conn: Connection, client_nonce: bytes, server_nonce: bytes
-          ) -> dict[str, Any]:
-    conn.binding = client_nonce + server_nonce
-    return caps(conn.binding) if callable(caps) else caps
+def _caps(caps: Caps, binding: bytes) -> dict[str, Any]:
+    return caps(binding) if callable(caps) else caps
 
 
-async def _initiate(conn: Connection, node_id: str, token: bytes, caps: Caps) -> None:
+async def _initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps) -> Hello:
     nonce = _auth.new_nonce()
     await conn.send_now(Kind.HELLO, {"id": node_id, "nonce": nonce})
     ch = await conn.recv_frame(Kind.CHALLENGE)
@@ -82,11 +91,12 @@ async def _initiate(conn: Connection, node_id: str, token: bytes, caps: Caps) ->
     if not _auth.verify_proof(expected, welcome["proof"]):
         raise AuthError(f"{conn.label}: the peer could not prove the shared token "
                         "(different TENSORX_TOKEN / token= on the two sides?)")
-    await conn.send_now(Kind.CAPS, {"caps": _caps(caps, conn, nonce, ch["nonce"])})
-    conn.peer, conn.peer_caps = peer, welcome["caps"]
+    binding = nonce + ch["nonce"]
+    await conn.send_now(Kind.CAPS, {"caps": _caps(caps, binding)})
+    return Hello(peer, welcome["caps"], binding)
 
 
-async def _accept(conn: Connection, node_id: str, token: bytes, caps: Caps) -> None:
+async def _accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps) -> Hello:
     try:
         hello = await conn.recv_frame(Kind.HELLO)
         peer = _peer_id(hello["id"])
@@ -101,12 +111,12 @@ async def _accept(conn: Connection, node_id: str, token: bytes, caps: Caps) -> N
         await _refuse(conn, AuthError("authentication failed: wrong token"))
         raise AuthError(f"{conn.label}: peer {peer} failed authentication (wrong token)")
     proof = _auth.make_proof(token, b"server", hello["nonce"], nonce, peer, node_id)
-    await conn.send_now(Kind.WELCOME, {"proof": proof,
-                                       "caps": _caps(caps, conn, hello["nonce"], nonce)})
-    conn.peer, conn.peer_caps = peer, (await conn.recv_frame(Kind.CAPS))["caps"]
+    binding = hello["nonce"] + nonce
+    await conn.send_now(Kind.WELCOME, {"proof": proof, "caps": _caps(caps, binding)})
+    return Hello(peer, (await conn.recv_frame(Kind.CAPS))["caps"], binding)
 
 
-async def _refuse(conn: Connection, exc: TensorxError) -> None:
+async def _refuse(conn: ControlChannel, exc: TensorxError) -> None:
     try:
         await conn.send_now(Kind.ERROR, {"req": 0, "code": error_code(exc), "msg": str(exc)})
     except TensorxError:

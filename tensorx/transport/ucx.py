@@ -46,7 +46,7 @@ from tensorx.memregion import MemoryRegion
 from tensorx.transport import _ucp
 from tensorx.transport._ucx_lane import ORPHANS, UcxLane
 from tensorx.transport._ucx_probe import AddressProbe
-from tensorx.transport.base import LaneFactory
+from tensorx.transport.base import CUDA, HOST, Capabilities, LaneFactory, Link
 
 __all__ = ["UcxFactory", "UcxLane"]
 
@@ -134,8 +134,11 @@ class UcxFactory(LaneFactory):
         self.context_handle = int(self._ctx.context.handle)
         self.transports = self._check_transports()
         # GPU memory: without cuda_copy UCX can neither register nor move it; the node then
-        # exports GPU regions without UCX keys and sends their ops over TCP (gpu_route.py)
+        # exports GPU regions without UCX keys and their ops go to the TCP lane (UcxLane.carries)
         self.gpu_memory = "cuda_copy" in self.transports
+        self.caps = Capabilities(
+            memory=frozenset({HOST, CUDA} if self.gpu_memory else {HOST}), one_sided=True,
+            peer_death=self.error_handling, same_host=False, rank=20)
         self.worker_handle = int(self._ctx.worker.handle)
         self._address = bytes(self._ctx.worker_address.tobytes())
         settings = {**DEFAULT_OPTIONS, **(options or {}), "TLS": str(self._ctx.config["TLS"])}
@@ -183,20 +186,37 @@ class UcxFactory(LaneFactory):
         return found
 
     # -- LaneFactory -----------------------------------------------------------------
-    def register(self, region: MemoryRegion) -> dict[str, Any]:
+    def register(self, region: MemoryRegion) -> dict[str, Any] | None:
+        if region.is_cuda and not self.gpu_memory:  # its ops go over the TCP lane
+            return None
         reg = self._registration(region)
         return {"addr": region.address, "rkey": reg.rkey}
 
     def release(self, region: MemoryRegion) -> None:
         self._unpin([region])
 
+    def offer(self, binding: bytes) -> Any:
+        return self.local_info()
+
+    def reaches(self, offer: Any) -> bool:
+        return isinstance(offer, dict)
+
     def local_info(self) -> dict[str, Any]:
+        """What a peer needs to open a UCX lane to us (our :meth:`offer`)."""
         return {"worker_address": self._address, "error_handling": self.error_handling,
                 "host": socket.gethostname(), "pid": os.getpid(),
                 "ucx": self._ucp.version(), "gpu": self.gpu_memory}
 
-    async def open_lane(self, peer_info: dict[str, Any], *, peer: str,
-                        timeout: float | None) -> UcxLane:
+    async def open_lane(self, link: Link, *, timeout: float | None) -> UcxLane:
+        offer = link.offer(self.name)
+        if not isinstance(offer, dict):
+            raise TransportUnavailableError(
+                f"the peer has no UCX (its transport={link.caps.get('transport')!r})")
+        return await self.connect(offer, peer=link.peer, timeout=timeout)
+
+    async def connect(self, peer_info: dict[str, Any], *, peer: str,
+                      timeout: float | None) -> UcxLane:
+        """A lane to the peer that offered ``peer_info`` (its :meth:`local_info`)."""
         self._check_open()
         address = peer_info.get("worker_address")
         if not isinstance(address, bytes) or not address:

@@ -1,49 +1,57 @@
-"""The owner service: how a TCP connection serves its peer's one-sided ops against this
-node's export table (WRITE lands in the region, READ answers straight out of it, VALIDATE
-and QUERY), with every op checked against the export first.
+"""The owner service: how this node serves a peer's requests on the control channel
+against its export table (WRITE lands in the region, READ answers straight out of it,
+VALIDATE, QUERY), with every op checked against the export first. These are the TCP lane's
+one-sided ops seen from the owner's side, and the descriptor checks of every other lane.
 
-A mixin of :class:`~tensorx.transport.tcp.Connection`, which owns the socket: the frame
-reader, the send path, the staging buffers and the callbacks it sets up at construction.
+One per endpoint; the endpoint's :class:`~tensorx.transport.control.ControlChannel` reads
+the frames and hands the peer's requests here, and sends the replies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tensorx._ratelog import RefusalLog
 from tensorx._wire import Kind
 from tensorx.errors import ProtocolError, TensorxError, error_code
 from tensorx.memregion import ExportTable
-from tensorx.transport._sock import FrameReader
 from tensorx.transport._staging import StagedRange, staged_range
 
+if TYPE_CHECKING:
+    from tensorx.transport.control import ControlChannel
+
 __all__ = ["OwnerService"]
+
+logger = logging.getLogger("tensorx.transport.control")
 
 MAX_REFUSED = 4096  # writes with a refused frame whose last frame has not come yet
 
 
 class OwnerService:
-    """Frame handlers for the peer's requests; ``_now`` ones run in the readiness
-    callback and say False when the frame has to wait (its payload is not all buffered,
-    GPU memory, a notification to deliver), the ``_on`` ones run in a task."""
+    """Serves the peer's requests that arrive on ``channel`` against ``exports``.
 
-    label: str
-    _exports: ExportTable
-    _reader: FrameReader
-    _refused: set[int]  # the peer's write requests with a refused frame
-    _refusals: RefusalLog
-    on_notify: Callable[[Any, bytes], Awaitable[None]]
-    on_query: Callable[[str], dict[str, Any]]
+    The channel hands each request frame here: the ``*_now`` handlers run in the socket's
+    readiness callback and return False when the frame has to wait (its payload is not all
+    buffered, GPU memory), the ``on_*`` ones run in the channel's task. ``answer(what)``
+    answers a QUERY (``Endpoint.query`` on the peer's side)."""
 
-    def _post(self, kind: Kind, header: dict[str, Any], payload: Any = None) -> None:
-        raise NotImplementedError
+    def __init__(self, channel: ControlChannel, exports: ExportTable,
+                 answer: Callable[[str], dict[str, Any]]) -> None:
+        self._channel = channel
+        self._exports = exports
+        self._answer = answer
+        self._reader = channel.reader
+        self._post = channel.out.post
+        self._refused: set[int] = set()  # the peer's write requests with a refused frame
+        self._refusals = RefusalLog(logger, channel.label)
 
-    async def _land(self, dest: memoryview | StagedRange,
-                    live: Callable[[], bool] = lambda: True) -> bool:
-        raise NotImplementedError
+    def close(self) -> None:
+        """The channel ended: log what was refused and not reported yet."""
+        self._refusals.flush()
 
-    def _write_now(self, h: dict[str, Any], payload_len: int) -> bool:
+    def write_now(self, h: dict[str, Any], payload_len: int) -> bool:
         """A WRITE whose payload is buffered and has host memory to land in."""
         if payload_len > self._reader.buffered or "imm" in h:
             return False
@@ -60,7 +68,9 @@ class OwnerService:
         self._written(h)
         return True
 
-    async def _on_write(self, h: dict[str, Any], payload_len: int) -> None:
+    async def on_write(self, h: dict[str, Any], payload_len: int) -> bytes | None:
+        """Land a WRITE frame; the notification it carries once the whole write has landed
+        (None if it carries none, or a frame of the write was refused)."""
         imm = h.get("imm")
         if imm is not None and (not isinstance(imm, bytes) or not h["last"]):
             raise ProtocolError("WRITE carries a malformed notification")
@@ -70,10 +80,9 @@ class OwnerService:
         except TensorxError as exc:
             await self._reader.discard(payload_len)
             self._refuse_write(h, exc)
-            return
-        await self._land(dest)  # into GPU memory: every copy has completed
-        if self._written(h) and imm is not None:
-            await self.on_notify(self, imm)
+            return None
+        await self._channel.land(dest)  # into GPU memory: every copy has completed
+        return imm if self._written(h) else None
 
     def _written(self, h: dict[str, Any]) -> bool:
         """A WRITE frame has landed: acknowledge the write after its last frame, unless
@@ -97,7 +106,7 @@ class OwnerService:
             raise ProtocolError("too many unfinished refused writes")
         self._refused.add(h["req"])
 
-    def _on_read(self, h: dict[str, Any], payload_len: int) -> None:
+    def on_read(self, h: dict[str, Any], payload_len: int) -> None:
         try:
             region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "r")
             src = staged_range(region, h["off"], h["n"])
@@ -106,7 +115,7 @@ class OwnerService:
             return
         self._post(Kind.READ_DATA, {"req": h["req"]}, src if len(src) else None)
 
-    def _on_validate(self, h: dict[str, Any], payload_len: int) -> None:
+    def on_validate(self, h: dict[str, Any], payload_len: int) -> None:
         try:
             export = self._exports.lookup(h["rid"], h["ck"])
         except TensorxError as exc:
@@ -118,18 +127,13 @@ class OwnerService:
             reply["addr"] = export.region.address
         self._post(Kind.VALID, reply)
 
-    def _on_query(self, h: dict[str, Any], payload_len: int) -> None:
+    def on_query(self, h: dict[str, Any], payload_len: int) -> None:
         try:
-            data = self.on_query(h["what"])
+            data = self._answer(h["what"])
         except TensorxError as exc:
             self._reply_error(h["req"], exc)
             return
         self._post(Kind.ANSWER, {"req": h["req"], "data": data})
-
-    async def _on_notify(self, h: dict[str, Any], payload_len: int) -> None:
-        payload = bytearray(payload_len)
-        await self._reader.read_into(memoryview(payload))
-        await self.on_notify(self, bytes(payload))  # waits (we stop reading) while full
 
     def _reply_error(self, req: int, exc: TensorxError) -> None:
         self._refusals.refused(req, exc)  # the first, then a summary at most once a minute

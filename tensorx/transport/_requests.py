@@ -1,27 +1,30 @@
-"""The requester side of a TCP connection: our one-sided ops on the peer's memory (WRITE,
-READ, VALIDATE, QUERY), each a request id with a future, and the handlers of the answers
-(WRITE_ACK, READ_DATA landing straight in the caller's memory, VALID, ANSWER, ERROR).
+"""Our requests to the peer over the control channel: one-sided ops on its memory (WRITE,
+READ for the TCP lane), VALIDATE and QUERY, each a request id with a future, and the
+handlers of their answers (WRITE_ACK, READ_DATA landing straight in the caller's memory,
+VALID, ANSWER, ERROR).
 
-A mixin of :class:`~tensorx.transport.tcp.Connection`, which owns the socket, the frame
-reader and the send path; :mod:`~tensorx.transport._tcp_owner` is the other side.
+Owned by one :class:`~tensorx.transport.control.ControlChannel`, which reads the frames
+and hands the answers here; :mod:`~tensorx.transport.owner` serves the peer's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorx import _wire
 from tensorx._wire import Kind
-from tensorx.errors import BrokenError, ProtocolError, TimeoutError, error_from_code
-from tensorx.transport._futures import set_once
-from tensorx.transport._sock import FrameReader
+from tensorx.errors import BrokenError, ProtocolError, TensorxError, TimeoutError, error_from_code
+from tensorx.transport._futures import fresh_copy, set_once
 from tensorx.transport._staging import StagedRange
 
-__all__ = ["Pending", "Requester"]
+if TYPE_CHECKING:
+    from tensorx.transport.control import ControlChannel
+
+__all__ = ["Pending", "Requests"]
 
 
 @dataclass
@@ -30,21 +33,23 @@ class Pending:
     dest: memoryview | StagedRange | None = None
 
 
-class Requester:
-    """Our requests in flight, by id, and what completes them."""
+class Requests:
+    """Our requests in flight on ``channel``, by id, and what completes them."""
 
-    label: str
-    _loop: asyncio.AbstractEventLoop
-    _reader: FrameReader
-    _pending: dict[int, Pending]
-    _req_ids: itertools.count[int]
+    def __init__(self, channel: ControlChannel) -> None:
+        self._channel = channel
+        self.label = channel.label
+        self._loop = asyncio.get_running_loop()
+        self._reader = channel.reader
+        self._out = channel.out
+        self._pending: dict[int, Pending] = {}
+        self._req_ids = itertools.count(1)
 
-    def _enqueue(self, parts: list[Any], done: asyncio.Future[None] | None = None) -> None:
-        raise NotImplementedError
-
-    async def _land(self, dest: memoryview | StagedRange,
-                    live: Callable[[], bool] = lambda: True) -> bool:
-        raise NotImplementedError
+    def fail(self, exc: TensorxError) -> None:
+        """The channel ended: every request in flight fails with (a copy of) ``exc``."""
+        for pending in self._pending.values():
+            set_once(pending.future, fresh_copy(exc))
+        self._pending.clear()
 
     def _new_request(self, dest: memoryview | StagedRange | None = None
                      ) -> tuple[int, Pending]:
@@ -69,7 +74,7 @@ class Requester:
     def _time_out(self, fut: asyncio.Future[Any], what: str, timeout: float) -> None:
         set_once(fut, TimeoutError(f"{self.label}: {what} timed out after {timeout} s"))
 
-    async def request_write(self, ops: Sequence[tuple[memoryview | StagedRange, int, int, int]],
+    async def write(self, ops: Sequence[tuple[memoryview | StagedRange, int, int, int]],
                             timeout: float | None, imm: bytes | None = None) -> None:
         """Send WRITE frames for (src, region_id, cookie, offset); one ACK covers them all.
         ``imm``: a notification carried by the last frame, which the owner delivers once
@@ -81,7 +86,7 @@ class Requester:
                                           "n": len(src), "last": i == len(ops) - 1}
                 if imm is not None and header["last"]:
                     header["imm"] = imm
-                self._enqueue([_wire.encode(Kind.WRITE, header, len(src)), src])
+                self._out.enqueue([_wire.encode(Kind.WRITE, header, len(src)), src])
         except BaseException:
             self._pending.pop(req, None)
             raise
@@ -92,22 +97,22 @@ class Requester:
         """Send one request frame and wait for its answer."""
         req, pending = self._new_request(dest)
         try:
-            self._enqueue([_wire.encode(kind, {"req": req, **fields})])
+            self._out.enqueue([_wire.encode(kind, {"req": req, **fields})])
         except BaseException:
             self._pending.pop(req, None)
             raise
         return await self._await(req, pending, timeout, what)
 
-    async def request_read(self, dest: memoryview | StagedRange, rid: int, ck: int, off: int,
+    async def read(self, dest: memoryview | StagedRange, rid: int, ck: int, off: int,
                            timeout: float | None) -> None:
         fields = {"rid": rid, "ck": ck, "off": off, "n": len(dest)}
         await self._ask(Kind.READ, fields, timeout, "read", dest)
 
-    async def request_validate(self, rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
+    async def validate(self, rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
         n, access, _ = await self._validate({"rid": rid, "ck": ck}, timeout)
         return n, access
 
-    async def request_address(self, rid: int, ck: int, timeout: float | None
+    async def address(self, rid: int, ck: int, timeout: float | None
                               ) -> tuple[int, str, int | None]:
         """(nbytes, access, address) of the owner's region: the address of host memory
         (None for GPU memory), for a same-host lane. Only a peer that offered such a lane
@@ -120,7 +125,7 @@ class Requester:
                                                               "descriptor check")
         return result
 
-    async def request_query(self, what: str, timeout: float | None) -> dict[str, Any]:
+    async def query(self, what: str, timeout: float | None) -> dict[str, Any]:
         answer: dict[str, Any] = await self._ask(Kind.QUERY, {"what": what}, timeout, "query")
         return answer
 
@@ -136,7 +141,7 @@ class Requester:
             return None
         return pending
 
-    def _read_data_now(self, h: dict[str, Any], payload_len: int) -> bool:
+    def read_data_now(self, h: dict[str, Any], payload_len: int) -> bool:
         """READ_DATA whose payload is buffered, for host memory: lands right here."""
         if payload_len > self._reader.buffered:
             return False
@@ -150,27 +155,27 @@ class Requester:
         pending.future.set_result(None)
         return True
 
-    async def _on_read_data(self, h: dict[str, Any], payload_len: int) -> None:
+    async def on_read_data(self, h: dict[str, Any], payload_len: int) -> None:
         pending = self._landing(h["req"], payload_len)
         if pending is None or pending.dest is None:
             await self._reader.discard(payload_len)
             return
         # The read may time out or be cancelled while its reply streams in: from then on
         # the rest is dropped, never written to the caller's memory.
-        if await self._land(pending.dest, live=lambda: not pending.future.done()):
+        if await self._channel.land(pending.dest, live=lambda: not pending.future.done()):
             set_once(pending.future)
 
-    def _on_ack(self, h: dict[str, Any], payload_len: int) -> None:
+    def on_ack(self, h: dict[str, Any], payload_len: int) -> None:
         self._resolve(h["req"], None)
 
-    def _on_valid(self, h: dict[str, Any], payload_len: int) -> None:
+    def on_valid(self, h: dict[str, Any], payload_len: int) -> None:
         addr = h.get("addr")
         if addr is not None and (not isinstance(addr, int) or isinstance(addr, bool)
                                  or not 0 <= addr < 2**64):
             raise ProtocolError("VALID carries a malformed address")
         self._resolve(h["req"], (h["n"], h["access"], addr))
 
-    def _on_error(self, h: dict[str, Any], payload_len: int) -> None:
+    def on_error(self, h: dict[str, Any], payload_len: int) -> None:
         exc = error_from_code(h["code"], h["msg"], f"{self.label}: peer says: ")
         if h["req"] == 0:
             raise BrokenError(str(exc)) from exc
@@ -178,7 +183,7 @@ class Requester:
         if pending is not None and not pending.future.done():
             pending.future.set_exception(exc)
 
-    def _on_answer(self, h: dict[str, Any], payload_len: int) -> None:
+    def on_answer(self, h: dict[str, Any], payload_len: int) -> None:
         self._resolve(h["req"], h["data"])
 
     def _resolve(self, req: int, value: Any) -> None:

@@ -1,0 +1,89 @@
+"""An endpoint's lanes seen as one: each op goes to the fastest lane that carries it.
+
+``auto.py`` opens the lanes (fastest first: same-host lanes, then the lane between hosts,
+then the TCP lane, which carries every op); this lane routes among them. A batch whose ops
+go to several lanes is issued on each at once and completes when all have; a flush flushes
+every lane, so a notification still never overtakes the data of earlier writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from tensorx.transport.base import DataLane, Op
+
+__all__ = ["Router"]
+
+
+class Router(DataLane):
+    """``lanes``: fastest first, the last carries every op. ``network``: the one of them
+    between hosts whose ``info`` heads ``ep.info`` (the same-host lanes add their keys)."""
+
+    def __init__(self, lanes: Sequence[DataLane], network: DataLane) -> None:
+        self.lanes = list(lanes)
+        self.network = network
+        self.name = network.name
+        self.rdma = network.rdma
+        self.bypasses_owner = any(lane.bypasses_owner for lane in self.lanes)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        info = dict(self.network.info)
+        for lane in reversed(self.lanes[:self.lanes.index(self.network)]):
+            info.update(lane.info)
+        return info
+
+    def _lane(self, op: Op) -> DataLane:
+        for lane in self.lanes:
+            if lane.carries(op):
+                return lane
+        return self.lanes[-1]
+
+    def _split(self, ops: Sequence[Op]) -> dict[DataLane, list[Op]]:
+        by_lane: dict[DataLane, list[Op]] = {}
+        for op in ops:
+            by_lane.setdefault(self._lane(op), []).append(op)
+        return by_lane
+
+    async def write(self, op: Op, *, timeout: float | None) -> None:
+        await self._lane(op).write(op, timeout=timeout)
+
+    async def read(self, op: Op, *, timeout: float | None) -> None:
+        await self._lane(op).read(op, timeout=timeout)
+
+    async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
+        by_lane = self._split(ops)
+        if len(by_lane) == 1:
+            lane, mine = next(iter(by_lane.items()))
+            await lane.write_many(mine, timeout=timeout)
+            return
+        await asyncio.gather(*(lane.write_many(mine, timeout=timeout)
+                               for lane, mine in by_lane.items()))
+
+    async def write_notify(self, ops: Sequence[Op], payload: bytes, *,
+                           timeout: float | None) -> bool:
+        by_lane = self._split(ops)
+        if len(by_lane) != 1:
+            return False  # the endpoint writes, flushes every lane and notifies
+        lane, mine = next(iter(by_lane.items()))
+        return await lane.write_notify(mine, payload, timeout=timeout)
+
+    async def flush(self, *, timeout: float | None) -> None:
+        for lane in self.lanes:
+            await lane.flush(timeout=timeout)
+
+    async def aclose(self) -> None:
+        try:
+            await asyncio.gather(*(lane.aclose() for lane in self.lanes))
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        for lane in self.lanes:
+            lane.abort()
+
+    def peer_gone(self, why: str) -> None:
+        for lane in self.lanes:
+            lane.peer_gone(why)
