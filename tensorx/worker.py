@@ -374,9 +374,11 @@ class Worker:
                 await ep.write_many(ops, notify=msg, timeout=self.timeout)
                 return
             await ep.notify(msg, timeout=self.timeout)
-            await asyncio.gather(*(ep.write_many(part_ops, timeout=self.timeout,
-                                                 notify=protocol.encode("part", k=k))
-                                   for k, part_ops in sorted(by_part.items())))
+            # in order, one at a time: parts written at once land in any order (a lane's
+            # copy threads take them as they come) and the shard waits for the first
+            for k, part_ops in sorted(by_part.items()):
+                await ep.write_many(part_ops, timeout=self.timeout,
+                                    notify=protocol.encode("part", k=k))
 
     def _lost(self, shard: int, detail: str = "") -> BrokenError:
         return BrokenError(f"lost the connection to ps shard {shard} "
