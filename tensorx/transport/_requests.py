@@ -13,16 +13,15 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tensorx import _wire
 from tensorx._wire import Kind
 from tensorx.errors import BrokenError, ProtocolError, TensorxError, TimeoutError, error_from_code
 from tensorx.transport._futures import fresh_copy, set_once
-from tensorx.transport._staging import StagedRange
-
-if TYPE_CHECKING:
-    from tensorx.transport.control import ControlChannel
+from tensorx.transport._sendq import SendQueue
+from tensorx.transport._sock import FrameReader
+from tensorx.transport._staging import Land, StagedRange
 
 __all__ = ["Pending", "Requests"]
 
@@ -34,14 +33,16 @@ class Pending:
 
 
 class Requests:
-    """Our requests in flight on ``channel``, by id, and what completes them."""
+    """Our requests in flight on one control channel, by id, and what completes them:
+    frames go out through ``out``; answers are read from ``reader``, their payloads
+    received with ``land``."""
 
-    def __init__(self, channel: ControlChannel) -> None:
-        self._channel = channel
-        self.label = channel.label
+    def __init__(self, label: str, reader: FrameReader, out: SendQueue, land: Land) -> None:
+        self.label = label
         self._loop = asyncio.get_running_loop()
-        self._reader = channel.reader
-        self._out = channel.out
+        self._reader = reader
+        self._out = out
+        self._land = land
         self._pending: dict[int, Pending] = {}
         self._req_ids = itertools.count(1)
 
@@ -162,7 +163,7 @@ class Requests:
             return
         # The read may time out or be cancelled while its reply streams in: from then on
         # the rest is dropped, never written to the caller's memory.
-        if await self._channel.land(pending.dest, live=lambda: not pending.future.done()):
+        if await self._land(pending.dest, live=lambda: not pending.future.done()):
             set_once(pending.future)
 
     def on_ack(self, h: dict[str, Any], payload_len: int) -> None:

@@ -38,11 +38,19 @@ from tensorx.errors import TransportUnavailableError
 from tensorx.memregion import MemoryRegion
 from tensorx.transport._sock import FrameReader
 
-__all__ = ["CHUNK", "POOL", "RecvStager", "SendStager", "StagedRange", "describe", "has_staged",
-           "is_staged", "split_staged", "staged_range"]
+__all__ = ["CHUNK", "POOL", "Land", "RecvStager", "SendStager", "StagedRange", "describe",
+           "has_staged", "is_staged", "split_staged", "staged_range"]
 
 CHUNK = 4 << 20
 POOL = 2
+
+
+class Land(Protocol):
+    """Receive the current frame's payload into ``dest`` (staged for GPU memory);
+    ``live()`` is asked before every write into it. Returns whether ``dest`` was filled."""
+
+    def __call__(self, dest: memoryview | StagedRange,
+                 live: Callable[[], bool] = ...) -> Awaitable[bool]: ...
 
 
 def describe() -> str:

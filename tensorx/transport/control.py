@@ -91,7 +91,7 @@ class ControlChannel:
         self.stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0}
         self.reader = FrameReader(sock)
         self.out = SendQueue(sock, label, self.stats, self._fail)
-        self.requests = Requests(self)
+        self.requests = Requests(label, self.reader, self.out, self.land)
         self._stage_in = RecvStager()  # GPU payloads: the reader's staging buffers
         self._owner: OwnerService | None = None
         self._events: ChannelEvents | None = None

@@ -10,17 +10,16 @@ the frames and hands the peer's requests here, and sends the replies.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from tensorx._ratelog import RefusalLog
 from tensorx._wire import Kind
 from tensorx.errors import ProtocolError, TensorxError, error_code
 from tensorx.memregion import ExportTable
+from tensorx.transport._sendq import SendQueue
+from tensorx.transport._sock import FrameReader
 from tensorx.transport._staging import StagedRange, staged_range
-
-if TYPE_CHECKING:
-    from tensorx.transport.control import ControlChannel
 
 __all__ = ["OwnerService"]
 
@@ -29,23 +28,40 @@ logger = logging.getLogger("tensorx.transport.control")
 MAX_REFUSED = 4096  # writes with a refused frame whose last frame has not come yet
 
 
+class Wire(Protocol):
+    """What the owner service needs of the channel it serves (a ControlChannel)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def reader(self) -> FrameReader: ...
+
+    @property
+    def out(self) -> SendQueue: ...
+
+    def land(self, dest: memoryview | StagedRange,
+             live: Callable[[], bool] = ...) -> Awaitable[bool]: ...
+
+
 class OwnerService:
-    """Serves the peer's requests that arrive on ``channel`` against ``exports``.
+    """Serves the peer's requests that arrive on one control channel against ``exports``.
 
     The channel hands each request frame here: the ``*_now`` handlers run in the socket's
     readiness callback and return False when the frame has to wait (its payload is not all
-    buffered, GPU memory), the ``on_*`` ones run in the channel's task. ``answer(what)``
-    answers a QUERY (``Endpoint.query`` on the peer's side)."""
+    buffered, GPU memory), the ``on_*`` ones run in the channel's task. Payloads are read
+    from ``wire`` (its ``reader`` and ``land``), replies go out with its ``out.post``;
+    ``answer(what)`` answers a QUERY (``Endpoint.query`` on the peer's side)."""
 
-    def __init__(self, channel: ControlChannel, exports: ExportTable,
+    def __init__(self, wire: Wire, exports: ExportTable,
                  answer: Callable[[str], dict[str, Any]]) -> None:
-        self._channel = channel
         self._exports = exports
         self._answer = answer
-        self._reader = channel.reader
-        self._post = channel.out.post
+        self._reader = wire.reader
+        self._land = wire.land
+        self._post = wire.out.post
         self._refused: set[int] = set()  # the peer's write requests with a refused frame
-        self._refusals = RefusalLog(logger, channel.label)
+        self._refusals = RefusalLog(logger, wire.label)
 
     def close(self) -> None:
         """The channel ended: log what was refused and not reported yet."""
@@ -81,7 +97,7 @@ class OwnerService:
             await self._reader.discard(payload_len)
             self._refuse_write(h, exc)
             return None
-        await self._channel.land(dest)  # into GPU memory: every copy has completed
+        await self._land(dest)  # into GPU memory: every copy has completed
         return imm if self._written(h) else None
 
     def _written(self, h: dict[str, Any]) -> bool:
