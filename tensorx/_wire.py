@@ -5,7 +5,8 @@ optional raw payload that the transport moves straight between socket and region
 
     prefix  = magic b"TX" | version u8 | kind u8 | header_len u32 | payload_len u64   (big endian)
 
-Every header is validated against the schema of its kind before anything acts on it.
+Every header is validated against the schema of its kind (a :class:`tensorx._schema.Record`)
+before anything acts on it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import msgpack
 
+from tensorx._schema import Field, Record, blob, choice, flag, table, text, uint
 from tensorx.errors import ProtocolError
 
 __all__ = [
@@ -59,27 +61,33 @@ class Kind(enum.IntEnum):
     REVOKE_ACK = 22  # peer -> owner: none of my ops on that region is in flight any more
 
 
-_INT, _BYTES, _STR, _BOOL, _DICT = int, bytes, str, bool, dict
-SCHEMAS: dict[Kind, dict[str, type]] = {
-    Kind.HELLO: {"id": _STR, "nonce": _BYTES},
-    Kind.CHALLENGE: {"id": _STR, "nonce": _BYTES},
-    Kind.AUTH: {"proof": _BYTES},
-    Kind.WELCOME: {"proof": _BYTES, "caps": _DICT},
-    Kind.CAPS: {"caps": _DICT},
-    Kind.WRITE: {"req": _INT, "rid": _INT, "ck": _INT, "off": _INT, "n": _INT, "last": _BOOL},
-    Kind.WRITE_ACK: {"req": _INT},
-    Kind.READ: {"req": _INT, "rid": _INT, "ck": _INT, "off": _INT, "n": _INT},
-    Kind.READ_DATA: {"req": _INT},
+def _header(kind: Kind, **fields: Field) -> Record:
+    return Record(f"{kind.name} header", fields)
+
+
+_ID, _NONCE, _CAPS, _CODE = text(64), blob(64), table(64), text(64)
+_U = uint(64)
+# One record per kind; the ints are request ids, region ids, cookies, offsets and sizes.
+SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
+    Kind.HELLO: {"id": _ID, "nonce": _NONCE},
+    Kind.CHALLENGE: {"id": _ID, "nonce": _NONCE},
+    Kind.AUTH: {"proof": _NONCE},
+    Kind.WELCOME: {"proof": _NONCE, "caps": _CAPS},
+    Kind.CAPS: {"caps": _CAPS},
+    Kind.WRITE: {"req": _U, "rid": _U, "ck": _U, "off": _U, "n": _U, "last": flag()},
+    Kind.WRITE_ACK: {"req": _U},
+    Kind.READ: {"req": _U, "rid": _U, "ck": _U, "off": _U, "n": _U},
+    Kind.READ_DATA: {"req": _U},
     Kind.NOTIFY: {},
-    Kind.ERROR: {"req": _INT, "code": _STR, "msg": _STR},
-    Kind.VALIDATE: {"req": _INT, "rid": _INT, "ck": _INT},
-    Kind.VALID: {"req": _INT, "n": _INT, "access": _STR},
+    Kind.ERROR: {"req": _U, "code": _CODE, "msg": text(MAX_HEADER)},
+    Kind.VALIDATE: {"req": _U, "rid": _U, "ck": _U},
+    Kind.VALID: {"req": _U, "n": _U, "access": choice("r", "w", "rw")},
     Kind.BYE: {},
-    Kind.QUERY: {"req": _INT, "what": _STR},
-    Kind.ANSWER: {"req": _INT, "data": _DICT},
-    Kind.REVOKE: {"rid": _INT},
-    Kind.REVOKE_ACK: {"rid": _INT},
-}
+    Kind.QUERY: {"req": _U, "what": _CODE},
+    Kind.ANSWER: {"req": _U, "data": table(64)},
+    Kind.REVOKE: {"rid": _U},
+    Kind.REVOKE_ACK: {"rid": _U},
+}.items()}
 _KINDS = {int(kind): kind for kind in Kind}  # a lookup, not Kind(value): on every frame
 # Kinds whose payload is region data; every other kind but NOTIFY carries none.
 DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
@@ -121,17 +129,10 @@ def decode_header(kind: Kind, raw: bytes | bytearray | memoryview,
                   payload_len: int = 0) -> dict[str, Any]:
     """Unpack and validate a header against its kind's schema."""
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER)
+        unpacked = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER)
     except Exception as exc:
         raise ProtocolError(f"undecodable {kind.name} header: {exc}") from exc
-    if not isinstance(header, dict):
-        raise ProtocolError(f"{kind.name} header is not a map")
-    for name, typ in SCHEMAS[kind].items():
-        value = header.get(name)
-        if type(value) is not typ:  # msgpack gives exact types (and a bool is no int here)
-            raise ProtocolError(f"{kind.name} header field {name!r} missing or not {typ.__name__}")
-        if isinstance(value, int) and not 0 <= value < 2**64:
-            raise ProtocolError(f"{kind.name} header field {name!r} out of range")
+    header = SCHEMAS[kind].check(unpacked)
     if kind is Kind.WRITE and header["n"] != payload_len:
         raise ProtocolError(f"WRITE says {header['n']} B but carries {payload_len} B")
     return header

@@ -19,13 +19,22 @@ import msgpack
 import numpy as np
 
 from tensorx import _shm
+from tensorx._schema import Record, choice, table, text, uint
 from tensorx._shm import host_id
+from tensorx._text import printable
 from tensorx.errors import ClosedError, ProtocolError, RegionError, UsageError
 
 __all__ = ["ExportTable", "MemoryRegion", "RegionDescriptor", "host_id"]
 
 DESCRIPTOR_VERSION = 1
 ACCESS_MODES = ("r", "w", "rw")
+MAX_DESCRIPTOR = 64 << 10  # bytes; a UCX rkey, the largest key, is a few hundred
+# The wire form: a list of these, in this order (the version first, checked on its own).
+DESCRIPTOR = Record("region descriptor", {
+    "version": uint(8), "owner": text(64), "region_id": uint(64), "cookie": uint(64),
+    "nbytes": uint(64), "device": choice("cpu", "cuda"), "access": choice(*ACCESS_MODES),
+    "keys": table(16),
+})
 PAGE = mmap.PAGESIZE
 
 # One id per process: the owner identity of regions that no node exported yet.
@@ -58,39 +67,27 @@ class RegionDescriptor:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RegionDescriptor:
+        if len(data) > MAX_DESCRIPTOR:
+            raise ProtocolError(f"not a region descriptor: {len(data)} B, more than "
+                                f"{MAX_DESCRIPTOR} B")
         try:
             fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
         except Exception as exc:
             raise ProtocolError(f"not a region descriptor: {exc}") from exc
-        if not isinstance(fields, list) or len(fields) != 8:
-            raise ProtocolError("not a region descriptor: wrong shape")
-        version, owner, region_id, cookie, nbytes, device, access, keys = fields
-        if version != DESCRIPTOR_VERSION:
-            raise ProtocolError(
-                f"region descriptor version {version!r}; this tensorx reads {DESCRIPTOR_VERSION}"
-            )
-        desc = cls(owner, region_id, cookie, nbytes, device, access, keys)
-        desc.validate()
-        return desc
+        if isinstance(fields, list) and fields and fields[0] != DESCRIPTOR_VERSION:
+            raise ProtocolError(f"region descriptor version {printable(fields[0])}; this "
+                                f"tensorx reads {DESCRIPTOR_VERSION}")
+        _, *values = DESCRIPTOR.check_row(fields)
+        return cls(*values)
 
     def validate(self) -> None:
         """Raise ProtocolError unless every field has the right type and range."""
-        ok = (
-            isinstance(self.owner, str)
-            and all(_is_uint(v) for v in (self.region_id, self.cookie, self.nbytes))
-            and self.device in ("cpu", "cuda")
-            and self.access in ACCESS_MODES
-            and isinstance(self.keys, Mapping)
-        )
-        if not ok:
-            raise ProtocolError(f"malformed region descriptor: {self!r}")
+        keys = dict(self.keys) if isinstance(self.keys, Mapping) else self.keys
+        DESCRIPTOR.check_row([DESCRIPTOR_VERSION, self.owner, self.region_id, self.cookie,
+                              self.nbytes, self.device, self.access, keys])
 
     def allows(self, need: str) -> bool:
         return need in self.access
-
-
-def _is_uint(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64
 
 
 class MemoryRegion:

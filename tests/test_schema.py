@@ -1,0 +1,127 @@
+"""The one schema mechanism (tensorx._schema) and the records built on it: wire frame
+headers, region descriptors, parameter-server messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tensorx as tx
+from tensorx._schema import Record, blob, choice, flag, real, seq, table, text, uint
+from tensorx.errors import ProtocolError
+from tensorx.memregion import DESCRIPTOR_VERSION, MAX_DESCRIPTOR
+
+ITEM = Record("item", {"name": text(8), "n": uint(8)}, strict=True)
+SAMPLE = Record("sample", {
+    "id": uint(64), "ok": flag(), "x": real(), "name": text(8), "raw": blob(4),
+    "mode": choice("sync", "async"), "maybe": uint(16) | None,
+    "items": seq(2, table(4, ITEM)), "tags": seq(3, text(4)),
+})
+GOOD: dict[str, Any] = {"id": 2**64 - 1, "ok": False, "x": 0.5, "name": "abcdefgh",
+                        "raw": b"1234", "mode": "sync", "items": [{"name": "a", "n": 255}],
+                        "tags": ["abcd"]}
+
+
+def test_a_record_that_fits_passes_through_with_extra_fields() -> None:
+    msg = {**GOOD, "newer": "a field a newer peer added"}
+    assert SAMPLE.check(msg) is msg
+    assert SAMPLE.check({**GOOD, "maybe": 7})["maybe"] == 7
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"id": 2**64}, "'id' out of range"),
+    ({"id": -1}, "'id' out of range"),
+    ({"id": True}, "'id' missing or not int"),  # a bool is no int on the wire
+    ({"id": None}, "'id' missing or not int"),
+    ({"ok": 1}, "'ok' missing or not bool"),
+    ({"x": 1}, "'x' missing or not float"),
+    ({"name": "abcdefghi"}, "'name' longer than 8"),
+    ({"raw": "1234"}, "'raw' missing or not bytes"),
+    ({"raw": b"12345"}, "'raw' longer than 4"),
+    ({"mode": "bounded\n"}, r"'mode' is bounded\\n, not one of \['async', 'sync'\]"),
+    ({"maybe": 1 << 16}, "'maybe' out of range"),
+    ({"items": [{}, {}, {}]}, "'items' longer than 2"),
+    ({"items": [{"name": "a", "n": 256}]}, "'items' item 0: field 'n' out of range"),
+    ({"items": [{"name": "a", "n": 1, "x": 0}]}, "'items' item 0: unexpected field"),
+    ({"tags": ["abcde"]}, "'tags' item 0: longer than 4"),
+])
+def test_each_violation_is_a_protocol_error_naming_record_and_field(
+        change: dict[str, Any], says: str) -> None:
+    with pytest.raises(ProtocolError, match=f"^sample: field {says}"):
+        SAMPLE.check({**GOOD, **change})
+
+
+def test_a_missing_field_and_a_non_map_are_refused() -> None:
+    with pytest.raises(ProtocolError, match="'mode' missing"):
+        SAMPLE.check({k: v for k, v in GOOD.items() if k != "mode"})
+    for msg in ([], "x", None, 3):
+        with pytest.raises(ProtocolError, match="sample: not a map"):
+            SAMPLE.check(msg)
+
+
+def test_what_we_send_may_use_subclasses_of_the_types() -> None:
+    class Name(str):
+        pass
+
+    class Map(dict):  # type: ignore[type-arg]
+        pass
+
+    assert ITEM.check(Map(name=Name("a"), n=1))
+
+
+def test_a_row_is_a_fixed_length_list_of_the_fields() -> None:
+    assert ITEM.check_row(["a", 3]) == ["a", 3]
+    for row in (["a"], ["a", 3, 4], ("a", 3), {"name": "a", "n": 3}):
+        with pytest.raises(ProtocolError, match="not a list of 2 fields"):
+            ITEM.check_row(row)
+    with pytest.raises(ProtocolError, match="field 'n' out of range"):
+        ITEM.check_row(["a", 300])
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
+    | st.binary(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=4),
+    max_leaves=20)
+
+
+@given(values)
+def test_any_decoded_value_is_passed_or_refused_with_a_protocol_error(value: Any) -> None:
+    for check in (SAMPLE.check, ITEM.check_row):
+        try:
+            check(value)
+        except ProtocolError:
+            pass
+
+
+# -- the region descriptor: bounded, versioned, on the same mechanism --------------------
+def _descriptor(**change: Any) -> bytes:
+    fields: dict[str, Any] = {"version": DESCRIPTOR_VERSION, "owner": "a" * 16, "rid": 1,
+                              "ck": 2, "n": 64, "device": "cpu", "access": "rw", "keys": {}}
+    fields.update(change)
+    return bytes(msgpack.packb(list(fields.values()), use_bin_type=True))
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"owner": "a" * 65}, "'owner' longer than 64"),
+    ({"device": "tpu"}, "'device' is tpu"),
+    ({"access": "x"}, "'access' is x"),
+    ({"keys": {str(i): i for i in range(17)}}, "'keys' longer than 16"),
+    ({"rid": -1}, "'region_id' out of range"),
+])
+def test_a_malformed_descriptor_names_its_field(change: dict[str, Any], says: str) -> None:
+    with pytest.raises(ProtocolError, match=f"region descriptor: field {says}"):
+        tx.RegionDescriptor.from_bytes(_descriptor(**change))
+
+
+def test_a_descriptor_is_bounded_and_versioned() -> None:
+    assert tx.RegionDescriptor.from_bytes(_descriptor()).nbytes == 64
+    with pytest.raises(ProtocolError, match="more than"):
+        tx.RegionDescriptor.from_bytes(_descriptor(keys={"k": b"x" * MAX_DESCRIPTOR}))
+    with pytest.raises(ProtocolError, match=r"version 2; this tensorx reads 1"):
+        tx.RegionDescriptor.from_bytes(_descriptor(version=2))
