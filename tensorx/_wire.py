@@ -65,7 +65,8 @@ def _header(kind: Kind, **fields: Field) -> Record:
     return Record(f"{kind.name} header", fields)
 
 
-_ID, _NONCE, _CAPS, _CODE = text(64), blob(64), table(64), text(64)
+# (an id's format, 1-64 of a few characters, is the handshake's to check and explain)
+_ID, _NONCE, _CAPS, _CODE = text(256), blob(64), table(64), text(64)
 _U = uint(64)
 # One record per kind; the ints are request ids, region ids, cookies, offsets and sizes.
 SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
