@@ -60,8 +60,6 @@ KNOWN_CYCLES = [
     {"tensorx.endpoint", "tensorx.node"},
     {"tensorx.transport._ucx_lane", "tensorx.transport.ucx"},
     {"tensorx.remote_optimizer", "tensorx.worker"},  # tensorx.worker.RemoteOptimizer (compat)
-    # the channel's request and owner halves are typed on the channel they serve
-    {"tensorx.transport.control", "tensorx.transport._requests", "tensorx.transport.owner"},
 ]
 
 
