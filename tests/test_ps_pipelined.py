@@ -32,8 +32,9 @@ OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 @pytest.fixture
 def tiny_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tensor of the small test models its own part, each applied as soon as it can
-    be (a real model's parts are 16 MiB and applied early while 8 MiB are on their way)."""
+    """Parts of 64 bytes (the small test models' tensors are cut into several), each applied
+    as soon as it can be (a real model's parts are 16 MiB, applied early while 8 MiB are
+    still on their way)."""
     monkeypatch.setattr(parts, "PART_BYTES", 64)
     monkeypatch.setattr(rounds, "EARLY_BYTES", 0)
 
@@ -149,7 +150,7 @@ async def _steps(ws: list[Worker], models: list[nn.Module],
 async def test_a_pipelined_sync_round_equals_single_process(lane: str, opt: OptFactory) -> None:
     models = [make_model(), make_model(seed=99)]
     async with cluster(lane, opt, models) as (ps, ws):
-        assert len(ws[0]._parts[0]) == 4  # every tensor a part
+        assert len(ws[0]._parts[0]) > 4  # tensors over 64 bytes cut into several parts
         await _steps(ws, models, batches(6, 2))
         assert ps.stats["parts_early"] > 0 and ps.stats["rollbacks"] == 0
         _lane_used(ws, lane)
@@ -208,7 +209,7 @@ async def _until(handled: asyncio.Condition, predicate: Callable[[], bool]) -> N
 
 
 async def _dies_mid_push(policy: str, lane: str) -> tuple[list[torch.Tensor], int]:
-    """Rank 1 dies after 2 of its 4 parts at step 2 (its parts 0 and 1 already applied);
+    """Rank 1 dies after 2 of its parts at step 2 (its parts 0 and 1 already applied);
     then, under "wait", a new rank 1 redoes its step, under "continue" rank 0 goes on
     alone. Rank 0's parameters after 4 steps, and the shard's rollbacks."""
     data = batches(4, 2)
@@ -285,7 +286,7 @@ async def test_nan_in_a_late_part_undoes_the_parts_applied_before(policy: str) -
             backward(m, x, y)
         # the tensor rank 1 pushes last: the arena holds gradients in gradient-ready order
         last = max(models[1].parameters(), key=lambda p: p.grad.data_ptr())  # type: ignore[union-attr]
-        last.grad[0] = float("nan")  # type: ignore[index]
+        last.grad.view(-1)[-1] = float("nan")  # type: ignore[union-attr]
         results = await asyncio.gather(*(w.step() for w in ws), return_exceptions=True)
         assert ps.stats["rollbacks"] == 1 and ps.stats["nonfinite"] == 1
         after = [p.detach().clone() for p in models[0].parameters()]

@@ -65,13 +65,16 @@ def elementwise(optimizer: torch.optim.Optimizer) -> str | None:
 @dataclass
 class Range:
     """A contiguous run of parameters of one group and dtype: ``[start, start + nbytes)``
-    of the arena; ``members`` are (index into the parameter list, first element)."""
+    of the arena. ``members`` are (index into the parameter list, first element in the
+    range, first element of the parameter, elements): a parameter larger than a range is
+    cut into several, each holding ``elements`` of it from ``first element of the
+    parameter`` on; any other lies whole in one."""
 
     group: int
     dtype: torch.dtype
     start: int
     nbytes: int = 0
-    members: list[tuple[int, int]] = field(default_factory=list)
+    members: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -81,9 +84,10 @@ class Range:
 def ranges(specs: Sequence[ParamSpec], group_of: Sequence[int],
            part_bytes: int) -> list[Range]:
     """Maximal runs of parameters adjacent in the arena (padding between them included: it
-    is zero in every arena) with the same group and dtype, of at most ``part_bytes`` each
-    (or one parameter, when it is larger). A parameter whose group is negative is left
-    out, and no range spans it."""
+    is zero in every arena) with the same group and dtype, of at most ``part_bytes`` each;
+    a parameter larger than that is cut into ranges of ``part_bytes`` (the last one
+    shorter), so that no range (no part of a pipelined round) is larger. A parameter whose
+    group is negative is left out, and no range spans it."""
     out: list[Range] = []
     order = sorted(range(len(specs)), key=lambda i: specs[i].offset)
     cut = False
@@ -99,8 +103,15 @@ def ranges(specs: Sequence[ParamSpec], group_of: Sequence[int],
             last = Range(group_of[i], s.dtype, s.offset)
             out.append(last)
             cut = False
-        last.members.append((i, (s.offset - last.start) // size))
-        last.nbytes = end - last.start
+        per = max(1, part_bytes // size)  # elements a range holds
+        for skip in range(0, s.numel, per) if s.numel > per else (0,):
+            if skip:
+                last = Range(group_of[i], s.dtype, s.offset + skip * size)
+                out.append(last)
+            count = min(per, s.numel - skip) if s.numel > per else s.numel
+            last.members.append((i, (s.offset + skip * size - last.start) // size, skip,
+                                 count))
+            last.nbytes = s.offset + (skip + count) * size - last.start
     return out
 
 
@@ -178,17 +189,27 @@ class FlatUpdate:
         """Make the face's state per parameter, as its own steps would have left it."""
         if not self.active:
             return
+        pieces: dict[int, list[tuple[int, dict[str, Any]]]] = {}  # cut parameters
         for r, flat in zip(self.ranges, self.flat, strict=True):
             whole = self.engine.state.get(flat)
-            for i, first in r.members:
+            for i, first, skip, n in r.members:
                 p = self.params[i]
                 if not whole:
                     self.face.state.pop(p, None)
-                    continue
-                n = p.numel()
-                self.face.state[p] = {
-                    k: v[first:first + n].view(p.shape) if _per_element(v, r) else v.clone()
-                    for k, v in whole.items()}
+                elif n == p.numel():  # whole in this range: views of the engine's state
+                    self.face.state[p] = {
+                        k: v[first:first + n].view(p.shape) if _per_element(v, r)
+                        else v.clone() for k, v in whole.items()}
+                else:
+                    pieces.setdefault(i, []).append((skip, {
+                        k: (v[first:first + n], True) if _per_element(v, r) else (v, False)
+                        for k, v in whole.items()}))
+        for i, got in pieces.items():  # a cut parameter's state: a copy, put together
+            p = self.params[i]
+            got.sort(key=lambda piece: piece[0])
+            self.face.state[p] = {
+                k: torch.cat([part[k][0] for _, part in got]).view(p.shape) if split
+                else _copy(v) for k, (v, split) in got[0][1].items()}
 
     def adopt(self) -> None:
         """Load the face's state (per parameter) into the engine; a state the flat update
@@ -211,7 +232,7 @@ class FlatUpdate:
         self.expose()
 
     def _gather(self, r: Range, flat: torch.Tensor) -> dict[str, Any] | None:
-        per = [self.face.state.get(self.params[i]) or {} for i, _ in r.members]
+        per = [self.face.state.get(self.params[m[0]]) or {} for m in r.members]
         keys = set(per[0])
         if any(set(s) != keys for s in per):
             return None
@@ -221,8 +242,8 @@ class FlatUpdate:
             p0 = self.params[r.members[0][0]]
             if _element_of(key, values[0], p0):
                 buf = torch.zeros(flat.shape, dtype=values[0].dtype, device=flat.device)
-                for (i, first), v in zip(r.members, values, strict=True):
-                    buf[first:first + self.params[i].numel()] = v.reshape(-1)
+                for (_, first, skip, n), v in zip(r.members, values, strict=True):
+                    buf[first:first + n] = v.reshape(-1)[skip:skip + n]
                 whole[key] = buf
             elif all(_same(v, values[0]) for v in values):
                 whole[key] = _copy(values[0])
