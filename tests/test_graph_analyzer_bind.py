@@ -264,18 +264,38 @@ def test_sparse_rows_are_staged_with_a_header() -> None:
     binding = plan.bind(model)
     ids = torch.tensor([[1, 5, 5], [7, 1, 999]])
     model(ids).sum().backward()
-    staged = binding.stage_sparse("emb.weight")
     entry = plan.dynamic("emb.weight")
+    staged = binding.stage_sparse(entry.shard)
     header = read_header(binding.regions[(entry.shard, "headers")], entry)
-    assert header == staged.header
+    assert header == staged.headers["emb.weight"]
     assert (header.rows, header.version) == (4, 1)
-    indices, values = payload_views(staged.region, entry, header.rows)
+    indices, values = payload_views(staged.region, entry, header.rows, header.offset)
     assert indices.tolist() == [1, 5, 7, 999]
     dense = model.emb.weight.grad.to_dense()  # type: ignore[union-attr]
     assert torch.equal(values, dense[indices])
-    assert binding.stage_sparse("emb.weight").header.version == 2
+    assert binding.stage_sparse(entry.shard).headers["emb.weight"].version == 2
     binding.unbind()
     assert staged.region.closed and binding.regions[(0, "headers")].closed
+
+
+def test_a_shards_tables_are_packed_in_one_staging_region() -> None:
+    """Each table's payload follows the previous one's in the shard's staging region, so
+    the receiver reads them all at once; each is its gradient coalesced."""
+    model = models.sparse_embedding()  # two tables, rows of 16 and of 8 floats
+    plan = GraphAnalyzer(model).plan()
+    binding = plan.bind(model)
+    model(torch.tensor([[3, 3, 509], [7, 1, 3]])).sum().backward()
+    staged = binding.stage_sparse(0)
+    spans = []
+    for entry in plan.dynamic_entries:
+        header = staged.headers[entry.name]
+        indices, values = payload_views(staged.region, entry, header.rows, header.offset)
+        grad = model.get_parameter(entry.name).grad.coalesce()  # type: ignore[union-attr]
+        assert torch.equal(indices, grad.indices()[0])
+        torch.testing.assert_close(values, grad.values())
+        spans.append((header.offset, header.offset + header.nbytes))
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert a0 == 0 and a1 <= b0 < a1 + 64 and b1 <= staged.region.nbytes
 
 
 def test_sparse_staging_grows_then_fails_clearly_past_its_budget() -> None:
@@ -283,12 +303,12 @@ def test_sparse_staging_grows_then_fails_clearly_past_its_budget() -> None:
     plan = GraphAnalyzer(model, sparse_budget_bytes=300 * (8 + 64)).plan()
     binding = plan.bind(model)
     model(torch.arange(270).reshape(90, 3)).sum().backward()
-    staged = binding.stage_sparse("emb.weight")
-    assert staged.grown and staged.header.capacity == 300 and staged.header.rows == 270
+    staged = binding.stage_sparse(0)
+    assert staged.grown and staged.headers["emb.weight"].rows == 270
     model.zero_grad(set_to_none=True)
     model(torch.arange(330).reshape(110, 3)).sum().backward()
     with pytest.raises(RegionError, match="at most 300"):
-        binding.stage_sparse("emb.weight")
+        binding.stage_sparse(0)
 
 
 def test_declared_max_rows_is_a_hard_limit() -> None:
@@ -296,16 +316,14 @@ def test_declared_max_rows_is_a_hard_limit() -> None:
     binding = GraphAnalyzer(model, sparse_max_rows=4).plan().bind(model)
     model(torch.arange(6).reshape(2, 3)).sum().backward()
     with pytest.raises(RegionError, match="sparse_max_rows"):
-        binding.stage_sparse("emb.weight")
-    with pytest.raises(UsageError):
-        binding.stage_sparse("head.weight")
+        binding.stage_sparse(0)
 
 
 def test_dense_models_have_no_staging() -> None:
     model = models.mlp()
     binding = GraphAnalyzer(model).plan().bind(model)
     with pytest.raises(UsageError):
-        binding.stage_sparse("0.weight")
+        binding.stage_sparse(0)
     assert set(binding.regions) == {(0, "params"), (0, "grads")}
 
 

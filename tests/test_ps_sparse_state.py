@@ -3,6 +3,7 @@ state through checkpoints and the state a RemoteOptimizer gathers."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ from tensorx._analyzer.sparse import SparseStaging
 from tensorx._ps import optim_state
 from tensorx._ps.shard import ShardLayout, ShardState
 from tensorx._ps.sparse import SparseReceiver
-from tensorx.errors import BrokenError
+from tensorx.errors import BrokenError, RegionError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -140,42 +141,49 @@ def test_optimizer_state_packs_for_a_remote_optimizer() -> None:
 
 
 class BreakingEndpoint:
-    """Reads from the staging regions it knows; the ``fail_at``-th read breaks."""
+    """Reads from the staging regions it knows; the ``fail_at``-th read breaks after half
+    of its bytes landed."""
 
     def __init__(self, regions: list[MemoryRegion], fail_at: int | None = None) -> None:
         self.regions = {r.region_id: r for r in regions}
         self.fail_at = fail_at
         self.reads = 0
 
-    async def read(self, local: MemoryRegion, desc: RegionDescriptor, nbytes: int,
+    async def read(self, local: MemoryRegion, desc: RegionDescriptor, offset: int = 0,
+                   remote_offset: int = 0, nbytes: int = 0,
                    timeout: float | None = None) -> None:
         self.reads += 1
+        n = nbytes // 2 if self.reads == self.fail_at else nbytes
+        src = self.regions[desc.region_id].buffer()
+        local.buffer()[offset:offset + n] = src[remote_offset:remote_offset + n]
         if self.reads == self.fail_at:
             raise BrokenError("the worker died mid-push")
-        local.buffer()[:nbytes] = self.regions[desc.region_id].buffer()[:nbytes]
 
 
 async def test_a_push_that_breaks_half_way_hands_over_no_rows() -> None:
-    """The first table's rows arrived, the second's read broke: the shard's next update
-    uses none of that push (its rows reach the optimizer only once all of them came)."""
+    """Half of the rows arrived, then the read broke: the shard's next update uses none of
+    that push (its rows reach the optimizer only once all of them came)."""
     plan, layout = plan_and_layout()
     staging = SparseStaging(plan)
     receiver = SparseReceiver(plan, 0, 1)
     state = ShardState(layout, 1, lambda p: torch.optim.SGD(p, lr=1.0))
     try:
         async def push(seed: int, fail_at: int | None) -> dict[str, Any]:
-            for name, (ids, values) in rows_of(seed).items():
-                grad = torch.sparse_coo_tensor(ids[None], values, TABLES[name],
-                                               check_invariants=True)
-                staging.stage(name, grad)
+            grads = {name: torch.sparse_coo_tensor(ids[None], values, TABLES[name],
+                                                   check_invariants=True)
+                     for name, (ids, values) in rows_of(seed).items()}
+            staging.stage(0, grads)
             receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
-            receiver.announce(0, {n: staging.region(n).descriptor().to_bytes() for n in TABLES})
-            ep = BreakingEndpoint([staging.region(n) for n in TABLES], fail_at)
-            return await receiver.receive(ep, 0, None)
+            desc = staging.region(0).descriptor().to_bytes()
+            receiver.announce(0, dict.fromkeys(TABLES, desc))
+            ep = BreakingEndpoint([staging.region(0)], fail_at)
+            got = await receiver.receive(ep, 0, None)
+            assert ep.reads == 1  # every table of the shard in one read
+            return got
 
         state.put_rows(0, await push(1, None))
         with pytest.raises(BrokenError):
-            state.put_rows(0, await push(2, fail_at=2))
+            state.put_rows(0, await push(2, fail_at=1))
         before = params(state)
         state.apply([0])
         for name in TABLES:
@@ -184,6 +192,32 @@ async def test_a_push_that_breaks_half_way_hands_over_no_rows() -> None:
             assert torch.equal(params(state)[name], want), name
     finally:
         state.close()
+        receiver.close()
+        staging.close()
+
+
+async def test_staged_rows_spread_past_what_the_tables_take_are_refused_unread() -> None:
+    """A header that puts a table's rows far from the others' (a read, and a buffer, of
+    that span) is refused before anything is allocated or read."""
+    plan, _ = plan_and_layout()
+    staging = SparseStaging(plan)
+    receiver = SparseReceiver(plan, 0, 1)
+    try:
+        grads = {name: torch.sparse_coo_tensor(ids[None], values, TABLES[name],
+                                               check_invariants=True)
+                 for name, (ids, values) in rows_of(1).items()}
+        staged = staging.stage(0, grads)
+        receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+        entry = plan.dynamic("bag.weight")
+        far = dataclasses.replace(staged.headers[entry.name], offset=1 << 40)
+        slot = entry.header_offset
+        receiver.headers[0].buffer()[slot:slot + len(far.pack())] = far.pack()
+        receiver.announce(0, dict.fromkeys(TABLES, staging.region(0).descriptor().to_bytes()))
+        ep = BreakingEndpoint([staging.region(0)])
+        with pytest.raises(RegionError, match="span"):
+            await receiver.receive(ep, 0, None)
+        assert ep.reads == 0
+    finally:
         receiver.close()
         staging.close()
 

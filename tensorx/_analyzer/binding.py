@@ -241,19 +241,25 @@ class Binding:
                 copied.append(name)
         return copied
 
-    def stage_sparse(self, name: str) -> StagedSparse:
-        """Copy ``name``'s sparse gradient rows into its staging region; write its header."""
+    def stage_sparse(self, shard: int) -> StagedSparse:
+        """Copy the sparse gradient rows of ``shard``'s tables into its staging region (one
+        payload after another); write their headers."""
         if self.staging is None:
             raise UsageError("this plan has no dynamic (sparse) tensors")
-        grad = self._tensors[name].grad
-        if grad is None or not grad.is_sparse:
-            raise UsageError(f"{name} has no sparse gradient to stage")
-        return self.staging.stage(name, grad)
+        grads = {}
+        for d in self.plan.dynamic_entries:
+            if d.shard != shard:
+                continue
+            grad = self._tensors[d.name].grad
+            if grad is None or not grad.is_sparse:
+                raise UsageError(f"{d.name} has no sparse gradient to stage")
+            grads[d.name] = grad
+        return self.staging.stage(shard, grads)
 
-    def staging_region(self, name: str) -> MemoryRegion:
+    def staging_region(self, shard: int) -> MemoryRegion:
         if self.staging is None:
             raise UsageError("this plan has no dynamic (sparse) tensors")
-        return self.staging.region(name)
+        return self.staging.region(shard)
 
     def unbind(self, close_regions: bool | None = None) -> None:
         """Give every tensor private storage again (a copy) and drop the hooks. Idempotent.

@@ -1,30 +1,37 @@
 """The dynamic path: sparse gradient rows staged in registered memory, announced by a header.
 
-Sender (worker): :meth:`SparseStaging.stage` coalesces the gradient, copies indices then
-values into the tensor's staging region and fills the header slot in its local ``headers``
-region; the worker writes that slot to the same offset of the receiver's ``headers`` arena.
-Receiver (PS): :func:`read_header` tells how many bytes to read from the sender's staging
-region; :func:`payload_views` splits them into indices and values.
+Sender (worker): :meth:`SparseStaging.stage` coalesces the gradients of one shard's tables,
+packs each table's indices then values into the shard's staging region, one table after
+another, and fills each table's header slot in
+its local ``headers`` region; the worker writes those slots to the same offsets of the
+receiver's ``headers`` arena. Receiver (PS): :func:`read_header` tells where in the sender's
+staging region a table's payload lies and how long it is, so one read brings every table of
+the shard; :func:`payload_views` splits a payload into indices and values.
 
-Header slot (``HEADER_BYTES``): four little-endian u64 - rows, nbytes, version, capacity.
-``version`` grows by one per staged gradient; ``capacity`` changes when staging grew, and
-then the sender must re-send its staging descriptor.
+Header slot (``HEADER_BYTES``): five little-endian u64 - rows, nbytes, version, capacity,
+offset (of the payload in the staging region; a sender that leaves it 0 stages each table
+in a region of its own). ``version`` grows by one per staging; ``capacity`` (bytes of the
+staging region) changes when staging grew, and then the sender must re-send its staging
+descriptor.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from tensorx._analyzer.layout import HEADER_BYTES, DynamicEntry, Layout
+from tensorx._analyzer.layout import HEADER_BYTES, DynamicEntry, Layout, align_up
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
 
 __all__ = ["SparseHeader", "SparseStaging", "StagedSparse", "payload_views", "read_header"]
 
-_HEADER = struct.Struct("<QQQQ")
+_HEADER = struct.Struct("<QQQQQ")
+ALIGN = 64  # each table's payload starts at a multiple of it
 
 
 @dataclass(frozen=True)
@@ -33,20 +40,20 @@ class SparseHeader:
     nbytes: int
     version: int
     capacity: int
+    offset: int = 0
 
     def pack(self) -> bytes:
-        raw = _HEADER.pack(self.rows, self.nbytes, self.version, self.capacity)
+        raw = _HEADER.pack(self.rows, self.nbytes, self.version, self.capacity, self.offset)
         return raw.ljust(HEADER_BYTES, b"\0")
 
 
 @dataclass(frozen=True)
 class StagedSparse:
-    """What one staging produced: where the payload is and how to announce it."""
+    """What one staging of a shard produced: where the payloads are, their headers, and
+    whether the staging region is new (then its descriptor must be announced again)."""
 
-    name: str
     shard: int
-    header: SparseHeader
-    header_offset: int
+    headers: dict[str, SparseHeader]
     region: MemoryRegion
     grown: bool
 
@@ -55,77 +62,112 @@ def read_header(region: MemoryRegion, entry: DynamicEntry) -> SparseHeader:
     """Decode ``entry``'s header slot in a ``headers`` region; RegionError if it is absurd."""
     raw = bytes(region.buffer()[entry.header_offset:entry.header_offset + _HEADER.size])
     header = SparseHeader(*_HEADER.unpack(raw))
-    if header.rows > entry.budget_rows or header.nbytes != entry.payload_bytes(header.rows):
+    if header.rows > entry.budget_rows or header.nbytes != entry.payload_bytes(header.rows) \
+            or header.offset % ALIGN or header.offset >= 1 << 62:
         raise RegionError(f"{entry.name}: header {header} does not fit its plan entry")
     return header
 
 
-def payload_views(region: MemoryRegion, entry: DynamicEntry,
-                  rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices int64 [rows], values [rows, *row_shape]) inside a staged payload; no copy."""
-    indices = region.view(torch.int64, (rows,), 0)
+def payload_views(region: MemoryRegion, entry: DynamicEntry, rows: int,
+                  offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices int64 [rows], values [rows, *row_shape]) of a payload at ``offset`` of a
+    staged region; no copy."""
+    indices = region.view(torch.int64, (rows,), offset)
     values = region.view(getattr(torch, entry.dtype), (rows, *entry.row_shape),
-                         entry.values_offset(rows))
+                         offset + entry.values_offset(rows))
     return indices, values
 
 
+def budget_bytes(entries: Sequence[DynamicEntry]) -> int:
+    """The most a packed staging of ``entries`` can take: each at its row budget."""
+    return sum(align_up(e.payload_bytes(e.budget_rows), ALIGN) for e in entries)
+
+
 class SparseStaging:
-    """The sender's staging regions and local header slots for every dynamic entry."""
+    """The sender's staging region and local header slots, per shard."""
 
     def __init__(self, plan: Layout, device: str = "cpu") -> None:
         self.plan = plan
         self.device = device
         self._headers = {s: MemoryRegion.allocate(plan.header_bytes(s))
                          for s in range(plan.num_shards)}
-        self._regions = {d.name: self._allocate(d, d.capacity_rows) for d in plan.dynamic_entries}
-        self._capacity = {d.name: d.capacity_rows for d in plan.dynamic_entries}
-        self._versions = {d.name: 0 for d in plan.dynamic_entries}
+        self._entries = {s: [d for d in plan.dynamic_entries if d.shard == s]
+                         for s in range(plan.num_shards)}
+        self._regions = {s: MemoryRegion.allocate(self._first_size(s), device=device)
+                         for s, entries in self._entries.items() if entries}
+        self._versions = {s: np.zeros(len(e), dtype=np.uint64)
+                          for s, e in self._entries.items()}
 
-    def _allocate(self, entry: DynamicEntry, rows: int) -> MemoryRegion:
-        return MemoryRegion.allocate(entry.payload_bytes(rows), device=self.device)
+    def _first_size(self, shard: int) -> int:
+        return sum(align_up(e.payload_bytes(e.capacity_rows), ALIGN)
+                   for e in self._entries[shard])
 
     def header_regions(self) -> dict[tuple[int, str], MemoryRegion]:
         return {(s, "headers"): r for s, r in self._headers.items()}
 
-    def region(self, name: str) -> MemoryRegion:
-        if name not in self._regions:
-            raise UsageError(f"{name!r} has no dynamic entry in this plan")
-        return self._regions[name]
+    def region(self, shard: int) -> MemoryRegion:
+        if shard not in self._regions:
+            raise UsageError(f"shard {shard} has no dynamic entry in this plan")
+        return self._regions[shard]
 
-    def capacity(self, name: str) -> int:
-        return self._capacity[name]
+    def stage(self, shard: int, grads: Mapping[str, torch.Tensor]) -> StagedSparse:
+        """Stage the sparse gradients ``grads`` (by name; every table of ``shard``) packed
+        into the shard's staging region, and fill their header slots."""
+        entries = self._entries.get(shard) or []
+        if not entries or set(grads) != {e.name for e in entries}:
+            raise UsageError(f"staging shard {shard} takes the gradients of "
+                             f"{sorted(e.name for e in entries)}, got {sorted(grads)}")
+        coalesced = [grads[e.name].coalesce() for e in entries]
+        ids = [g.indices()[0] for g in coalesced]
+        values = [g.values() for g in coalesced]
+        offsets, end = self._offsets(entries, [int(i.numel()) for i in ids])
+        grown = self._ensure_capacity(shard, entries, end)
+        region = self._regions[shard]
+        u8 = region.view(torch.uint8)
+        for entry, i, v, off in zip(entries, ids, values, offsets, strict=True):
+            rows = int(i.numel())
+            u8[off:off + 8 * rows].view(torch.int64).copy_(i)
+            start = off + entry.values_offset(rows)
+            u8[start:start + rows * entry.row_bytes].view(v.dtype).view_as(v).copy_(v)
+        headers = self._write_headers(shard, entries, ids, offsets, region.nbytes)
+        return StagedSparse(shard, headers, region, grown)
 
-    def stage(self, name: str, grad: torch.Tensor) -> StagedSparse:
-        entry = self.plan.dynamic(name)
-        g = grad.coalesce()
-        indices, values = g.indices()[0], g.values()
-        rows = int(indices.numel())
-        grown = self._ensure_capacity(entry, rows)
-        region = self._regions[name]
-        idx_view, val_view = payload_views(region, entry, rows)
-        idx_view.copy_(indices)
-        val_view.copy_(values)
-        self._versions[name] += 1
-        header = SparseHeader(rows, entry.payload_bytes(rows), self._versions[name],
-                              self._capacity[name])
-        slot = self._headers[entry.shard].buffer()
-        slot[entry.header_offset:entry.header_offset + HEADER_BYTES] = header.pack()
-        return StagedSparse(name, entry.shard, header, entry.header_offset, region, grown)
+    def _write_headers(self, shard: int, entries: Sequence[DynamicEntry],
+                       ids: Sequence[torch.Tensor], offsets: Sequence[int],
+                       capacity: int) -> dict[str, SparseHeader]:
+        """Fill the header slots of ``entries`` (one vector store per field)."""
+        slots = self._headers[shard].view("<u8")  # the header is little-endian
+        at = np.array([e.header_offset // 8 for e in entries])
+        versions = self._versions[shard]
+        versions += 1
+        rows = [int(i.numel()) for i in ids]
+        fields = np.array([rows, [e.payload_bytes(n) for e, n in zip(entries, rows, strict=True)],
+                           versions, [capacity] * len(entries), offsets], dtype="<u8")
+        for k, values in enumerate(fields):
+            slots[at + k] = values
+        return {e.name: SparseHeader(*(int(v) for v in fields[:, j]))
+                for j, e in enumerate(entries)}
 
-    def _ensure_capacity(self, entry: DynamicEntry, rows: int) -> bool:
-        capacity = self._capacity[entry.name]
-        if rows <= capacity:
+    @staticmethod
+    def _offsets(entries: Sequence[DynamicEntry], rows: Sequence[int]) -> tuple[list[int], int]:
+        offsets, at = [], 0
+        for entry, n in zip(entries, rows, strict=True):
+            if n > entry.budget_rows:
+                raise RegionError(
+                    f"{entry.name}: sparse gradient has {n} rows but staging allows at most "
+                    f"{entry.budget_rows} ({entry.payload_bytes(entry.budget_rows)} B); raise "
+                    "sparse_max_rows or sparse_budget_bytes when planning")
+            offsets.append(at)
+            at = align_up(at + entry.payload_bytes(n), ALIGN)
+        return offsets, at
+
+    def _ensure_capacity(self, shard: int, entries: Sequence[DynamicEntry], need: int) -> bool:
+        region = self._regions[shard]
+        if need <= region.nbytes:
             return False
-        if not entry.growable or rows > entry.budget_rows:
-            raise RegionError(
-                f"{entry.name}: sparse gradient has {rows} rows but staging allows at most "
-                f"{entry.budget_rows} ({entry.payload_bytes(entry.budget_rows)} B); raise "
-                "sparse_max_rows or sparse_budget_bytes when planning"
-            )
-        new = min(entry.budget_rows, max(rows, 2 * capacity))
-        self._regions[entry.name].close()
-        self._regions[entry.name] = self._allocate(entry, new)
-        self._capacity[entry.name] = new
+        new = min(budget_bytes(entries), max(need, 2 * region.nbytes))
+        region.close()
+        self._regions[shard] = MemoryRegion.allocate(new, device=self.device)
         return True
 
     def close(self) -> None:

@@ -11,11 +11,14 @@ Only the touched rows cross the network, and the shard's work scales with them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from tensorx._analyzer.sparse import ALIGN
 from tensorx._ps.device import fence
 from tensorx._ps.rowpull import RowInbox, RowOutbox
 from tensorx.errors import ProtocolError, RegionError
@@ -38,7 +41,7 @@ class SparseSender:
         self.node = node
         self.entries = list(binding.plan.dynamic_entries)
         self._params = dict(model.named_parameters())
-        self._exported: dict[str, int] = {}  # name -> region id we last announced
+        self._exported: dict[int, int] = {}  # shard -> staging region id we last announced
         device = str(next(iter(binding.regions.values())).device) if binding.regions else "cpu"
         self.inboxes = {s: RowInbox([e for e in self.entries if e.shard == s], device)
                         for s in {e.shard for e in self.entries}}
@@ -74,20 +77,21 @@ class SparseSender:
             inbox.close()
 
     def stage(self, shard: int) -> dict[str, bytes]:
-        """Stage this shard's sparse gradients; descriptors of staging regions to announce."""
-        announce = {}
-        for entry in self.entries:
-            if entry.shard != shard:
-                continue
+        """Stage this shard's sparse gradients; descriptors of staging regions to announce
+        (every table of a shard shares one region: the shard reads them in one op)."""
+        entries = [e for e in self.entries if e.shard == shard]
+        if not entries:
+            return {}
+        for entry in entries:
             param = self._params[entry.name]
             if param.grad is None or not param.grad.is_sparse:
                 param.grad = _empty_sparse(param, entry)
-            staged = self.binding.stage_sparse(entry.name)
-            if self._exported.get(entry.name) != staged.region.region_id:
-                desc = self.node.export(staged.region, access="r")
-                self._exported[entry.name] = staged.region.region_id
-                announce[entry.name] = desc.to_bytes()
-        return announce
+        staged = self.binding.stage_sparse(shard)
+        if self._exported.get(shard) == staged.region.region_id:
+            return {}
+        raw = self.node.export(staged.region, access="r").to_bytes()
+        self._exported[shard] = staged.region.region_id
+        return {entry.name: raw for entry in entries}
 
 
 def _empty_sparse(param: torch.Tensor, entry: Any) -> torch.Tensor:
@@ -115,7 +119,7 @@ class SparseReceiver:
         size = plan.header_bytes(shard)
         self.headers = [MemoryRegion.allocate(size) for _ in range(num_workers)]
         self._staging: dict[tuple[int, str], RegionDescriptor] = {}
-        self._recv: dict[str, MemoryRegion] = {}
+        self._recv: MemoryRegion | None = None
         self.answers = RowOutbox(self.entries, device)  # the rows each answer writes
 
     def renew(self, rank: int) -> None:
@@ -138,11 +142,37 @@ class SparseReceiver:
 
     async def receive(self, ep: Any, rank: int,
                       timeout: float | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Every sparse gradient of ``rank``: table name -> (row ids, rows), copies on the
-        shard's device. Raises (handing over nothing) if any read or check fails."""
-        from tensorx.graph_analyzer import payload_views, read_header
+        """Every sparse gradient of ``rank``: table name -> (row ids, rows), on the shard's
+        device. One read per staging region of the worker (one per shard, whatever the
+        number of tables); raises, handing over nothing, if any read or check fails."""
+        parts = self._parts(rank)
+        if not parts:
+            return {}
+        recv = self._buffer(sum(p.size for p in parts))
+        at, reads = 0, []
+        for part in parts:
+            reads.append(ep.read(recv, part.desc, offset=at, remote_offset=part.lo,
+                                 nbytes=part.hi - part.lo, timeout=timeout))
+            at += part.size
+        for result in await asyncio.gather(*reads, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
+        # one copy of it all: the next push's rows are read into the same buffer
+        data = recv.view(torch.uint8, (at,), 0).clone()
+        fence(self.device)
+        got, at = {}, 0
+        for part in parts:
+            for entry, header in part.tables:
+                got[entry.name] = _payload(data, entry, header, at + header.offset - part.lo)
+            at += part.size
+        _check_rows(rank, got, self.entries)
+        return got
 
-        got = {}
+    def _parts(self, rank: int) -> list[_Part]:
+        """``rank``'s staged tables, by the staging region they lie in."""
+        from tensorx.graph_analyzer import read_header
+
+        parts: dict[int, _Part] = {}
         for entry in self.entries:
             header = read_header(self.headers[rank], entry)
             if header.rows == 0:
@@ -150,23 +180,18 @@ class SparseReceiver:
             desc = self._staging.get((rank, entry.name))
             if desc is None:
                 raise ProtocolError(f"rank {rank} sent rows of {entry.name} without staging")
-            recv = self._buffer(entry.name, header.nbytes)
-            await ep.read(recv, desc, nbytes=header.nbytes, timeout=timeout)
-            indices, values = payload_views(recv, entry, header.rows)
-            if bool(((indices < 0) | (indices >= entry.num_rows)).any()):
-                raise RegionError(f"rank {rank}: {entry.name} row index out of range")
-            got[entry.name] = (indices.clone(), values.clone())
-        # copied before the next rank's rows are read into the same buffers
-        fence(self.device)
-        return got
+            parts.setdefault(desc.region_id, _Part(desc)).tables.append((entry, header))
+        for part in parts.values():
+            part.check(rank)
+        return list(parts.values())
 
-    def _buffer(self, name: str, nbytes: int) -> MemoryRegion:
-        region = self._recv.get(name)
+    def _buffer(self, nbytes: int) -> MemoryRegion:
+        region = self._recv
         if region is None or region.nbytes < nbytes:
             if region is not None:
                 region.close()
-            region = self._recv[name] = MemoryRegion.allocate(max(nbytes, 4096),
-                                                              device=self.device)
+            region = self._recv = MemoryRegion.allocate(max(nbytes, 1 << 16),
+                                                        device=self.device)
         return region
 
     def rows_plan(self, rank: int, state: Any, changed: dict[int, Any]) -> tuple[int, int]:
@@ -187,5 +212,55 @@ class SparseReceiver:
 
     def close(self) -> None:
         self.answers.close()
-        for region in [*self.headers, *self._recv.values()]:
+        for region in [*self.headers, *([self._recv] if self._recv else [])]:
             region.close()
+
+
+@dataclass
+class _Part:
+    """The tables a worker staged in one of its staging regions, and the span they take."""
+
+    desc: RegionDescriptor
+    tables: list[tuple[Any, Any]] = field(default_factory=list)  # (entry, header)
+    lo: int = 0
+    hi: int = 0
+
+    @property
+    def size(self) -> int:
+        """Its bytes in the receive buffer (aligned: the next part's ids view int64)."""
+        return -(-(self.hi - self.lo) // ALIGN) * ALIGN
+
+    def check(self, rank: int) -> None:
+        """Set the span; RegionError if it is more than its tables can take when packed,
+        before anything is allocated or read for it."""
+        from tensorx._analyzer.sparse import budget_bytes
+
+        self.lo = min(h.offset for _, h in self.tables)
+        self.hi = max(h.offset + h.nbytes for _, h in self.tables)
+        if self.hi - self.lo > budget_bytes([e for e, _ in self.tables]):
+            raise RegionError(f"rank {rank}: staged rows span {self.hi - self.lo} B, more "
+                              "than their tables can take")
+
+
+def _payload(data: torch.Tensor, entry: Any, header: Any,
+             at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row ids, rows) of the payload at ``at`` of the received bytes; views."""
+    rows = header.rows
+    ids = data[at:at + 8 * rows].view(torch.int64)
+    start = at + entry.values_offset(rows)
+    values = data[start:at + header.nbytes].view(getattr(torch, entry.dtype))
+    return ids, values.view(rows, *entry.row_shape)
+
+
+def _check_rows(rank: int, got: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                entries: list[Any]) -> None:
+    """RegionError unless every row id lies in its table (one pass over all of them)."""
+    sizes = {e.name: e.num_rows for e in entries}
+    ids = torch.cat([i for i, _ in got.values()])
+    counts = torch.tensor([int(i.numel()) for i, _ in got.values()], device=ids.device)
+    limits = torch.tensor([sizes[n] for n in got], device=ids.device).repeat_interleave(counts)
+    bad = (ids < 0) | (ids >= limits)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        name = list(got)[int((counts.cumsum(0) > first).nonzero()[0, 0])]
+        raise RegionError(f"rank {rank}: {name} row index out of range")
