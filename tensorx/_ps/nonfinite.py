@@ -24,6 +24,7 @@ next to a round's).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -41,22 +42,34 @@ POLICIES = ("skip", "refuse")
 
 def finite(state: Any, rank: int) -> bool:
     """Is every value in ``rank``'s gradient slot, and every sparse row it pushed, finite?"""
-    layout = state.layout
-    region = state.slot_region(rank)
+    tensors = _checked(state, state.slot_region(rank))
+    return all_finite(tensors) and (not state.rows or state.rows.finite(rank))
+
+
+# what to sum of a slot, by slot region: worked out once per region (the layout's dtypes
+# over 2000 small tensors cost more than summing them); a renewed slot is a new region
+_CHECKED: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _checked(state: Any, region: Any) -> list[torch.Tensor]:
+    tensors = _CHECKED.get(region)
+    if tensors is None:
+        tensors = _CHECKED[region] = _to_check(state.layout, region, bool(state.rows))
+    return tensors
+
+
+def _to_check(layout: Any, region: Any, rows: bool) -> list[torch.Tensor]:
+    if rows:  # the tables' part of the slot is never written: O(rows), not O(table)
+        return [region.view(s.dtype, (s.numel,), s.offset) for s in layout.param_specs()
+                if not s.sparse and s.dtype.is_floating_point]
     dtypes = {s.dtype for s in layout.slots}
-    if state.rows:  # the tables' part of the slot is never written: O(rows), not O(table)
-        tensors = [region.view(s.dtype, (s.numel,), s.offset) for s in layout.param_specs()
-                   if not s.sparse and s.dtype.is_floating_point]
-        return state.rows.finite(rank) and all_finite(tensors)
     if len(dtypes) == 1:
         (dtype,) = dtypes
         if not dtype.is_floating_point:
-            return True
+            return []
         size = torch.empty((), dtype=dtype).element_size()
-        tensors = [region.view(dtype, (layout.nbytes // size,))]  # padding is zero or ours
-    else:
-        tensors = [v for v in views(layout, region) if v.is_floating_point()]
-    return all_finite(tensors)
+        return [region.view(dtype, (layout.nbytes // size,))]  # padding is zero or ours
+    return [v for v in views(layout, region) if v.is_floating_point()]
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
