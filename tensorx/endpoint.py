@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tensorx import _cuda
 from tensorx._counters import OpStats
 from tensorx._deadline import Deadline
+from tensorx._exports import check_bounds
 from tensorx._queues import MessageStream
 from tensorx.errors import (
     ClosedError,
@@ -26,7 +27,7 @@ from tensorx.errors import (
     TensorxError,
     UsageError,
 )
-from tensorx.memregion import MemoryRegion, RegionDescriptor, check_bounds
+from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.transport.base import DataLane, Op
 from tensorx.transport.control import ChannelEvents, ControlChannel
 from tensorx.transport.owner import OwnerService

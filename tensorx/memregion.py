@@ -19,12 +19,13 @@ import msgpack
 import numpy as np
 
 from tensorx import _shm
+from tensorx._backing import Backing
 from tensorx._schema import Record, choice, table, text, uint
 from tensorx._shm import host_id
 from tensorx._text import printable
-from tensorx.errors import ClosedError, ProtocolError, RegionError, UsageError
+from tensorx.errors import ClosedError, ProtocolError, UsageError
 
-__all__ = ["ExportTable", "MemoryRegion", "RegionDescriptor", "host_id"]
+__all__ = ["ACCESS_MODES", "MemoryRegion", "RegionDescriptor", "host_id"]
 
 DESCRIPTOR_VERSION = 1
 ACCESS_MODES = ("r", "w", "rw")
@@ -98,7 +99,8 @@ class MemoryRegion:
     """
 
     def __init__(self, obj: Any, address: int, nbytes: int, device: str,
-                 readonly: bool, buffer: memoryview | None) -> None:
+                 readonly: bool, buffer: memoryview | None,
+                 backing: Backing | None = None) -> None:
         self._obj = obj
         self.address = address
         self.nbytes = nbytes
@@ -108,13 +110,13 @@ class MemoryRegion:
         self._buffer = buffer
         self._closed = False
         self._close_callbacks: list[Callable[[MemoryRegion], None]] = []
-        self._descriptor: RegionDescriptor | None = None
+        self._export: RegionDescriptor | None = None  # the latest, see _exported()
+        # the mapping's state (ops in flight on it, the /dev/shm file) has an owner of its
+        # own, which transports pin and the node asks, and which outlives a close while
+        # an op still runs
+        self.backing = backing or Backing()
         self.shared_name: str | None = None  # the /dev/shm name, for shared regions
-        self._shm: _shm.ShmFile | None = None  # set when this process created the file
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._pins = 0  # ops in flight that address this memory by raw pointer
         self._private = False  # attached copy-on-write (attach(private=True))
-        self._unmap_deferred = False
         # the producer's stream from __cuda_array_interface__ (v3): ops wait on it too
         self.stream: int | None = None
 
@@ -177,7 +179,8 @@ class MemoryRegion:
         ``private=True`` maps it copy-on-write: the creator's writes show, ours stay ours
         until :meth:`drop_own_writes`.
         """
-        region = cls._over_mmap(_shm.attach(name, nbytes, private), nbytes)
+        mm = _shm.attach(name, nbytes, private)
+        region = cls._over_mmap(mm, nbytes, Backing(attached=mm))
         region.shared_name = name
         region._private = private
         return region
@@ -192,17 +195,16 @@ class MemoryRegion:
         return _shm.drop_own_writes(self._obj, self.address, self.nbytes)
 
     @classmethod
-    def _over_mmap(cls, mm: mmap.mmap, nbytes: int) -> MemoryRegion:
+    def _over_mmap(cls, mm: mmap.mmap, nbytes: int,
+                   backing: Backing | None = None) -> MemoryRegion:
         buf = memoryview(mm)[:nbytes]
         address = np.frombuffer(memoryview(mm), dtype=np.uint8).ctypes.data
-        return cls(mm, address, nbytes, "cpu", False, buf)
+        return cls(mm, address, nbytes, "cpu", False, buf, backing)
 
     @classmethod
     def _shared(cls, f: _shm.ShmFile, nbytes: int) -> MemoryRegion:
-        region = cls._over_mmap(f.mm, nbytes)
-        region.shared_name, region._shm = f.name, f
-        # A safety net only: the owner is expected to close() the region.
-        region._finalizer = weakref.finalize(region, _release_unclosed, f)
+        region = cls._over_mmap(f.mm, nbytes, Backing(file=f))
+        region.shared_name = f.name
         return region
 
     # -- state --------------------------------------------------------------------------
@@ -245,34 +247,11 @@ class MemoryRegion:
 
                 logging.getLogger(__name__).exception("region close callback failed")
         self._buffer = None
-        if self._pins:
-            self._unmap_deferred = True  # a transport still uses the memory: unmap after
-        else:
-            self._unmap()
+        self.backing.release()  # unmapped now, or after the last op still using it
 
-    def _pin(self) -> None:
-        """A transport starts an op on this memory by raw address (e.g. a UCX put): keep the
-        memory mapped until :meth:`_unpin`, even if the region is closed meanwhile."""
-        self._pins += 1
-
-    def _unpin(self) -> None:
-        self._pins -= 1
-        if self._pins == 0 and self._unmap_deferred:
-            self._unmap_deferred = False
-            self._unmap()
-
-    @property
-    def pinned(self) -> bool:
-        """Whether a transport still has an op in flight on this memory."""
-        return self._pins > 0
-
-    def _unmap(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if self._shm is not None:
-            _shm.release(self._shm)
-        elif self.shared_name is not None:
-            _shm.unmap(self._obj)
+    def _exported(self, desc: RegionDescriptor) -> None:
+        """What :meth:`descriptor` returns from now on; called by the export table only."""
+        self._export = desc
 
     def __enter__(self) -> MemoryRegion:
         return self
@@ -338,19 +317,11 @@ class MemoryRegion:
         this process as owner and is refused by every node.
         """
         self._check_open()
-        if self._descriptor is not None and access in (None, self._descriptor.access):
-            return self._descriptor
+        if self._export is not None and access in (None, self._export.access):
+            return self._export
         access = access or ("r" if self.readonly else "rw")
         return RegionDescriptor(_PROCESS_OWNER, self.region_id, 0, self.nbytes,
                                 "cuda" if self.is_cuda else "cpu", access, {})
-
-
-def _release_unclosed(f: _shm.ShmFile) -> None:
-    import logging
-
-    logging.getLogger(__name__).warning("shared memory %s was never closed; unlinking it",
-                                        f.name)
-    _shm.release(f)
 
 
 # -- normalisation helpers ---------------------------------------------------------------
@@ -483,65 +454,3 @@ def _cuda_torch_view(region: MemoryRegion, dtype: Any, count: int, offset: int) 
     flat = base.reshape(-1).view(torch.uint8)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return flat[offset: offset + count * itemsize].view(dtype)
-
-
-# -- the owner's table of exported regions ----------------------------------------------
-@dataclass
-class _Export:
-    region: MemoryRegion
-    descriptor: RegionDescriptor
-
-
-class ExportTable:
-    """The owner's authority on what peers may touch: every remote op is resolved here."""
-
-    def __init__(self, owner: str) -> None:
-        self.owner = owner
-        self._by_id: dict[int, _Export] = {}
-
-    def add(self, region: MemoryRegion, access: str,
-            keys: Mapping[str, Any] | None = None) -> RegionDescriptor:
-        if access not in ACCESS_MODES:
-            raise UsageError(f"access must be one of {ACCESS_MODES}, got {access!r}")
-        if "w" in access and region.readonly:
-            raise UsageError("cannot export read-only memory for writing; use access='r'")
-        desc = RegionDescriptor(self.owner, region.region_id, secrets.randbits(63), region.nbytes,
-                                "cuda" if region.is_cuda else "cpu", access, dict(keys or {}))
-        self._by_id[region.region_id] = _Export(region, desc)
-        region._descriptor = desc
-        return desc
-
-    def remove(self, region: MemoryRegion) -> bool:
-        """Stop serving ``region``; whether it was exported here."""
-        return self._by_id.pop(region.region_id, None) is not None
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def regions(self) -> list[RegionDescriptor]:
-        return [e.descriptor for e in self._by_id.values()]
-
-    def lookup(self, region_id: int, cookie: int) -> _Export:
-        export = self._by_id.get(region_id)
-        if export is None or export.descriptor.cookie != cookie:
-            raise RegionError(f"region {region_id:#x} is not exported here (closed or forged)")
-        if export.region.closed:
-            raise RegionError(f"region {region_id:#x} was closed by its owner")
-        return export
-
-    def resolve(self, region_id: int, cookie: int, offset: int, nbytes: int,
-                need: str) -> MemoryRegion:
-        """Check rights and bounds for one remote op; return the region or raise RegionError."""
-        export = self.lookup(region_id, cookie)
-        if need not in export.descriptor.access:
-            verb = "written" if need == "w" else "read"
-            raise RegionError(f"region {region_id:#x} is exported "
-                              f"'{export.descriptor.access}' and cannot be {verb}")
-        check_bounds(export.descriptor.nbytes, offset, nbytes)
-        return export.region
-
-
-def check_bounds(size: int, offset: int, nbytes: int) -> None:
-    """RegionError unless [offset, offset+nbytes) lies inside a region of ``size`` bytes."""
-    if offset < 0 or nbytes < 0 or offset + nbytes > size:
-        raise RegionError(f"range [{offset}, {offset + nbytes}) is outside the region of {size} B")

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from tensorx import _auth
 from tensorx._deadline import Deadline, wait_for
+from tensorx._exports import ExportTable
 from tensorx._queues import LatestQueue, NotificationQueue
 from tensorx._text import printable
 from tensorx.endpoint import DEFAULT, Endpoint
@@ -30,7 +31,7 @@ from tensorx.errors import (
     TransportUnavailableError,
     UsageError,
 )
-from tensorx.memregion import ExportTable, MemoryRegion, RegionDescriptor, host_id
+from tensorx.memregion import MemoryRegion, RegionDescriptor, host_id
 from tensorx.transport import auto, handshake
 from tensorx.transport._sock import TcpListener, open_socket
 from tensorx.transport.base import LaneFactory, Link
@@ -277,8 +278,9 @@ class Node:
             mine = factory.register(region)
             if mine is not None:
                 keys[factory.name] = mine
-        if region.shared_name is not None and region._shm is not None:  # our /dev/shm file
-            keys[SHM_KEY] = {"host": host_id(), "name": region.shared_name}
+        created = region.backing.created_file  # a /dev/shm file of ours: peers may map it
+        if created is not None:
+            keys[SHM_KEY] = {"host": host_id(), "name": created}
         desc = self._exports.add(region, access, keys)
         region.add_close_callback(self.unexport)
         logger.debug("exported %r as %s", region, access)

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from tensorx import _auth
+from tensorx._exports import ExportTable
 from tensorx._wire import Kind
 from tensorx.errors import AuthError, ProtocolError, TimeoutError
-from tensorx.memregion import ExportTable
 from tensorx.transport import handshake
 from tensorx.transport.control import ChannelEvents, ControlChannel
 from tensorx.transport.owner import OwnerService

@@ -149,10 +149,20 @@ def test_a_pinned_region_keeps_its_memory_until_unpinned() -> None:
     region = tx.MemoryRegion.allocate(4096, shared=True)
     name = region.shared_name
     assert name is not None
-    region._pin()
+    assert region.backing.created_file == name
+    region.backing.pin()
     region.close()  # closed for everyone, but a transport still addresses the memory
-    assert region.closed and region.pinned
+    assert region.closed and region.backing.pinned
     assert os.path.exists(f"/dev/shm/{name}")
-    region._unpin()
-    assert not region.pinned
+    region.backing.unpin()
+    assert not region.backing.pinned
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_only_the_creator_of_a_shared_file_may_offer_it() -> None:
+    with tx.MemoryRegion.allocate(4096, shared=True) as mine:
+        assert mine.shared_name is not None
+        with tx.MemoryRegion.attach(mine.shared_name, 4096) as theirs:
+            assert theirs.shared_name == mine.shared_name
+            assert theirs.backing.created_file is None  # attached: not ours to offer
+        assert os.path.exists(f"/dev/shm/{mine.shared_name}")  # closing it only unmapped

@@ -139,7 +139,7 @@ class Outbox:
         An arena a transport still has an op on (pinned: an answer that raised while UCX
         owned its put) stays held until the transport lets go of it."""
         for key, (region, tasks) in list(self._held(current).items()):
-            if tasks or region.pinned:
+            if tasks or region.backing.pinned:
                 continue
             del self._readers[key]
             if self._spares:

@@ -236,7 +236,7 @@ class UcxLane(DataLane):
         regions = [op.local for op in ops if op.nbytes]
         w, epoch = self._f._new_wait(), self._epoch
         for region in regions:
-            region._pin()  # closed meanwhile, its memory stays until UCX is done with it
+            region.backing.pin()  # closed meanwhile, its memory stays until UCX is done with it
         try:
             try:
                 st = self._issue_all(plan, put, w)  # returns at once: UCX copies in progress

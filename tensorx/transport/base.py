@@ -200,11 +200,11 @@ class LaneFactory(abc.ABC):
     def hold(self, region: MemoryRegion) -> None:
         """Keep ``region``'s memory mapped and registered, even once it is closed, until
         :meth:`release`: peers may still have ops on it in flight."""
-        region._pin()
+        region.backing.pin()
 
     def release(self, region: MemoryRegion) -> None:
         """Undo one :meth:`hold`; a closed region is deregistered once nothing holds it."""
-        region._unpin()
+        region.backing.unpin()
 
     def offer(self, binding: bytes) -> Any:
         """What a peer needs to open a lane to us (e.g. a UCX worker address), for the

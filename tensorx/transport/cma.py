@@ -44,6 +44,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 from tensorx._deadline import wait_for
+from tensorx._exports import check_bounds
 from tensorx._shm import host_id
 from tensorx.errors import (
     BrokenError,
@@ -53,7 +54,6 @@ from tensorx.errors import (
     TransportUnavailableError,
     UsageError,
 )
-from tensorx.memregion import check_bounds
 from tensorx.transport.base import HOST, Capabilities, DataLane, LaneFactory, Link, Op
 from tensorx.transport.control import ControlChannel
 
@@ -446,13 +446,13 @@ class CmaLane(DataLane):
             return cancelled[0] if cancelled else self._stopped()
 
         for op in ops:
-            op.local._pin()  # a local region closed meanwhile stays mapped until we are done
+            op.local.backing.pin()  # a local region closed meanwhile stays mapped until we are done
         loop = asyncio.get_running_loop()
         try:
             fut = loop.run_in_executor(self._pool, copy, self._pid, segments, to_remote, stop)
         except RuntimeError as exc:  # the node closed its pool (an endpoint that came late)
             for op in ops:
-                op.local._unpin()
+                op.local.backing.unpin()
             raise ClosedError("cma: the node is closed") from exc
         try:
             await wait_for(asyncio.shield(fut), timeout)
@@ -466,7 +466,7 @@ class CmaLane(DataLane):
             raise
         finally:
             for op in ops:
-                op.local._unpin()
+                op.local.backing.unpin()
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:

@@ -13,10 +13,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from tensorx._exports import ExportTable
 from tensorx._ratelog import RefusalLog
 from tensorx._wire import Kind
 from tensorx.errors import ProtocolError, TensorxError, error_code
-from tensorx.memregion import ExportTable
 from tensorx.transport._sendq import SendQueue
 from tensorx.transport._sock import FrameReader
 from tensorx.transport._staging import StagedRange, staged_range

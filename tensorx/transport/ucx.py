@@ -274,7 +274,7 @@ class UcxFactory(LaneFactory):
 
     def _on_region_closed(self, region: MemoryRegion) -> None:
         """Deregister now, or once the last op still using the memory has completed."""
-        if region.pinned:
+        if region.backing.pinned:
             self._unmap_later.add(region.region_id)
         else:
             self._unregister(region.region_id)
@@ -358,8 +358,8 @@ class UcxFactory(LaneFactory):
 
     def _unpin(self, regions: list[MemoryRegion]) -> None:
         for region in regions:
-            region._unpin()
-            if not region.pinned and region.region_id in self._unmap_later:
+            region.backing.unpin()
+            if not region.backing.pinned and region.region_id in self._unmap_later:
                 self._unmap_later.discard(region.region_id)
                 self._unregister(region.region_id)
 

@@ -1,0 +1,79 @@
+"""The owner's table of exported regions: its authority on what peers may touch. Every
+remote op on this node's memory is resolved here (rights and bounds) before it lands.
+
+Above :mod:`tensorx.memregion`: a region knows nothing of the table; the table tells a
+region its latest export (what ``region.descriptor()`` returns) through one method.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tensorx.errors import RegionError, UsageError
+from tensorx.memregion import ACCESS_MODES, MemoryRegion, RegionDescriptor
+
+__all__ = ["ExportTable", "check_bounds"]
+
+
+@dataclass
+class _Export:
+    region: MemoryRegion
+    descriptor: RegionDescriptor
+
+
+class ExportTable:
+    """The owner's authority on what peers may touch: every remote op is resolved here."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._by_id: dict[int, _Export] = {}
+
+    def add(self, region: MemoryRegion, access: str,
+            keys: Mapping[str, Any] | None = None) -> RegionDescriptor:
+        if access not in ACCESS_MODES:
+            raise UsageError(f"access must be one of {ACCESS_MODES}, got {access!r}")
+        if "w" in access and region.readonly:
+            raise UsageError("cannot export read-only memory for writing; use access='r'")
+        desc = RegionDescriptor(self.owner, region.region_id, secrets.randbits(63), region.nbytes,
+                                "cuda" if region.is_cuda else "cpu", access, dict(keys or {}))
+        self._by_id[region.region_id] = _Export(region, desc)
+        region._exported(desc)
+        return desc
+
+    def remove(self, region: MemoryRegion) -> bool:
+        """Stop serving ``region``; whether it was exported here."""
+        return self._by_id.pop(region.region_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def regions(self) -> list[RegionDescriptor]:
+        return [e.descriptor for e in self._by_id.values()]
+
+    def lookup(self, region_id: int, cookie: int) -> _Export:
+        export = self._by_id.get(region_id)
+        if export is None or export.descriptor.cookie != cookie:
+            raise RegionError(f"region {region_id:#x} is not exported here (closed or forged)")
+        if export.region.closed:
+            raise RegionError(f"region {region_id:#x} was closed by its owner")
+        return export
+
+    def resolve(self, region_id: int, cookie: int, offset: int, nbytes: int,
+                need: str) -> MemoryRegion:
+        """Check rights and bounds for one remote op; return the region or raise RegionError."""
+        export = self.lookup(region_id, cookie)
+        if need not in export.descriptor.access:
+            verb = "written" if need == "w" else "read"
+            raise RegionError(f"region {region_id:#x} is exported "
+                              f"'{export.descriptor.access}' and cannot be {verb}")
+        check_bounds(export.descriptor.nbytes, offset, nbytes)
+        return export.region
+
+
+def check_bounds(size: int, offset: int, nbytes: int) -> None:
+    """RegionError unless [offset, offset+nbytes) lies inside a region of ``size`` bytes."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise RegionError(f"range [{offset}, {offset + nbytes}) is outside the region of {size} B")
