@@ -58,6 +58,11 @@ EXPERIMENTS = {  # what a different design would give (kept as evidence, not run
                              ("--transport", "tcp", "--variant", "one-part")),
     "x-ucx-one-part": System("EXP tensorx ucx, update in one part", "tensorx",
                              ("--transport", "ucx", "--variant", "one-part")),
+    # the sync round not pipelined: no part applied before the whole gradient has landed
+    "x-auto-no-early": System("EXP tensorx auto, not pipelined", "tensorx",
+                              ("--transport", "auto", "--variant", "no-early")),
+    "x-tcp-no-early": System("EXP tensorx tcp, not pipelined", "tensorx",
+                             ("--transport", "tcp", "--variant", "no-early")),
     # the update as it was by default before flat=None: the optimizer steps each tensor
     "x-shm-per-tensor": System("EXP tensorx shm, flat=False (per-tensor update)", "tensorx",
                                ("--transport", "tcp", "--share-memory", "on",

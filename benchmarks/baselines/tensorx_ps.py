@@ -58,6 +58,10 @@ async def _serve(args: argparse.Namespace) -> None:
         from tensorx._ps import parts
 
         parts.PART_BYTES = 1 << 40
+    if args.variant == "no-early":  # experiment: the round not pipelined (parts wait for all)
+        from tensorx._ps import round as rounds
+
+        rounds.EARLY_BYTES = 1 << 62
     transport, ucx_options = _transport(args.transport)
     listen = f"tcp://{args.host}:0"
     ps = ParameterServer(listen, num_workers=1, mode="sync", optimizer=_optimizer,

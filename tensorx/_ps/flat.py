@@ -176,12 +176,21 @@ class FlatUpdate:
                 if k not in KERNEL_KEYS}
 
     def step(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """One step of the ranges whose gradient is given (None: that range is skipped)."""
-        for r, p, g, eg in zip(self.ranges, self.flat, grads, self.engine.param_groups,
-                               strict=True):
+        """One step of the ranges whose gradient is given (None: that range is skipped).
+        The engine sees only those ranges' groups: stepping one part of many (a pipelined
+        round) does not walk the groups of all the others."""
+        groups = self.engine.param_groups
+        active = []
+        for r, p, g, eg in zip(self.ranges, self.flat, grads, groups, strict=True):
             p.grad = g
-            eg.update(self._hp(r))  # the face's values: schedules, RemoteOptimizer
-        self.engine.step()
+            if g is not None:
+                eg.update(self._hp(r))  # the face's values: schedules, RemoteOptimizer
+                active.append(eg)
+        self.engine.param_groups = active
+        try:
+            self.engine.step()
+        finally:
+            self.engine.param_groups = groups
         self.face._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers
 
     # -- the face's state -----------------------------------------------------------------
