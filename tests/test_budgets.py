@@ -90,7 +90,6 @@ async def test_reopening_a_force_closed_ucx_endpoint_spends_the_ops_budget(
         clock: Clock) -> None:
     """An op that had to reopen the endpoint (a read before it raised) gave the reopening
     at most 2 s (CLOSE_TIMEOUT) of its budget."""
-    from tensorx.transport._ucx_lane import _forget
     from tensorx.transport.ucx import UcxFactory
 
     factory = UcxFactory()
@@ -105,7 +104,7 @@ async def test_reopening_a_force_closed_ucx_endpoint_spends_the_ops_budget(
                 await real_connect(timeout)
 
             lane._connect = connect  # type: ignore[method-assign]
-            _forget(lane._lib, lane._teardown(True))  # as a read that raised leaves it
+            lane._rt.forget(lane._teardown(True))  # as a read that raised leaves it
             lane._reopen = True
             await lane.flush(timeout=3600)
             assert given == [3600]

@@ -274,7 +274,7 @@ async def test_register_is_cached_and_released_on_close(factory: UcxFactory) -> 
     assert keys["addr"] == region.address
     assert keys["rkey"]
     region.close()
-    assert region.region_id not in factory._regs
+    assert region.region_id not in factory.runtime._regs
     assert factory.register(MemoryRegion.allocate(0))["rkey"] == b""
 
 

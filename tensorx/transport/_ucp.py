@@ -10,7 +10,6 @@ and caches it under ``$TENSORX_CACHE_DIR`` or ``~/.cache/tensorx``. Every failur
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -28,12 +27,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tensorx import _cuda
-from tensorx.errors import TensorxError, TransportUnavailableError
+from tensorx.errors import TransportUnavailableError
 from tensorx.transport._exceptions import UCX_ERRORS, map_exceptions
 
-__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "acquire_driver", "driver_cuda_status",
-           "lane_roles", "load", "release_driver", "set_driver_cuda", "status_string",
+__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "lane_roles", "load", "status_string",
            "ucx_paths", "ucxx_context"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
@@ -44,10 +41,7 @@ UCS_ERR_CANCELED = -16
 UCS_ERR_NO_MEMORY = -4
 _MODULE = "_tensorx_ucp"
 _lock = threading.Lock()
-_loaded: UcpLib | None = None
-_owned = False  # tensorx initialised ucxx in this process (so it may replace its progress)
-_driver: Any = None
-_driver_users = 0
+_loaded: UcpLib | None = None  # the binding, like an imported module: loaded once
 
 
 class UcpLib:
@@ -213,8 +207,9 @@ def lane_roles(description: str) -> dict[str, list[str]]:
 
 
 def ucxx_context(defaults: Mapping[str, str], tls: str | None,
-                 options: Mapping[str, str] | None) -> Any:
-    """ucxx's per-process context, initialised with our settings if we are its first user.
+                 options: Mapping[str, str] | None) -> tuple[Any, bool]:
+    """ucxx's per-process context, initialised with our settings if we are its first user,
+    and whether we were (then tensorx may drive its progress, see ``_ucx_progress.py``).
 
     ``defaults`` yield to ``UCX_*`` environment variables; ``options`` and ``tls`` win
     over both. A context that already exists is used as it is (a differing ``tls`` is
@@ -227,17 +222,16 @@ def ucxx_context(defaults: Mapping[str, str], tls: str | None,
     if tls is not None:
         wanted["TLS"] = tls
     with map_exceptions("cannot initialise UCX", UCX_ERRORS):
-        if core._ctx is None:
+        created = core._ctx is None
+        if created:
             _init(ucxx, wanted, explicit={**(options or {}), **({"TLS": tls} if tls else {})})
         elif tls is not None and core._ctx.config.get("TLS") != tls:
             logger.warning("UCX already initialised in this process with TLS=%s; tls=%r "
                            "is ignored", core._ctx.config.get("TLS"), tls)
-        return core._get_ctx()
+        return core._get_ctx(), created
 
 
 def _init(ucxx: Any, wanted: dict[str, str], explicit: Mapping[str, str]) -> None:
-    global _owned
-    _owned = True
     try:
         ucxx.init(options=wanted, progress_mode="thread")
     except Exception as exc:  # e.g. a default names a transport this UCX was built without
@@ -246,101 +240,3 @@ def _init(ucxx: Any, wanted: dict[str, str], explicit: Mapping[str, str]) -> Non
         logger.warning("UCX rejected tensorx's default settings (%s); using UCX's own", exc)
         ucxx.reset()
         ucxx.init(options=dict(explicit), progress_mode="thread")
-
-
-def acquire_driver(lib: UcpLib, ctx: Any, spin_ns: int) -> bool:
-    """Progress the process's UCX worker with tensorx's driver thread (see
-    ``tx_driver_main``) instead of ucxx's: on first use, stop ucxx's progress thread and
-    start the driver. Only where tensorx initialised ucxx itself (another user of ucxx in
-    the process keeps its own progress); returns whether the driver runs for this user."""
-    global _driver, _driver_users
-    with _lock:
-        if not _owned:
-            return False
-        if _driver is None:
-            err = lib.ffi.new("int *")
-            ctx.worker.stop_progress_thread()
-            driver = lib.lib.tx_driver_start(int(ctx.worker.handle), spin_ns, err)
-            if driver == lib.ffi.NULL:
-                _start_ucxx_thread(ctx)
-                logger.warning("UCX progress driver failed to start (%s); using ucxx's",
-                               lib.status_string(err[0]))
-                return False
-            _driver = driver
-            atexit.register(_stop_driver, lib)  # before ucxx's teardown (atexit is LIFO)
-            if _cuda.available():  # a CUDA process: its context, on the driver thread too
-                _apply_cuda(lib, _cuda_device())
-        _driver_users += 1
-        return True
-
-
-def _stop_driver(lib: UcpLib) -> None:
-    """Stop the driver thread (at exit, or when its last user is gone)."""
-    global _driver, _cuda_on_driver
-    _cuda_on_driver = None
-    if _driver is not None:
-        lib.lib.tx_driver_stop(_driver)
-        _driver = None
-        atexit.unregister(_stop_driver)
-
-
-def release_driver(lib: UcpLib, ctx: Any) -> None:
-    """The last user gone: stop the driver and give progress back to ucxx's thread."""
-    global _driver, _driver_users
-    with _lock:
-        _driver_users -= 1
-        if _driver_users or _driver is None:
-            return
-        _stop_driver(lib)
-        _start_ucxx_thread(ctx)
-
-
-_cuda_on_driver: int | None = None  # the device whose context the driver thread has
-
-
-def _cuda_device() -> int:
-    import torch
-
-    return int(torch.cuda.current_device())
-
-
-def set_driver_cuda(lib: UcpLib, device: int) -> None:
-    """Make ``device``'s primary context current on tensorx's progress driver thread (UCX's
-    CUDA transports progress in the thread's current context). Idempotent per device; a
-    no-op where ucxx's own thread progresses (its start callback does the same)."""
-    with _lock:
-        _apply_cuda(lib, device)
-
-
-def _apply_cuda(lib: UcpLib, device: int) -> None:
-    global _cuda_on_driver
-    if _driver is None or _cuda_on_driver == device:
-        return
-    try:
-        handle = _cuda.primary_context(device)
-    except TensorxError as exc:
-        logger.warning("UCX progress thread gets no CUDA context: %s", exc)
-        return
-    lib.lib.tx_driver_set_cuda(_driver, handle)
-    _cuda_on_driver = device
-
-
-def driver_cuda_status(lib: UcpLib) -> int | None:
-    """-1 pending, 0 current, -2 no libcuda, >0 a CUresult; None without a driver."""
-    return None if _driver is None else int(lib.lib.tx_driver_cuda(_driver))
-
-
-def _context_on_thread(device: int) -> None:
-    try:
-        _cuda.make_current(device)
-    except TensorxError as exc:  # never raise inside ucxx's thread
-        logger.warning("UCX progress thread gets no CUDA context: %s", exc)
-
-
-def _start_ucxx_thread(ctx: Any) -> None:
-    """Give progress (back) to ucxx's thread, with the CUDA context made current on it
-    first when this process uses CUDA, as ucxx does when it starts that thread itself."""
-    if _cuda.available():
-        device = _cuda_device()
-        ctx.worker.set_progress_thread_start_callback(_context_on_thread, cb_args=(device,))
-    ctx.worker.start_progress_thread(False, 1)

@@ -7,7 +7,9 @@ Handles cross the boundary as ``uintptr_t`` so no UCX struct is declared to cffi
 Completion: every op is issued against a ``tx_wait_t``. ``pending`` counts the ops still
 in flight plus one guard held by the issuer; the last decrement (from a UCX callback, on
 whichever thread progresses the worker, or from :c:func:`tx_wait_release`) marks it done
-and writes the factory's eventfd so the asyncio loop wakes up.
+and writes the runtime's eventfd so the asyncio loop wakes up. ``tx_inflight`` counts the
+waits not done yet, process-wide: the progress driver does not sleep long while there are
+any (see ``tx_driver_main``).
 """
 
 from __future__ import annotations
@@ -96,12 +98,15 @@ static void tx_kick(int efd)
     }
 }
 
+static volatile long tx_inflight;  /* waits not done yet, in this process */
+
 static void tx_wait_done_one(tx_wait_t *w, ucs_status_t status)
 {
     if (status != UCS_OK) {
         __sync_bool_compare_and_swap(&w->status, 0, (int)status);
     }
     if (__sync_sub_and_fetch(&w->pending, 1) == 0) {
+        __sync_sub_and_fetch(&tx_inflight, 1);
         tx_kick(w->efd);
     }
 }
@@ -127,11 +132,16 @@ void tx_wait_init(tx_wait_t *w, int efd)
     w->pending = 1;  /* the issuer's guard */
     w->status = 0;
     w->efd = efd;
+    __sync_add_and_fetch(&tx_inflight, 1);
 }
 
 int tx_wait_release(tx_wait_t *w)
 {
-    return __sync_sub_and_fetch(&w->pending, 1) == 0;
+    if (__sync_sub_and_fetch(&w->pending, 1) == 0) {
+        __sync_sub_and_fetch(&tx_inflight, 1);
+        return 1;
+    }
+    return 0;
 }
 
 /* Account for one op that returned ``ptr``: 0 done now, 1 in flight, <0 error. */
@@ -329,7 +339,9 @@ int tx_signal(uintptr_t worker)
 /* The progress driver: one thread that progresses the worker while there is work, keeps
  * polling for ``spin_ns`` after the last sign of work (a bulk transfer over tcp produces
  * work every few microseconds, and waking up for each piece costs more than polling), then
- * arms the worker and sleeps in epoll until the worker's fd (or ucp_worker_signal) wakes it.
+ * arms the worker and sleeps in epoll until the worker's fd (or ucp_worker_signal) wakes it:
+ * at most 1 ms while an op is in flight, since a shared-memory transport (cma, posix) moves
+ * data inside progress calls and has no fd to wake a sleeper with; 100 ms when idle.
  */
 typedef struct {
     pthread_t thread;
@@ -392,7 +404,8 @@ static void *tx_driver_main(void *arg)
         }
         if (st == UCS_OK) {
             d->sleeps++;
-            while (epoll_wait(d->epfd, &ev, 1, 100) < 0 && errno == EINTR && !d->stop) {
+            while (epoll_wait(d->epfd, &ev, 1, tx_inflight > 0 ? 1 : 100) < 0 &&
+                   errno == EINTR && !d->stop) {
             }
         }
         busy = tx_now_ns();

@@ -1,7 +1,8 @@
 """One UCX data lane: a UCP endpoint to one peer's worker, its rkeys, put/get/flush.
 
-Created by :class:`tensorx.transport.ucx.UcxFactory`, which owns the registrations, the
-completion machinery and the progress thread; see that module for the whole picture.
+Opened by :class:`tensorx.transport.ucx.UcxFactory`, which hands it the factory's
+:class:`~._ucx_runtime.UcxRuntime` (context, registrations, progress, completion) and its
+settings; the lane holds nothing of the factory itself.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from tensorx import _cuda
 from tensorx._deadline import Deadline
@@ -26,12 +27,10 @@ from tensorx.errors import (
 from tensorx.memregion import RegionDescriptor
 from tensorx.transport import _staging, _ucp
 from tensorx.transport._exceptions import map_exceptions
+from tensorx.transport._ucx_runtime import UcxRuntime
 from tensorx.transport.base import DataLane, Op
 
-if TYPE_CHECKING:
-    from tensorx.transport.ucx import UcxFactory
-
-__all__ = ["ORPHANS", "UcxLane"]
+__all__ = ["UcxLane", "UcxSettings"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
 
@@ -42,7 +41,16 @@ CLOSE_TIMEOUT = 2.0
 # How long a read that raised may wait for UCX to give up its request (see _stop_late_reply):
 # the caller's budget is already spent then; this bounds the clean-up before the error.
 LATE_REPLY_BOUND = 2.0
-ORPHANS: list[Any] = []  # waits still owned by UCX after a timeout or cancellation
+
+
+@dataclass(frozen=True)
+class UcxSettings:
+    """The factory's settings a lane works by (see :class:`~.ucx.UcxFactory`)."""
+
+    error_handling: bool
+    chunk_bytes: int
+    inline_bytes: int
+    gpu_memory: bool  # this side's UCX moves GPU memory
 
 
 class UcxLane(DataLane):
@@ -51,16 +59,17 @@ class UcxLane(DataLane):
     name = "ucx"
     bypasses_owner = True
 
-    def __init__(self, factory: UcxFactory, address: bytes, peer: str,
-                 peer_info: Mapping[str, Any]) -> None:
-        self._gpu = factory.gpu_memory  # ours moves GPU memory
-        self._f = factory
-        self._lib = factory._lib
+    def __init__(self, runtime: UcxRuntime, settings: UcxSettings, address: bytes, peer: str,
+                 peer_info: Mapping[str, Any], *, closed: Callable[[UcxLane], None]) -> None:
+        """``closed(lane)`` is called once the lane is closed (its factory forgets it)."""
+        self._rt = runtime
+        self._s = settings
+        self._gpu = settings.gpu_memory
+        self._lib = runtime.lib
+        self._on_closed = closed
         self.peer = peer
-        self._address = factory._ffi.from_buffer(address)  # UCP reads it in ucp_ep_create
-        self._peer_state = factory._ffi.new("tx_peer_t *")
-        factory._peer_states.append(self._peer_state)
-        self._peer_state.efd = factory._efd
+        self._address = runtime.ffi.from_buffer(address)  # UCP reads it in ucp_ep_create
+        self._watch = runtime.watch_peer(peer, self._peer_failed)
         self._ep = 0
         self._reopen = False  # the endpoint was force-closed to stop a late reply: reconnect
         self._epoch = 0  # endpoints force-closed so far
@@ -79,7 +88,7 @@ class UcxLane(DataLane):
     def info(self) -> dict[str, Any]:
         info = {"transport": "ucx", "lanes": list(self.lanes), "why": self.why,
                 "roles": {k: list(v) for k, v in self.roles.items()},
-                "error_handling": self._f.error_handling}
+                "error_handling": self._s.error_handling}
         if _cuda.available() and (not self._gpu or self._peer_info.get("gpu") is False):
             why = ("UCX here has no CUDA transport" if not self._gpu else
                    "for GPU regions the peer's UCX cannot move")
@@ -98,12 +107,12 @@ class UcxLane(DataLane):
         return any(name.split("/")[0].startswith(RDMA_LANES) for name in self.lanes)
 
     async def _connect(self, timeout: float | None) -> None:
-        ep = self._f._ffi.new("uintptr_t *")
-        st = self._lib.tx_ep_create(self._f.worker_handle, self._address,
-                                    int(self._f.error_handling), self._peer_state, ep)
+        ep = self._rt.ffi.new("uintptr_t *")
+        st = self._lib.tx_ep_create(self._rt.worker, self._address,
+                                    int(self._s.error_handling), self._watch.state, ep)
         if st != _ucp.UCS_OK:
             raise TransportUnavailableError(
-                f"ucp_ep_create to {self.peer} failed: {self._f._ucp.status_string(st)}")
+                f"ucp_ep_create to {self.peer} failed: {self._rt.status_string(st)}")
         self._ep = int(ep[0])
         try:
             await self.flush(timeout=timeout)  # completes wireup, or fails
@@ -111,8 +120,8 @@ class UcxLane(DataLane):
             raise TransportUnavailableError(f"UCX cannot reach {self.peer}: {exc}") from exc
         self.lanes = self._query_lanes()
         self.roles = _ucp.lane_roles(self.describe())
-        self.why = _why(self.lanes, self._f.error_handling)
-        if not self._f.error_handling:
+        self.why = _why(self.lanes, self._s.error_handling)
+        if not self._s.error_handling:
             self._watch_peer_process()
 
     def _watch_peer_process(self) -> None:
@@ -126,27 +135,29 @@ class UcxLane(DataLane):
             return
         with map_exceptions(f"peer process {pid} is gone", {OSError: TransportUnavailableError}):
             self._pidfd = os.pidfd_open(pid)
-        assert self._f._loop is not None
-        self._f._loop.add_reader(self._pidfd, self._peer_exited)
+        self._rt.watch_fd(self._pidfd, self._peer_exited)
 
     def _peer_exited(self) -> None:
-        if self._broken is None:
-            self._broken = "the peer process exited"
-            logger.warning("ucx lane to %s broke: %s", self.peer, self._broken)
+        self._rt.peer_failed(self._watch, "the peer process exited")  # fails its ops now
         self._unwatch_peer_process()
+
+    def _peer_failed(self, why: str) -> None:
+        """The runtime saw the peer fail (UCX's error callback, or the pidfd)."""
+        if self._broken is None:
+            self._broken = why
+            logger.warning("ucx lane to %s broke: %s", self.peer, why)
 
     def _unwatch_peer_process(self) -> None:
         if self._pidfd >= 0:
-            if self._f._loop is not None and not self._f._loop.is_closed():
-                self._f._loop.remove_reader(self._pidfd)
+            self._rt.unwatch_fd(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = -1
 
     def _query_lanes(self) -> list[str]:
-        out = self._f._ffi.new("char[]", 1024)
+        out = self._rt.ffi.new("char[]", 1024)
         if self._lib.tx_ep_transports(self._ep, out, 1024) != _ucp.UCS_OK:
             return []
-        text = self._f._ffi.string(out).decode()
+        text = self._rt.ffi.string(out).decode()
         return sorted({t for t in text.split(",") if t})
 
     def describe(self) -> str:
@@ -154,10 +165,10 @@ class UcxLane(DataLane):
         if not self._ep:
             return ""
         raw = self._lib.tx_ep_info(self._ep)
-        if raw == self._f._ffi.NULL:
+        if raw == self._rt.ffi.NULL:
             return ""
         try:
-            return str(self._f._ffi.string(raw).decode(errors="replace"))
+            return str(self._rt.ffi.string(raw).decode(errors="replace"))
         finally:
             self._lib.tx_free(raw)
 
@@ -176,7 +187,7 @@ class UcxLane(DataLane):
         for retry in (True, False):
             self._check_usable()
             await self._reconnect(deadline.left())
-            w, epoch = self._f._new_wait(), self._epoch
+            w, epoch = self._rt.new_wait(), self._epoch
             st = self._lib.tx_flush(self._ep, w)
             try:
                 await self._finish(w, st, deadline.left(), epoch=epoch, retry=retry)
@@ -197,10 +208,10 @@ class UcxLane(DataLane):
             self.abort()
             return
         self._mark_closed()
-        closing = self._teardown(self._f.error_handling)
+        closing = self._teardown(self._s.error_handling)
         if closing is not None:
             try:
-                await self._f._complete(closing, CLOSE_TIMEOUT)
+                await self._rt.complete(closing, CLOSE_TIMEOUT)
             except TimeoutError:
                 logger.warning("closing the UCX endpoint to %s timed out", self.peer)
 
@@ -214,7 +225,7 @@ class UcxLane(DataLane):
         if self._closed:
             return
         self._mark_closed()
-        _forget(self._lib, self._teardown(self._f.error_handling))
+        self._rt.forget(self._teardown(self._s.error_handling))
 
     # -- internals -----------------------------------------------------------------------
     async def _run(self, ops: list[Op], *, put: bool, timeout: float | None) -> None:
@@ -234,16 +245,16 @@ class UcxLane(DataLane):
         await self._reconnect(deadline.left())
         plan = [self._plan(op) for op in ops if op.nbytes]
         regions = [op.local for op in ops if op.nbytes]
-        w, epoch = self._f._new_wait(), self._epoch
+        w, epoch = self._rt.new_wait(), self._epoch
         for region in regions:
             region.backing.pin()  # closed meanwhile, its memory stays until UCX is done with it
         try:
             try:
                 st = self._issue_all(plan, put, w)  # returns at once: UCX copies in progress
             except BaseException:
-                _forget(self._lib, w)
+                self._rt.forget(w)
                 raise
-            small = sum(p[1] for p in plan) < self._f.inline_bytes
+            small = sum(p[1] for p in plan) < self._s.inline_bytes
             try:
                 await self._finish(w, st, deadline.left(), inline=small, epoch=epoch,
                                    retry=retry)
@@ -254,7 +265,7 @@ class UcxLane(DataLane):
                     self._stop_late_reply(w)
                 raise
         finally:
-            self._f._hold_until_done(w, regions)
+            self._rt.hold_until_done(w, regions)
 
     def _stop_late_reply(self, w: Any) -> None:
         """A read raised while UCX still owns its gets: before the error reaches the
@@ -268,27 +279,19 @@ class UcxLane(DataLane):
         until they are done, which takes the transfer's time at memory bandwidth. A request
         still pending after :data:`LATE_REPLY_BOUND` breaks the lane for good; its memory
         stays pinned until UCX lets go of it (the one exposure left, logged)."""
-        if self._f.error_handling and self._ep:
+        if self._s.error_handling and self._ep:
             self._epoch += 1  # ops of other callers cancelled with it are issued again
             self._release_rkeys()  # rkeys belong to the endpoint
             ep, self._ep = self._ep, 0
-            closing = self._f._new_wait()
+            closing = self._rt.new_wait()
             st = self._lib.tx_ep_close(ep, 1, closing)
-            self._peer_state.failed = 0  # the closed endpoint's failure is no news
-            self._peer_state.status = 0
+            self._watch.clear()
             if st < 0 and st != _ucp.UCS_ERR_CANCELED:
                 logger.debug("force-closing the endpoint to %s: %s", self.peer,
-                             self._f._ucp.status_string(st))
-            _forget(self._lib, closing)
+                             self._rt.status_string(st))
+            self._rt.forget(closing)
             self._reopen = True
-        bound = Deadline(LATE_REPLY_BOUND)
-        while w.pending and not bound.expired:
-            if self._f.driver:  # it copies; progressing here too contends for the worker
-                self._lib.tx_signal(self._f.worker_handle)
-                time.sleep(0.0002)
-            else:
-                self._lib.tx_progress(self._f.worker_handle, 16, w)
-        if w.pending:
+        if not self._rt.settle(w, LATE_REPLY_BOUND):
             self._broken = self._broken or "a read that raised could not be stopped"
             logger.warning("ucx lane to %s: a read that raised is still owned by UCX after "
                            "%s s; the lane is closed and its memory stays pinned until UCX "
@@ -319,12 +322,12 @@ class UcxLane(DataLane):
         rkey = self._rkey(op.remote)  # validates the descriptor's UCX keys
         raddr = int(op.remote.keys["ucx"]["addr"]) + op.remote_offset
         return (op.local.address + op.local_offset, op.nbytes, raddr, rkey,
-                self._f._local_memh(op.local))
+                self._rt.memh(op.local))
 
     def _issue_all(self, plan: list[tuple[int, int, int, int, int]], put: bool, w: Any) -> int:
         """Issue every piece and a flush on ``w`` (guard still held); first error status."""
         issue = self._lib.tx_put if put else self._lib.tx_get
-        chunk, ep = self._f.chunk_bytes, self._ep
+        chunk, ep = self._s.chunk_bytes, self._ep
         for laddr, nbytes, raddr, rkey, memh in plan:
             for done in range(0, nbytes, chunk):
                 st = issue(ep, laddr + done, min(chunk, nbytes - done), raddr + done, rkey,
@@ -336,7 +339,7 @@ class UcxLane(DataLane):
     async def _finish(self, w: Any, st: int, timeout: float | None, *, inline: bool = True,
                       epoch: int = -1, retry: bool = False) -> None:
         try:
-            await self._f._complete(w, timeout, inline=inline, lane=self)
+            await self._rt.complete(w, timeout, inline=inline, watch=self._watch)
         except TimeoutError:
             self._check_usable()
             raise
@@ -359,11 +362,11 @@ class UcxLane(DataLane):
             if not isinstance(keys, Mapping) or not isinstance(keys.get("rkey"), bytes) \
                     or not isinstance(keys.get("addr"), int) or not keys["rkey"]:
                 raise RegionError(f"region {desc.region_id:#x} was not exported over UCX")
-            out = self._f._ffi.new("uintptr_t *")
+            out = self._rt.ffi.new("uintptr_t *")
             st = self._lib.tx_rkey_unpack(self._ep, keys["rkey"], out)
             if st != _ucp.UCS_OK:
                 raise RegionError(f"cannot unpack the rkey of region {desc.region_id:#x}: "
-                                  f"{self._f._ucp.status_string(st)}")
+                                  f"{self._rt.status_string(st)}")
             rkey = self._rkeys[key] = int(out[0])
         return rkey
 
@@ -374,7 +377,8 @@ class UcxLane(DataLane):
 
     def _mark_closed(self) -> None:
         self._closed = True
-        self._f._lanes.discard(self)
+        self._rt.unwatch_peer(self._watch)
+        self._on_closed(self)
 
     def _teardown(self, force: bool) -> Any:
         """Destroy the rkeys and start closing the endpoint; the close's wait (guard held)."""
@@ -383,17 +387,14 @@ class UcxLane(DataLane):
         ep, self._ep = self._ep, 0
         if not ep:
             return None
-        w = self._f._new_wait()
+        w = self._rt.new_wait()
         st = self._lib.tx_ep_close(ep, int(force), w)
         if st < 0 and st != _ucp.UCS_ERR_CANCELED:
-            logger.debug("ucp_ep_close_nbx to %s: %s", self.peer, self._f._ucp.status_string(st))
+            logger.debug("ucp_ep_close_nbx to %s: %s", self.peer, self._rt.status_string(st))
         return w
 
     def _check_peer(self) -> None:
-        if self._broken is None and self._peer_state.failed:
-            status = int(self._peer_state.status)
-            self._broken = self._f._ucp.status_string(status)
-            logger.warning("ucx lane to %s broke: %s", self.peer, self._broken)
+        self._rt.check_peer(self._watch)  # (calls _peer_failed once the peer failed)
 
     def _check_usable(self) -> None:
         if self._closed and not self._gone:
@@ -408,7 +409,7 @@ class UcxLane(DataLane):
             return BrokenError(f"the UCX lane to {self.peer} broke: {self._broken}")
         if self._closed:
             return ClosedError(f"the UCX lane to {self.peer} was closed")
-        text = self._f._ucp.status_string(status)
+        text = self._rt.status_string(status)
         if self._broken is None:
             self._broken = text
         return BrokenError(f"UCX operation to {self.peer} failed: {text}")
@@ -427,12 +428,6 @@ def _check_op(op: Op) -> None:
                           f"{op.remote.region_id:#x} of {op.remote.nbytes} B")
     if op.local.closed:
         raise ClosedError(f"memory region {op.local.region_id:#x} is closed")
-
-
-def _forget(lib: Any, w: Any) -> None:
-    """Drop the issuer's guard on ``w``; keep it alive while UCX may still complete it."""
-    if w is not None and lib.tx_wait_release(w) == 0:
-        ORPHANS.append(w)
 
 
 def _why(lanes: list[str], error_handling: bool) -> str:

@@ -13,18 +13,14 @@ them to tcp lanes on one host but turns a dead peer into ``BrokenError``; with
 times faster, but a peer that dies *during* a transfer aborts this process inside libucp (a
 peer that exited between calls is caught by a pidfd watch and gives ``BrokenError``).
 
-Completion: each call issues its ops and a flush against one ``tx_wait_t`` (issuing returns
-at once; UCX moves the data while the worker progresses). A small call progresses the worker
-inline a few dozen times (most finish there, in microseconds); then it wakes the progress
-thread (tensorx's driver, see ``_ucp.acquire_driver``, or ucxx's) and awaits an eventfd that
-the C completion callback writes. Large calls leave all progress to that thread. The event
-loop never spins. This module holds the factory (registrations, completion, progress); the
-lanes themselves are in ``_ucx_lane.py``.
+This module holds the factory: settings, the checks of what UCX runs here, peers' worker
+addresses (``_ucx_probe.py``) and opening lanes. What its lanes share (the context, the
+registrations, progress and completion) is its :class:`~._ucx_runtime.UcxRuntime`, which
+each lane receives at construction; the lanes are in ``_ucx_lane.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
@@ -32,20 +28,14 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from tensorx import _cuda
 from tensorx._deadline import Deadline
-from tensorx.errors import (
-    ClosedError,
-    ProtocolError,
-    RegionError,
-    TimeoutError,
-    TransportUnavailableError,
-    UsageError,
-)
+from tensorx.errors import ClosedError, ProtocolError, TransportUnavailableError, UsageError
 from tensorx.memregion import MemoryRegion
 from tensorx.transport import _ucp
-from tensorx.transport._ucx_lane import ORPHANS, UcxLane
+from tensorx.transport._ucx_lane import UcxLane, UcxSettings
 from tensorx.transport._ucx_probe import AddressProbe
+from tensorx.transport._ucx_progress import ProgressDriver
+from tensorx.transport._ucx_runtime import UcxRuntime
 from tensorx.transport.base import CUDA, HOST, Capabilities, LaneFactory, Link
 
 __all__ = ["UcxFactory", "UcxLane"]
@@ -130,8 +120,10 @@ class UcxFactory(LaneFactory):
         self.allow_tcp = bool(allow_tcp)
         if tls is None and not self.allow_tcp and "UCX_TLS" not in os.environ:
             tls = "^tcp"
-        self._ctx = _ucp.ucxx_context(DEFAULT_OPTIONS, tls, options)
-        self.context_handle = int(self._ctx.context.handle)
+        ctx, created = _ucp.ucxx_context(DEFAULT_OPTIONS, tls, options)
+        self.context_handle = int(ctx.context.handle)
+        if created:  # tensorx's own ucxx: it may drive its progress from now on
+            ProgressDriver.created(self.context_handle)
         self.transports = self._check_transports()
         # GPU memory: without cuda_copy UCX can neither register nor move it; the node then
         # exports GPU regions without UCX keys and their ops go to the TCP lane (UcxLane.carries)
@@ -139,29 +131,20 @@ class UcxFactory(LaneFactory):
         self.caps = Capabilities(
             memory=frozenset({HOST, CUDA} if self.gpu_memory else {HOST}), one_sided=True,
             peer_death=self.error_handling, same_host=False, rank=20)
-        self.worker_handle = int(self._ctx.worker.handle)
-        self._address = bytes(self._ctx.worker_address.tobytes())
-        settings = {**DEFAULT_OPTIONS, **(options or {}), "TLS": str(self._ctx.config["TLS"])}
+        settings = {**DEFAULT_OPTIONS, **(options or {}), "TLS": str(ctx.config["TLS"])}
         self._probe = AddressProbe(self._ucp.path,
                                    {f"UCX_{k.upper()}": str(v) for k, v in settings.items()})
-        spin = os.environ.get("TENSORX_UCX_SPIN_US")
-        if spin is not None:
-            progress_spin_us = None if spin.lower() in ("", "none", "off") else float(spin)
-        if progress_spin_us and len(os.sched_getaffinity(0)) < 2:
-            progress_spin_us = 0.0  # one core: polling only delays the threads that share it
-        self.driver = progress_spin_us is not None and _ucp.acquire_driver(
-            self._ucp, self._ctx, int(progress_spin_us * 1000))
-        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._waits: dict[int, tuple[Any, asyncio.Future[None]]] = {}
-        self._regs: dict[int, _Registration] = {}
+        self.runtime = UcxRuntime(self._ucp, ctx, spin_ns=_spin_ns(progress_spin_us),
+                                  inline_progress=self.inline_progress)
+        self._settings = UcxSettings(self.error_handling, self.chunk_bytes, self.inline_bytes,
+                                     self.gpu_memory)
         self._lanes: set[UcxLane] = set()
-        self._peer_states: list[Any] = []  # every lane's error-callback state
-        # ops that timed out or were cancelled while UCX still owns them: the memory they
-        # address stays pinned (mapped and registered) until UCX completes them
-        self._held: list[tuple[Any, list[MemoryRegion]]] = []
-        self._unmap_later: set[int] = set()
         self._closed = False
+
+    @property
+    def driver(self) -> bool:
+        """Whether tensorx's progress driver progresses the worker for this factory."""
+        return self.runtime.driver
 
     def _check_transports(self) -> set[str]:
         """The transports of this process's UCX context; TransportUnavailableError where
@@ -189,11 +172,11 @@ class UcxFactory(LaneFactory):
     def register(self, region: MemoryRegion) -> dict[str, Any] | None:
         if region.is_cuda and not self.gpu_memory:  # its ops go over the TCP lane
             return None
-        reg = self._registration(region)
+        reg = self.runtime.register(region)
         return {"addr": region.address, "rkey": reg.rkey}
 
     def release(self, region: MemoryRegion) -> None:
-        self._unpin([region])
+        self.runtime.unpin([region])
 
     def offer(self, binding: bytes) -> Any:
         return self.local_info()
@@ -203,7 +186,7 @@ class UcxFactory(LaneFactory):
 
     def local_info(self) -> dict[str, Any]:
         """What a peer needs to open a UCX lane to us (our :meth:`offer`)."""
-        return {"worker_address": self._address, "error_handling": self.error_handling,
+        return {"worker_address": self.runtime.address, "error_handling": self.error_handling,
                 "host": socket.gethostname(), "pid": os.getpid(),
                 "ucx": self._ucp.version(), "gpu": self.gpu_memory}
 
@@ -225,10 +208,11 @@ class UcxFactory(LaneFactory):
             raise TransportUnavailableError(
                 f"UCX error handling differs ({peer}: {peer_info.get('error_handling')}, "
                 f"here: {self.error_handling}); UCX needs both sides to agree")
-        self._attach_loop()
+        self.runtime.attach_loop()
         deadline = Deadline(timeout)  # the caller's budget, whatever is left of it
         await self._probe.check(address, self.error_handling, peer, deadline.left())
-        lane = UcxLane(self, address, peer, peer_info)
+        lane = UcxLane(self.runtime, self._settings, address, peer, peer_info,
+                       closed=self._lanes.discard)
         try:
             await lane._connect(deadline.left())
         except BaseException:
@@ -246,182 +230,23 @@ class UcxFactory(LaneFactory):
             for lane in list(self._lanes):
                 await lane.aclose()
         finally:
-            for region_id in list(self._regs):
-                self._unregister(region_id)
-            self._detach_loop()
-            self._retire_efd()
-            if self.driver:
-                self.driver = False
-                _ucp.release_driver(self._ucp, self._ctx)
-
-    def _retire_efd(self) -> None:
-        # Callbacks UCX may still run must not write into a recycled descriptor number.
-        for w in [*ORPHANS, *(w for w, _ in self._waits.values()), *self._peer_states]:
-            if w.efd == self._efd:
-                w.efd = -1
-        self._waits.clear()
-        os.close(self._efd)
-
-    # -- registrations ---------------------------------------------------------------
-    def _registration(self, region: MemoryRegion) -> _Registration:
-        self._check_open()
-        reg = self._regs.get(region.region_id)
-        if reg is None:
-            reg = self._map(region)
-            self._regs[region.region_id] = reg
-            region.add_close_callback(self._on_region_closed)
-        return reg
-
-    def _on_region_closed(self, region: MemoryRegion) -> None:
-        """Deregister now, or once the last op still using the memory has completed."""
-        if region.backing.pinned:
-            self._unmap_later.add(region.region_id)
-        else:
-            self._unregister(region.region_id)
-
-    def _map(self, region: MemoryRegion) -> _Registration:
-        if region.nbytes == 0:
-            return _Registration(0, b"")
-        if region.is_cuda and self.driver:  # UCX's CUDA transports progress in this context
-            _ucp.set_driver_cuda(self._ucp, _cuda.device_index(region.device))
-        memh = self._ffi.new("uintptr_t *")
-        st = self._lib.tx_mem_map(self.context_handle, region.address, region.nbytes,
-                                  int(region.is_cuda), memh)
-        if st != _ucp.UCS_OK:
-            raise RegionError(f"ucp_mem_map of {region!r} failed: {self._ucp.status_string(st)}")
-        buf, size = self._ffi.new("void **"), self._ffi.new("size_t *")
-        st = self._lib.tx_rkey_pack(self.context_handle, memh[0], buf, size)
-        if st != _ucp.UCS_OK:
-            self._lib.tx_mem_unmap(self.context_handle, memh[0])
-            raise RegionError(f"ucp_rkey_pack failed: {self._ucp.status_string(st)}")
-        rkey = bytes(self._ffi.buffer(buf[0], size[0]))
-        self._lib.tx_rkey_buffer_release(buf[0])
-        return _Registration(int(memh[0]), rkey)
-
-    def _unregister(self, region_id: int) -> None:
-        reg = self._regs.pop(region_id, None)
-        if reg is not None and reg.memh:
-            st = self._lib.tx_mem_unmap(self.context_handle, reg.memh)
-            if st != _ucp.UCS_OK:
-                logger.warning("ucp_mem_unmap failed: %s", self._ucp.status_string(st))
-
-    def _local_memh(self, region: MemoryRegion) -> int:
-        try:
-            return self._registration(region).memh
-        except RegionError:  # e.g. read-only memory some transport cannot map: no memh
-            return 0
-
-    # -- completion ------------------------------------------------------------------
-    def _attach_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is loop:
-            return
-        if self._loop is not None and not self._loop.is_closed():
-            raise UsageError("a UcxFactory serves one event loop")
-        self._loop = loop
-        loop.add_reader(self._efd, self._on_event)
-
-    def _detach_loop(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._efd)
-        self._loop = None
-
-    def _on_event(self) -> None:
-        try:
-            os.eventfd_read(self._efd)
-        except BlockingIOError:
-            pass
-        for key, (w, fut) in list(self._waits.items()):
-            if w.pending == 0:
-                del self._waits[key]
-                if not fut.done():
-                    fut.set_result(None)
-        for lane in list(self._lanes):
-            lane._check_peer()
-        if self._held:
-            self._reap()
-        if ORPHANS:  # completed orphans: UCX holds no reference to them any more
-            ORPHANS[:] = [w for w in ORPHANS if w.pending]
-
-    def _hold_until_done(self, w: Any, regions: list[MemoryRegion]) -> None:
-        """``w``'s ops address ``regions`` (pinned): unpin them when UCX completes ``w``."""
-        if w.pending == 0:
-            self._unpin(regions)
-        else:
-            self._held.append((w, regions))
-
-    def _reap(self) -> None:
-        done = [(w, regions) for w, regions in self._held if w.pending == 0]
-        self._held = [(w, regions) for w, regions in self._held if w.pending != 0]
-        for _, regions in done:
-            self._unpin(regions)
-
-    def _unpin(self, regions: list[MemoryRegion]) -> None:
-        for region in regions:
-            region.backing.unpin()
-            if not region.backing.pinned and region.region_id in self._unmap_later:
-                self._unmap_later.discard(region.region_id)
-                self._unregister(region.region_id)
-
-    def _new_wait(self) -> Any:
-        w = self._ffi.new("tx_wait_t *")
-        self._lib.tx_wait_init(w, self._efd)
-        return w
-
-    async def _complete(self, w: Any, timeout: float | None, *, inline: bool = True,
-                        lane: UcxLane | None = None) -> None:
-        """Release the issuer's guard on ``w`` and wait until every op on it finished."""
-        if self._lib.tx_wait_release(w):
-            return
-        if inline and self.inline_progress:
-            self._lib.tx_progress(self.worker_handle, self.inline_progress, w)
-            if w.pending == 0:
-                return
-        assert self._loop is not None
-        fut: asyncio.Future[None] = self._loop.create_future()
-        key = id(w)
-        self._waits[key] = (w, fut)
-        self._lib.tx_signal(self.worker_handle)  # the progress thread may sleep in epoll_wait
-        if w.pending == 0:  # completed before the future was visible
-            self._waits.pop(key, None)
-            return
-        try:
-            await self._sleep_until(fut, w, timeout, lane)
-        finally:
-            if self._waits.pop(key, None) is not None and w.pending:
-                ORPHANS.append(w)
-
-    async def _sleep_until(self, fut: asyncio.Future[None], w: Any,
-                           timeout: float | None, lane: UcxLane | None) -> None:
-        """Await ``fut``; every so often wake ucxx's progress thread again, as a safety net
-        (shared-memory lanes have no event fd to wake it with)."""
-        deadline = Deadline(timeout)
-        poll = 0.001
-        while True:
-            left = deadline.left()
-            await asyncio.wait([fut], timeout=poll if left is None else min(poll, left))
-            if fut.done() or w.pending == 0:
-                return
-            if lane is not None:
-                lane._check_usable()  # e.g. the peer process exited meanwhile
-            if left is not None and left <= poll:
-                raise TimeoutError(f"UCX operation did not complete within {timeout} s")
-            self._lib.tx_signal(self.worker_handle)
-            poll = min(poll * 2, 0.05)
+            self.runtime.close()
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the UCX transport is closed")
 
 
+def _spin_ns(progress_spin_us: float | None) -> int | None:
+    """The driver's polling time after work (None: ucxx's thread progresses instead)."""
+    spin = os.environ.get("TENSORX_UCX_SPIN_US")
+    if spin is not None:
+        progress_spin_us = None if spin.lower() in ("", "none", "off") else float(spin)
+    if progress_spin_us and len(os.sched_getaffinity(0)) < 2:
+        progress_spin_us = 0.0  # one core: polling only delays the threads that share it
+    return None if progress_spin_us is None else int(progress_spin_us * 1000)
+
+
 # transports with UCX peer-failure handling that carry RMA in hardware (tcp: in software)
 PEER_FAILURE_TLS = ("rc", "dc", "ud", "tcp")
 _RESOURCE = re.compile(r"resource\s+\d+\s*:.*?--\s+([A-Za-z0-9_]+)/")
-
-
-class _Registration:
-    __slots__ = ("memh", "rkey")
-
-    def __init__(self, memh: int, rkey: bytes) -> None:
-        self.memh = memh
-        self.rkey = rkey

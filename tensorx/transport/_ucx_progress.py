@@ -1,0 +1,143 @@
+"""Who progresses the process's UCX worker: tensorx's driver thread or ucxx's own.
+
+ucxx has one context and one worker per process, so their progress is a fact about the
+process, not about a node: :class:`ProgressDriver` is the process's one driver
+(``tx_driver_main`` in ``_ucp_build.py``), shared by every :class:`UcxRuntime` that wants
+it and stopped when the last one lets go, which hands progress back to ucxx's thread. It
+replaces ucxx's thread only where tensorx initialised ucxx itself: another user of ucxx in
+the process keeps its own progress.
+
+How long progress may sleep: the driver keeps polling for ``spin_ns`` after the last sign of
+work, then sleeps in epoll on the worker's fd, at most 1 ms while any op is in flight (a
+copy by cma or posix happens inside a progress call and wakes no fd) and 100 ms otherwise;
+ucxx's thread sleeps at most 1 ms (its ``epoll_timeout``). Either way the event loop never
+has to poll: a completion reaches it through the runtime's eventfd.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any, ClassVar
+
+from tensorx import _cuda
+from tensorx.errors import TensorxError
+from tensorx.transport._ucp import UcpLib
+
+__all__ = ["ProgressDriver"]
+
+logger = logging.getLogger("tensorx.transport.ucx")
+
+
+class ProgressDriver:
+    """The process's progress driver thread (see the module docstring)."""
+
+    _lock = threading.Lock()
+    _running: ClassVar[ProgressDriver | None] = None
+    _ours: ClassVar[set[int]] = set()  # UCP contexts tensorx created (by handle)
+
+    def __init__(self, ucp: UcpLib, ctx: Any, handle: Any) -> None:
+        self._ucp = ucp
+        self._ctx = ctx
+        self._handle = handle
+        self._users = 0
+        self._cuda_device: int | None = None  # whose context the driver thread has
+
+    @classmethod
+    def created(cls, context: int) -> None:
+        """tensorx initialised ucxx, whose UCP context is ``context``: it may drive it."""
+        cls._ours.add(context)
+
+    @classmethod
+    def acquire(cls, ucp: UcpLib, ctx: Any, spin_ns: int) -> ProgressDriver | None:
+        """The running driver, started (in place of ucxx's thread) if none runs; None
+        where ucxx is another user's, or the driver failed to start (logged)."""
+        with cls._lock:
+            if int(ctx.context.handle) not in cls._ours:
+                return None
+            driver = cls._running
+            if driver is None:
+                driver = cls._start(ucp, ctx, spin_ns)
+                if driver is None:
+                    return None
+            driver._users += 1
+            return driver
+
+    @classmethod
+    def _start(cls, ucp: UcpLib, ctx: Any, spin_ns: int) -> ProgressDriver | None:
+        err = ucp.ffi.new("int *")
+        ctx.worker.stop_progress_thread()
+        handle = ucp.lib.tx_driver_start(int(ctx.worker.handle), spin_ns, err)
+        if handle == ucp.ffi.NULL:
+            _start_ucxx_thread(ctx)
+            logger.warning("UCX progress driver failed to start (%s); using ucxx's",
+                           ucp.status_string(err[0]))
+            return None
+        driver = cls._running = cls(ucp, ctx, handle)
+        atexit.register(driver._stop)  # before ucxx's teardown (atexit is LIFO)
+        if _cuda.available():  # a CUDA process: its context, on the driver thread too
+            driver._apply_cuda(_cuda_device())
+        return driver
+
+    def release(self) -> None:
+        """One user less; the last one stops the driver and gives progress back to ucxx."""
+        with self._lock:
+            self._users -= 1
+            if self._users or self._handle is None:
+                return
+            self._stop()
+            _start_ucxx_thread(self._ctx)
+
+    def _stop(self) -> None:
+        """Stop the thread (at exit, or when the last user is gone)."""
+        self._cuda_device = None
+        if self._handle is not None:
+            self._ucp.lib.tx_driver_stop(self._handle)
+            self._handle = None
+            atexit.unregister(self._stop)
+        if ProgressDriver._running is self:
+            ProgressDriver._running = None
+
+    def set_cuda(self, device: int) -> None:
+        """Make ``device``'s primary context current on the driver thread (UCX's CUDA
+        transports progress in the thread's current context). Idempotent per device."""
+        with self._lock:
+            self._apply_cuda(device)
+
+    def _apply_cuda(self, device: int) -> None:
+        if self._handle is None or self._cuda_device == device:
+            return
+        try:
+            context = _cuda.primary_context(device)
+        except TensorxError as exc:
+            logger.warning("UCX progress thread gets no CUDA context: %s", exc)
+            return
+        self._ucp.lib.tx_driver_set_cuda(self._handle, context)
+        self._cuda_device = device
+
+    def cuda_status(self) -> int:
+        """-1 pending, 0 current, -2 no libcuda, >0 a CUresult."""
+        return -1 if self._handle is None else int(self._ucp.lib.tx_driver_cuda(self._handle))
+
+
+def _cuda_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())
+
+
+def _context_on_thread(device: int) -> None:
+    try:
+        _cuda.make_current(device)
+    except TensorxError as exc:  # never raise inside ucxx's thread
+        logger.warning("UCX progress thread gets no CUDA context: %s", exc)
+
+
+def _start_ucxx_thread(ctx: Any) -> None:
+    """Give progress (back) to ucxx's thread, with the CUDA context made current on it
+    first when this process uses CUDA, as ucxx does when it starts that thread itself."""
+    if _cuda.available():
+        device = _cuda_device()
+        ctx.worker.set_progress_thread_start_callback(_context_on_thread, cb_args=(device,))
+    ctx.worker.start_progress_thread(False, 1)

@@ -1,0 +1,59 @@
+"""The UCX runtime's completion: a wait ends when its ops complete, when its timer runs out
+or as soon as its lane's peer is seen to fail; nothing in between polls. Waits here are
+real ``tx_wait_t`` of a real runtime, with an op in flight stood in by one more count."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+pytest.importorskip("ucxx")
+
+from tensorx.errors import BrokenError, TimeoutError
+from tensorx.transport._ucx_runtime import UcxRuntime
+from tensorx.transport.ucx import UcxFactory
+
+pytestmark = pytest.mark.ucx
+
+
+@pytest.fixture
+async def runtime() -> AsyncIterator[UcxRuntime]:
+    factory = UcxFactory(error_handling=True)
+    factory.runtime.attach_loop()
+    yield factory.runtime
+    await factory.aclose()
+
+
+def in_flight(runtime: UcxRuntime) -> object:
+    """A wait with one op UCX has not completed (and never will, by itself)."""
+    w = runtime.new_wait()
+    w.pending += 1
+    return w
+
+
+async def test_a_peer_seen_to_fail_ends_its_waits_at_once(runtime: UcxRuntime) -> None:
+    told: list[str] = []
+    watch = runtime.watch_peer("peer", told.append)
+    w = in_flight(runtime)
+    waiting = asyncio.ensure_future(runtime.complete(w, None, inline=False, watch=watch))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    runtime.peer_failed(watch, "the peer process exited")
+    with pytest.raises(BrokenError, match="peer process exited"):
+        await asyncio.wait_for(waiting, 5)  # no timeout of its own: only the failure ends it
+    assert told == ["the peer process exited"]
+    assert w in runtime._orphans  # UCX still owns it: kept alive until it completes
+
+
+async def test_a_wait_ends_on_its_timer_and_on_its_completion(runtime: UcxRuntime) -> None:
+    w = in_flight(runtime)
+    with pytest.raises(TimeoutError):
+        await runtime.complete(w, 0.05, inline=False)
+    other = in_flight(runtime)
+    waiting = asyncio.ensure_future(runtime.complete(other, None, inline=False))
+    await asyncio.sleep(0)
+    runtime.lib.tx_wait_release(other)  # the op completes (as UCX's callback would) ...
+    runtime._on_event()  # ... and its eventfd's callback runs
+    await asyncio.wait_for(waiting, 5)
