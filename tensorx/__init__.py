@@ -28,6 +28,7 @@ from tensorx.errors import (
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
 # Nodes and endpoints
+from tensorx._queues import MessageStream  # isort: skip  # what ep.messages is
 from tensorx.endpoint import Endpoint  # isort: skip
 from tensorx.node import Node  # isort: skip
 
@@ -66,6 +67,7 @@ __all__ = [
     "Endpoint",
     "GraphAnalyzer",
     "MemoryRegion",
+    "MessageStream",
     "Node",
     "OptimizerError",
     "ParameterServer",

@@ -86,7 +86,7 @@ class Endpoint:
     @property
     def messages(self) -> MessageStream:
         """This peer's notifications, in order, ending after its last one (see
-        :class:`~tensorx._queues.MessageStream`: ``await ep.messages.get(timeout)``, or
+        :class:`~tensorx.MessageStream`: ``await ep.messages.get(timeout)``, or
         ``async for payload in ep.messages``). Asking for it claims them: from then on
         they come here and no longer to ``node.notifications``. Ask right after
         :meth:`Node.connect` returns (before awaiting anything else); for the endpoints
