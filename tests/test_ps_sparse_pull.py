@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import answer
+from tensorx._ps import answer, parts
 from tensorx._ps.changed import runs
 from tensorx.ps import ParameterServer
 
@@ -118,9 +118,14 @@ def packed_bound(rows: int, arena: int) -> int:
 
 
 @pytest.mark.parametrize("lane", lanes())
-async def test_changed_rows_travel_packed_into_the_workers_inbox(lane: str) -> None:
+@pytest.mark.parametrize("in_parts", [False, True], ids=["at-once", "in-parts"])
+async def test_changed_rows_travel_packed_into_the_workers_inbox(
+        lane: str, in_parts: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the default options an answer writes the changed rows and their ids, packed,
-    not runs over the rows between them (which the skewed ids make most of the table)."""
+    not runs over the rows between them (which the skewed ids make most of the table);
+    also when the update is applied in parts, the tables' rows ahead of the dense part."""
+    if in_parts:
+        monkeypatch.setattr(parts, "PART_BYTES", 16)  # the head's 68 B: more than a part
     models, per_answer, arena = await train(SGD, lane)
     check_equals_one_process(models, SGD)
     assert per_answer <= packed_bound(most_rows_changed(), arena), (per_answer, arena)

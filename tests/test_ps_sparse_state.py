@@ -129,6 +129,32 @@ def test_tables_get_the_mean_of_the_ranks_rows() -> None:
         assert torch.equal(after[name][untouched], before[name][untouched])
 
 
+@pytest.mark.parametrize("ranks", [[0], [0, 1]])
+def test_a_tables_gradient_is_the_coalesced_mean_of_the_rows(ranks: list[int]) -> None:
+    """Rows as a worker stages them (sorted, unique), or not (a rank's ids out of order and
+    repeated): the gradient is what torch's coalesce() gives of them all, over the ranks;
+    changing it in place (clipping) leaves the rows a rank pushed as they were."""
+    state = state_of(lambda p: torch.optim.SGD(p, lr=0.5))
+    n, dim = TABLES["emb.weight"]
+    pushed = [(torch.tensor([9, 3, 9, 0]), torch.randn(4, dim)), rows_of(5)["emb.weight"]]
+    for r in ranks:
+        state.put_rows(r, {"emb.weight": pushed[r]})
+    i = state.rows.index("emb.weight")
+    grad = state.rows.grad(ranks, i)
+    assert grad is not None and grad.is_coalesced()
+    ids = torch.cat([pushed[r][0] for r in ranks])
+    values = torch.cat([pushed[r][1] for r in ranks])
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        want = torch.sparse_coo_tensor(ids[None], values / len(ranks), (n, dim)).coalesce()
+    assert torch.equal(grad.indices(), want.indices())
+    torch.testing.assert_close(grad.values(), want.values())
+    kept = [pushed[r][1].clone() for r in ranks]
+    grad.values().mul_(0.0)
+    assert all(torch.equal(pushed[r][1], k) for r, k in zip(ranks, kept, strict=True))
+    sorted_once = state.rows.grad([1], i) if 1 in ranks else None
+    assert sorted_once is None or torch.equal(sorted_once.indices()[0], pushed[1][0])
+
+
 def test_optimizer_state_packs_for_a_remote_optimizer() -> None:
     """What RemoteOptimizer.state_dict() gathers from a shard: per-row state included."""
     state = state_of(lambda p: RowWiseAdagrad(p))

@@ -76,7 +76,7 @@ class ChangedRows:
         """The update that made ``version`` is complete."""
         self._memo.clear()
         if self._known:
-            changed = {i: torch.unique(torch.cat(ids)) for i, ids in self._current.items()}
+            changed = {i: _union(ids) for i, ids in self._current.items()}
             if self._history and self._history[-1][0] != version - 1:
                 self._history.clear()
             self._history.append((version, changed))
@@ -117,7 +117,12 @@ class ChangedRows:
         if current:
             for i, more in self._current.items():
                 parts.setdefault(i, []).extend(more)
-        return {i: torch.unique(torch.cat(got)) for i, got in parts.items()}
+        return {i: _union(got) for i, got in parts.items()}
+
+
+def _union(ids: list[torch.Tensor]) -> torch.Tensor:
+    """Sorted unique ids of all of ``ids`` (each sorted unique: a coalesced gradient's)."""
+    return ids[0] if len(ids) == 1 else torch.unique(torch.cat(ids))
 
 
 def runs(ids: torch.Tensor, row_bytes: int, gap_bytes: int) -> list[tuple[int, int]]:

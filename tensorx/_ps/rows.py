@@ -100,14 +100,13 @@ class SparseRows:
         parts = [self._rows[r][i] for r in ranks if i in self._rows.get(r, {})]
         if not parts:
             return None
-        spec = self._specs[i]
-        ids = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        values = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        with torch.no_grad(), no_invariant_checks():
-            g = torch.sparse_coo_tensor(ids.unsqueeze(0), values, spec.shape).coalesce()
-            if len(ranks) > 1:  # in place on the values: the tensor stays coalesced
-                g.values().div_(len(ranks))
-        return g
+        with torch.no_grad():
+            ids, values = _sum_rows(parts)
+            if len(ranks) > 1:
+                values.div_(len(ranks))
+        with no_invariant_checks():
+            return torch.sparse_coo_tensor(ids.unsqueeze(0), values, self._specs[i].shape,
+                                           is_coalesced=True)
 
     def gather(self, ranks: Sequence[int]) -> None:
         """Make every table's gradient now (it may be changed in place before the step)."""
@@ -116,3 +115,19 @@ class SparseRows:
 
     def ungather(self) -> None:
         self._gathered = None
+
+
+def _sum_rows(parts: Sequence[Rows]) -> Rows:
+    """The rows of ``parts`` summed by row id: (sorted unique ids, fresh values), as
+    ``coalesce()`` gives them. One part of sorted unique ids (what a worker stages) is
+    taken as it is (its values copied: the gradient may be changed in place, the rows a
+    rank pushed may not); else one sort and one scatter-add, in rank order."""
+    if len(parts) == 1:
+        ids, values = parts[0]
+        if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
+            return ids, values.clone()
+    ids = torch.cat([p[0] for p in parts])
+    values = torch.cat([p[1] for p in parts])
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    summed = values.new_zeros((int(unique.numel()), *values.shape[1:]))
+    return unique, summed.index_add_(0, inverse, values)

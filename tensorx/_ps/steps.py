@@ -70,7 +70,7 @@ class Steps(ShardCore):
                 self.stats["arena_moves"] = self.outbox.moves
             copies = [p for p in targets if not p.mapped and not self.outbox.pending(p.rank)]
             try:
-                if copies and self.state.num_parts > 1:
+                if copies and self.state.in_parts:
                     sending = await apply_in_parts(self.state, decision.apply, copies,
                                                    self.send_timeout, self._sparse)
                 else:
