@@ -17,7 +17,6 @@ from /dev/shm, see :mod:`tensorx._ps.shared`) and a step only exchanges notifica
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import random
@@ -34,6 +33,7 @@ from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
 from tensorx._ps.checksum import checksum
 from tensorx._ps.hyper import snapshot as hyper_snapshot
 from tensorx._ps.optim import plan_params
+from tensorx._ps.parts import check_parts, split_ops
 from tensorx._ps.shared import SharedArenas
 from tensorx._ps.sparse import SparseSender, dynamic_path_ok
 from tensorx._ps.stats import WorkerTimings
@@ -557,40 +557,6 @@ class Worker:
         if self._notes.get(shard) != why:
             logger.info("worker rank %d: ps shard %d holds our step: %r", self.rank, shard, why)
         self._notes[shard] = why
-
-
-def check_parts(parts: Any, nbytes: int) -> list[tuple[int, int]]:
-    """A welcome's ``parts`` ([[offset, nbytes], ...] in order, inside an arena of
-    ``nbytes``), checked."""
-    out: list[tuple[int, int]] = []
-    at = 0
-    for part in parts:
-        if not (isinstance(part, list) and len(part) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in part)):
-            raise ProtocolError(f"welcome: malformed part {part!r}")
-        off, n = part
-        if off < at or n <= 0 or off + n > nbytes:
-            raise ProtocolError(f"welcome: part {part!r} out of order or outside the arena")
-        out.append((off, n))
-        at = off + n
-    return out
-
-
-def split_ops(ops: list[tuple[Any, ...]], parts: list[tuple[int, int]]
-              ) -> dict[int, list[tuple[Any, ...]]]:
-    """``ops`` (region, desc, offset, remote offset, nbytes: the same offsets on both
-    sides) cut at the ``parts``' bounds, by part; bytes outside every part (alignment
-    padding) go with the part before them, or the first."""
-    out: dict[int, list[tuple[Any, ...]]] = {}
-    starts = [off for off, _ in parts]
-    for region, desc, off, _, n in ops:
-        end = off + n
-        while off < end:
-            k = max(0, bisect.bisect_right(starts, off) - 1)
-            stop = end if k + 1 == len(parts) else min(end, max(starts[k + 1], off + 1))
-            out.setdefault(k, []).append((region, desc, off, off, stop - off))
-            off = stop
-    return out
 
 
 def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:

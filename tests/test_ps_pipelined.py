@@ -17,10 +17,11 @@ from torch import nn
 
 from tensorx._ps import parts, protocol
 from tensorx._ps import round as rounds
+from tensorx._ps.parts import check_parts, split_ops
 from tensorx._ps.round import PartBackups, Round
 from tensorx.errors import ProtocolError, TensorxError, UsageError
 from tensorx.ps import ParameterServer
-from tensorx.worker import Worker, check_parts, split_ops
+from tensorx.worker import Worker
 
 from .conftest import lanes, node_transport
 from .test_ps_train import ADAM, SGD_MOMENTUM, backward, batches, make_model, train_single

@@ -7,16 +7,21 @@ of them at once, so the shard can write part ``k`` of the new parameters back to
 while it computes part ``k + 1``.
 
 Checkpoints keep the one-parameter form (:func:`merge_state` on save, :func:`split_state` on
-load), so a checkpoint does not depend on the part size. Pure: no I/O.
+load), so a checkpoint does not depend on the part size. A pipelined round's parts (see
+:mod:`tensorx._ps.round`) as a worker sees them: :func:`check_parts` checks the welcome's
+list, :func:`split_ops` cuts a push at their bounds. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
 
-__all__ = ["PART_BYTES", "bounds", "merge_state", "split_state"]
+from tensorx.errors import ProtocolError
+
+__all__ = ["PART_BYTES", "bounds", "check_parts", "merge_state", "split_ops", "split_state"]
 
 PART_BYTES = 16 << 20
 
@@ -67,3 +72,37 @@ def _per_element(value: Any, numel: int) -> bool:
 
 def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def check_parts(parts: Any, nbytes: int) -> list[tuple[int, int]]:
+    """A welcome's ``parts`` ([[offset, nbytes], ...] in order, inside an arena of
+    ``nbytes``), checked."""
+    out: list[tuple[int, int]] = []
+    at = 0
+    for part in parts:
+        if not (isinstance(part, list) and len(part) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in part)):
+            raise ProtocolError(f"welcome: malformed part {part!r}")
+        off, n = part
+        if off < at or n <= 0 or off + n > nbytes:
+            raise ProtocolError(f"welcome: part {part!r} out of order or outside the arena")
+        out.append((off, n))
+        at = off + n
+    return out
+
+
+def split_ops(ops: list[tuple[Any, ...]], parts: list[tuple[int, int]]
+              ) -> dict[int, list[tuple[Any, ...]]]:
+    """``ops`` (region, desc, offset, remote offset, nbytes: the same offsets on both
+    sides) cut at the ``parts``' bounds, by part; bytes outside every part (alignment
+    padding) go with the part before them, or the first."""
+    out: dict[int, list[tuple[Any, ...]]] = {}
+    starts = [off for off, _ in parts]
+    for region, desc, off, _, n in ops:
+        end = off + n
+        while off < end:
+            k = max(0, bisect.bisect_right(starts, off) - 1)
+            stop = end if k + 1 == len(parts) else min(end, max(starts[k + 1], off + 1))
+            out.setdefault(k, []).append((region, desc, off, off, stop - off))
+            off = stop
+    return out
