@@ -13,7 +13,7 @@ from types import TracebackType
 
 from tensorx.errors import BrokenError, TensorxError, TransportUnavailableError
 
-__all__ = ["OS_ERRORS", "UCX_ERRORS", "map_exceptions"]
+__all__ = ["OS_ERRORS", "TORCH_ERRORS", "UCX_ERRORS", "map_exceptions"]
 
 OS_ERRORS: Mapping[type[BaseException], type[TensorxError]] = {OSError: BrokenError}
 """A socket or syscall that failed: the peer or the link broke it."""
@@ -22,6 +22,11 @@ UCX_ERRORS: Mapping[type[BaseException], type[TensorxError]] = {
     Exception: TransportUnavailableError}
 """Loading or starting UCX (libucx, ucxx, its context) failed: no UCX lane here. ucxx
 raises its own exception types and plain ones alike, so every one of them counts."""
+
+TORCH_ERRORS: Mapping[type[BaseException], type[TensorxError]] = {
+    ImportError: TransportUnavailableError, RuntimeError: TransportUnavailableError,
+    AssertionError: TransportUnavailableError}
+"""torch cannot reach a GPU here (not installed, no CUDA, no such device)."""
 
 # Ours already; and "not ready yet" on a non-blocking socket, which is flow control.
 _PASS: tuple[type[BaseException], ...] = (TensorxError, BlockingIOError, InterruptedError)

@@ -34,8 +34,8 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from tensorx.errors import TransportUnavailableError
 from tensorx.memregion import MemoryRegion
+from tensorx.transport._exceptions import TORCH_ERRORS, map_exceptions
 from tensorx.transport._sock import FrameReader
 
 __all__ = ["CHUNK", "POOL", "Land", "RecvStager", "SendStager", "StagedRange", "describe",
@@ -223,7 +223,8 @@ class _CudaCopier:
     _streams: dict[str, Any] = {}  # one side stream per device, per process
 
     def __init__(self, region: MemoryRegion) -> None:
-        try:
+        with map_exceptions(f"GPU memory over TCP is staged with torch, which cannot reach "
+                            f"{region.device} here", TORCH_ERRORS):
             import torch
 
             self._device = torch.device(region.device)
@@ -231,10 +232,6 @@ class _CudaCopier:
             if stream is None:
                 stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
                 self._streams[region.device] = stream
-        except (ImportError, RuntimeError, AssertionError) as exc:
-            raise TransportUnavailableError(
-                f"GPU memory over TCP is staged with torch, which cannot reach "
-                f"{region.device} here: {exc}") from exc
         self._torch = torch
         self._stream = stream
 

@@ -61,11 +61,8 @@ class UcpLib:
 
 def ucx_paths() -> tuple[str, Path, Path]:
     """(version, include dir, lib dir) of the ``libucx`` wheel; TransportUnavailableError."""
-    try:
+    with map_exceptions("UCX is not installed (pip install 'tensorx[ucx]')", UCX_ERRORS):
         import libucx
-    except ImportError as exc:
-        raise TransportUnavailableError(
-            "UCX is not installed (pip install 'tensorx[ucx]')") from exc
     root = Path(libucx.__file__).parent
     include, lib = root / "include", root / "lib"
     if not (include / "ucp" / "api" / "ucp.h").is_file() or not (lib / "libucp.so").exists():
@@ -126,10 +123,8 @@ def _find_built(target: Path) -> Path | None:
 
 
 def _build(target: Path, include: Path, lib: Path) -> Path:
-    try:
+    with map_exceptions("the UCX transport needs cffi (pip install cffi)", UCX_ERRORS):
         import cffi
-    except ImportError as exc:
-        raise TransportUnavailableError("the UCX transport needs cffi (pip install cffi)") from exc
     from tensorx.transport._ucp_build import CDEF, SOURCE
 
     ffi = cffi.FFI()
@@ -184,10 +179,8 @@ def _import_from(path: Path) -> ModuleType:
     if spec is None or spec.loader is None:
         raise TransportUnavailableError(f"cannot load the UCX binding from {path}")
     module = importlib.util.module_from_spec(spec)
-    try:
+    with map_exceptions(f"cannot load the UCX binding {path}", UCX_ERRORS):
         spec.loader.exec_module(module)
-    except ImportError as exc:
-        raise TransportUnavailableError(f"cannot load the UCX binding {path}: {exc}") from exc
     return module
 
 
