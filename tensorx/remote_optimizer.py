@@ -61,6 +61,10 @@ from tensorx.worker import Worker
 
 __all__ = ["RemoteOptimizer"]
 
+# close() takes no budget: its tasks are cancelled by then, and a loop thread that still
+# does not stop must not hold the caller's close (or the interpreter's exit) up forever.
+STOP_TIMEOUT = 10.0
+
 
 class RemoteOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` for ``model`` whose optimizer runs on the PS shards at
@@ -266,7 +270,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         with contextlib.suppress(Exception):
             self._call(_cancel_leftovers())
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=STOP_TIMEOUT)
         self._loop.close()
 
     def __enter__(self) -> RemoteOptimizer:

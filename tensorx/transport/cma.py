@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
-from tensorx._deadline import wait_for
+from tensorx._deadline import Deadline, wait_for
 from tensorx._exports import check_bounds
 from tensorx._shm import host_id
 from tensorx.errors import (
@@ -361,10 +361,10 @@ class CmaLane(DataLane):
         self.ops += 1
         return True
 
-    async def _segments(self, ops: Sequence[Op], timeout: float | None) -> list[Segment]:
+    async def _segments(self, ops: Sequence[Op], deadline: Deadline) -> list[Segment]:
         segments: list[Segment] = []
         for op in ops:
-            addr = await self._address(op, timeout)
+            addr = await self._address(op, deadline.left())
             # the endpoint checked the range against the owner's size; defence:
             check_bounds(op.remote.nbytes, op.remote_offset, op.nbytes)
             segments.append((op.local.address + op.local_offset, addr + op.remote_offset,
@@ -384,9 +384,10 @@ class CmaLane(DataLane):
         await self._run(ops, True, timeout)
 
     async def _run(self, ops: Sequence[Op], to_remote: bool, timeout: float | None) -> None:
+        deadline = Deadline(timeout)  # asking owners for addresses, then copying
         async with self._tracked():
-            segments = await self._segments(ops, timeout)
-            await self._copy(segments, list(ops), to_remote, timeout)
+            segments = await self._segments(ops, deadline)
+            await self._copy(segments, list(ops), to_remote, deadline.left())
 
     async def flush(self, *, timeout: float | None) -> None:
         """Every op started before (reads too: a revocation is acknowledged after this)
