@@ -1,4 +1,5 @@
-"""Coverage-guided fuzzing (atheris) of everything that parses bytes from a peer.
+"""Coverage-guided fuzzing (atheris) of everything that parses bytes from a peer: frame
+prefixes and headers, region descriptors, parameter-server messages.
 
     python fuzz/fuzz_wire.py -runs=200000        # or without -runs to fuzz until stopped
 
@@ -13,6 +14,7 @@ import atheris
 
 with atheris.instrument_imports():
     from tensorx import _wire
+    from tensorx._ps import protocol
     from tensorx.errors import ProtocolError
     from tensorx.memregion import RegionDescriptor
 
@@ -25,10 +27,11 @@ def one_input(data: bytes) -> None:
             _wire.decode_header(kind, rest[:header_len], payload_len)
         except ProtocolError:
             pass
-    try:
-        RegionDescriptor.from_bytes(rest)
-    except ProtocolError:
-        pass
+    for parse in (RegionDescriptor.from_bytes, protocol.decode):
+        try:
+            parse(rest)
+        except ProtocolError:
+            pass
 
 
 if __name__ == "__main__":

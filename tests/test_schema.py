@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tensorx as tx
+from tensorx._ps import protocol
 from tensorx._schema import Record, blob, choice, flag, real, seq, table, text, uint
 from tensorx.errors import ProtocolError
 from tensorx.memregion import DESCRIPTOR_VERSION, MAX_DESCRIPTOR
@@ -125,3 +126,55 @@ def test_a_descriptor_is_bounded_and_versioned() -> None:
         tx.RegionDescriptor.from_bytes(_descriptor(keys={"k": b"x" * MAX_DESCRIPTOR}))
     with pytest.raises(ProtocolError, match=r"version 2; this tensorx reads 1"):
         tx.RegionDescriptor.from_bytes(_descriptor(version=2))
+
+
+# -- parameter-server messages: the interface stays encode(kind, **fields) / decode ------
+def test_a_ps_message_roundtrips_and_a_bad_field_is_named() -> None:
+    msg = protocol.decode(protocol.encode("part", k=3))
+    assert msg == {"t": "part", "k": 3}
+    with pytest.raises(ProtocolError, match=r"^part message: field 'k' missing or not int"):
+        protocol.encode("part", k=True)
+    with pytest.raises(ProtocolError, match=r"^gnorm message: field 'ranks' item 1: missing"):
+        protocol.encode("gnorm", shard=0, version=1, ranks=[0, "1"], sumsq=1.0)
+    raw = msgpack.packb({"t": "part", "k": 2**63}, use_bin_type=True)
+    with pytest.raises(ProtocolError, match="'k' out of range"):
+        protocol.decode(raw)
+
+
+def test_an_unknown_ps_message_type_is_named_escaped() -> None:
+    with pytest.raises(ProtocolError, match=r"unknown control message type hi\\nthere"):
+        protocol.decode(msgpack.packb({"t": "hi\nthere"}))
+
+
+def test_the_welcome_offers_are_checked_by_their_records() -> None:
+    assert protocol.share_offer({"share": {}}) is None
+    offer = {"params": b"p", "slot": b"s"}
+    assert protocol.share_offer({"share": offer}) == offer
+    with pytest.raises(ProtocolError, match="share offer: unexpected field"):
+        protocol.share_offer({"share": {**offer, "x": b""}})
+    optim = {"defaults": {"lr": 0.1}, "flat": False,
+             "groups": [{"hp": {"lr": 0.1}, "params": ["w", "b"]}]}
+    assert protocol.optim_info({"optim": optim}) == optim
+    bad = {**optim, "groups": [{"hp": {}, "params": ["w", 3]}]}
+    with pytest.raises(ProtocolError, match="optimizer: field 'groups' item 0: field 'params'"):
+        protocol.optim_info({"optim": bad})
+
+
+packable = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=12) | st.binary(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=4),
+    max_leaves=20)
+names = sorted({name for record in protocol.SCHEMAS.values() for name in record.fields})
+messages = st.builds(lambda kind, fields: {**fields, "t": kind},
+                     st.sampled_from(sorted(protocol.SCHEMAS)),
+                     st.dictionaries(st.sampled_from(names), packable, max_size=8))
+
+
+@given(messages | packable)
+def test_any_ps_payload_is_a_message_or_a_protocol_error(value: Any) -> None:
+    try:
+        protocol.decode(msgpack.packb(value, use_bin_type=True))
+    except ProtocolError:
+        pass

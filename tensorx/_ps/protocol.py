@@ -29,33 +29,42 @@ from typing import Any
 
 import msgpack
 
+from tensorx._schema import Field, Record, blob, flag, real, seq, table, text, uint
+from tensorx._text import printable
 from tensorx.errors import ProtocolError, UsageError
+from tensorx.memregion import MAX_DESCRIPTOR
 
-__all__ = ["MAX_CONTROL", "PROTOCOL", "SHARE_OFFER", "check_hello", "decode", "encode",
-           "optim_info", "share_offer"]
+__all__ = ["MAX_CONTROL", "PROTOCOL", "SCHEMAS", "SHARE_OFFER", "check_hello", "decode",
+           "encode", "optim_info", "share_offer"]
 
 PROTOCOL = 7  # 7: pipelined rounds (parts); 6: sparse rows answered in an inbox; 5: share
 MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
+ITEMS = 1 << 20  # entries of one list or map (tensors, groups, ranks, parts)
 
-_OPT_INT = (int, type(None))
-SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
+_N, _OPT_N = uint(63), uint(63) | None  # counts, ranks, versions, steps, checksums
+_DESC = blob(MAX_DESCRIPTOR)  # a RegionDescriptor.to_bytes() (b"": none)
+_NAME, _TEXT = text(1024), text(1 << 20)  # an address, a label; free text
+_HYPER = seq(ITEMS)  # per param group, a map of hyperparameters (see tensorx._ps.hyper)
+_FIELDS: dict[str, dict[str, Field]] = {
     # worker -> shard: who I am, what I planned, where my parameter arena is; `share`: I
     # would map your arenas if you are on my host; optional `shards`: every shard's address,
     # in shard order (how shards find each other to exchange gradient norms)
-    "hello": {"proto": int, "rank": int, "num_workers": int, "shard": int, "num_shards": int,
-              "fingerprint": str, "plan": bytes, "params": bytes, "verify": bool,
-              "share": bool},
+    "hello": {"proto": _N, "rank": _N, "num_workers": _N, "shard": _N, "num_shards": _N,
+              "fingerprint": _NAME, "plan": blob(MAX_CONTROL), "params": _DESC,
+              "verify": flag(), "share": flag(), "shards": seq(ITEMS, _NAME) | None},
     # shard -> worker: your gradient slot; your arena now holds parameters `version`
     # (and, with sparse tensors, your header region for the dynamic path; else b"");
     # `share`: {} or the offer to map (see SHARE_OFFER); `optim`: this shard's optimizer,
     # {"defaults": {hyperparameters}, "groups": [{"hp": {...}, "params": [labels]}],
-    #  "flat": its parameters span several entries (no state transfer)};
+    #  "flat": its parameters span several entries (no state transfer)} (see OPTIM);
     # `parts`: [[offset, nbytes], ...] of the slot, when this shard applies a sync update
     # part by part as the gradient lands (push them as `part` messages); [] otherwise
-    "welcome": {"slot": bytes, "headers": bytes, "version": int, "mode": str,
-                "checksum": _OPT_INT, "share": dict, "optim": dict, "parts": list},
-    # shard -> worker: the handshake or a step failed; `code` names the error class
-    "error": {"code": str, "msg": str},
+    "welcome": {"slot": _DESC, "headers": _DESC, "version": _N, "mode": _NAME,
+                "checksum": _OPT_N, "share": table(2), "optim": table(3),
+                "parts": seq(ITEMS, seq(2, _N))},
+    # shard -> worker: the handshake or a step failed; `code`: the error's class, from
+    # tensorx.errors.CODES
+    "error": {"code": _NAME, "msg": _TEXT},
     # worker -> shard: my slot holds the gradient of my step `step`, computed on `version`;
     # `staging`: {tensor name: descriptor} of sparse staging regions that are new;
     # `mapped`: my slot and arena are the ones you offered, nothing was (or is to be) written;
@@ -64,68 +73,61 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # of sparse tables in your answers (b"": the one I lent before; see tensorx._ps.rowpull);
     # `parts`: with welcome `parts`, the parts of the slot already written (the others
     # follow, each with a `part` message); ignored otherwise
-    "push": {"step": int, "version": int, "staging": dict, "mapped": bool, "hyper": list,
-             "inbox": bytes, "parts": list},
+    "push": {"step": _N, "version": _N, "staging": table(ITEMS), "mapped": flag(),
+             "hyper": _HYPER, "inbox": _DESC, "parts": seq(ITEMS, _N)},
     # worker -> shard, after a push, when the welcome listed parts: part `k` of my slot
     # holds this step's gradient (carried by the write of that part: never ahead of it)
-    "part": {"k": int},
+    "part": {"k": _N},
     # shard -> worker: your arena now holds parameters `version` (its checksum, see
     # tensorx._ps.checksum, if asked), once you scattered the `rows` bytes of sparse-table
     # rows I wrote into your inbox (0: none); `rows_want`: the inbox size that would have
     # taken this answer's rows (0: yours did, or none was worth it);
     # `hyper`: the groups' hyperparameters now, when they changed since I last told you
-    "params": {"version": int, "step": int, "checksum": _OPT_INT, "hyper": list,
-               "rows": int, "rows_want": int},
+    "params": {"version": _N, "step": _N, "checksum": _OPT_N, "hyper": _HYPER,
+               "rows": _N, "rows_want": _N},
     # worker -> shard: lend me your optimizer's state (see tensorx._ps.optim_state)
     "state_get": {},
     # shard -> worker: it is packed in `region` (readable by you), laid out as `manifest`
-    "state": {"manifest": dict, "region": bytes},
+    "state": {"manifest": table(ITEMS), "region": _DESC},
     # worker -> shard: I have read it; free the region
     "state_done": {},
     # worker -> shard: load the optimizer state packed in my `region`, laid out as `manifest`
-    "state_put": {"manifest": dict, "region": bytes},
+    "state_put": {"manifest": table(ITEMS), "region": _DESC},
     # shard -> worker: loaded; `hyper`: the groups' hyperparameters now
-    "state_loaded": {"hyper": list},
+    "state_loaded": {"hyper": _HYPER},
     # shard -> worker, while your push waits at the sync barrier for absent ranks: which
     # ones and why (named in the worker's error if it gives up waiting)
-    "waiting": {"why": str},
+    "waiting": {"why": _TEXT},
     # worker -> shard: I am leaving (finished: sync barriers go on without me)
     "bye": {},
     # shard -> shard (clip_grad_norm): the sum of squares of my part of the gradient that
     # makes `version`, averaged over `ranks` (see tensorx._ps.normx)
-    "gnorm": {"shard": int, "version": int, "ranks": list, "sumsq": float},
+    "gnorm": {"shard": _N, "version": _N, "ranks": seq(ITEMS, _N), "sumsq": real()},
 }
+SCHEMAS: dict[str, Record] = {kind: Record(f"{kind} message", fields)
+                              for kind, fields in _FIELDS.items()}
 # welcome["share"] when the shard offers mapping: the descriptors of its parameter arena
 # (exported read-only) and of this worker's gradient slot, both in shared memory, for the
 # worker's Node.attach (see tensorx._ps.shared)
-SHARE_OFFER: dict[str, type] = {"params": bytes, "slot": bytes}
+SHARE_OFFER = Record("welcome message: share offer", {"params": _DESC, "slot": _DESC},
+                     strict=True)
+# welcome["optim"]: the shard's optimizer (groups may be [] for a shard without parameters)
+OPTIM = Record("welcome message: optimizer", {
+    "defaults": table(ITEMS), "flat": flag(),
+    "groups": seq(ITEMS, table(2, Record("group", {
+        "hp": table(ITEMS), "params": seq(ITEMS, _NAME)}, strict=True))),
+}, strict=True)
 
 
 def share_offer(welcome: dict[str, Any]) -> dict[str, Any] | None:
     """The welcome's mapping offer, checked; None when there is none."""
     offer = welcome["share"]
-    if not offer:
-        return None
-    if set(offer) != set(SHARE_OFFER) or not all(
-            isinstance(offer[k], t) and not isinstance(offer[k], bool)
-            for k, t in SHARE_OFFER.items()):
-        raise ProtocolError(f"welcome message: malformed share offer {offer!r}")
-    return dict(offer)
+    return dict(SHARE_OFFER.check(offer)) if offer else None
 
 
 def optim_info(welcome: dict[str, Any]) -> dict[str, Any]:
-    """The welcome's description of the shard's optimizer, checked (groups may be [] for a
-    shard without parameters)."""
-    info = welcome["optim"]
-    groups = info.get("groups")
-    if set(info) != {"defaults", "groups", "flat"} or not isinstance(info["flat"], bool) \
-            or not isinstance(info["defaults"], dict) \
-            or not isinstance(groups, list) or not all(
-                isinstance(g, dict) and set(g) == {"hp", "params"} and isinstance(g["hp"], dict)
-                and isinstance(g["params"], list)
-                and all(isinstance(n, str) for n in g["params"]) for g in groups):
-        raise ProtocolError("welcome message: malformed optimizer description")
-    return dict(info)
+    """The welcome's description of the shard's optimizer, checked."""
+    return dict(OPTIM.check(welcome["optim"]))
 
 
 def check_hello(msg: dict[str, Any], shard: int, num_shards: int, num_workers: int) -> None:
@@ -170,10 +172,5 @@ def _validate(msg: dict[str, Any]) -> None:
     kind = msg.get("t")
     schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
     if schema is None:
-        raise ProtocolError(f"unknown control message type {kind!r}")
-    for name, typ in schema.items():
-        value = msg.get(name)
-        if not isinstance(value, typ) or (isinstance(value, bool) and typ is int):
-            raise ProtocolError(f"{kind} message: field {name!r} missing or of the wrong type")
-        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < 2**63:
-            raise ProtocolError(f"{kind} message: field {name!r} out of range")
+        raise ProtocolError(f"unknown control message type {printable(kind)}")
+    schema.check(msg)
