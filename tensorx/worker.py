@@ -165,7 +165,9 @@ class Worker:
         while True:
             try:
                 return await self._connect_all(deadline.left())
-            except BrokenError as exc:  # nothing listens there yet (refused, unreachable)
+            # nothing listens there yet (refused, unreachable), or the budget ran out
+            # during the last attempt
+            except (BrokenError, TimeoutError) as exc:
                 if deadline.expired:
                     raise BrokenError(f"worker rank {self.rank}: no ps shard of "
                                       f"{self.addresses} answered within {self.timeout:g} s "
