@@ -72,6 +72,13 @@ class ChangedRows:
                 continue
             self._current.setdefault(i, []).append(grad.coalesce().indices()[0].cpu())
 
+    def noted(self, changed: dict[int, torch.Tensor]) -> None:
+        """After a row-local step that changed the rows ``changed`` (sorted unique ids per
+        table) without sparse gradients in ``.grad`` (see :mod:`tensorx._ps.rowsgd`)."""
+        self._memo.clear()
+        for i, ids in changed.items():
+            self._current.setdefault(i, []).append(ids.cpu())
+
     def finished(self, version: int) -> None:
         """The update that made ``version`` is complete."""
         self._memo.clear()

@@ -16,12 +16,16 @@ offers it (:class:`tensorx._ps.sharing.Sharing` says so once).
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
-from tensorx.errors import UsageError
+from tensorx.errors import RegionError, UsageError
+from tensorx.memregion import MemoryRegion
 
-__all__ = ["fence", "is_cuda", "resolve"]
+__all__ = ["allocate_arenas", "fence", "is_cuda", "resolve"]
+
+logger = logging.getLogger("tensorx._ps.shard")  # its warning read as the shard's
 
 _FORM = re.compile(r"(cpu|cuda)(?::(\d+))?")
 
@@ -75,3 +79,24 @@ def fence(device: str) -> None:
 
 def _is_torch_device(obj: Any) -> bool:
     return type(obj).__name__ == "device" and type(obj).__module__ == "torch"
+
+
+def allocate_arenas(nbytes: int, count: int, shared: bool,
+                    where: str = "cpu") -> list[MemoryRegion]:
+    """``count`` regions, all in /dev/shm when ``shared`` and it has room, else all private;
+    on the GPU ``where`` names, if it names one (never shared)."""
+    regions: list[MemoryRegion] = []
+    if is_cuda(where):
+        regions = [MemoryRegion.allocate(nbytes, device=where) for _ in range(count)]
+        fence(where)  # zeroed before they are exported: no late memset over a write
+        return regions
+    if shared:
+        try:
+            for _ in range(count):
+                regions.append(MemoryRegion.allocate(nbytes, shared=True))
+            return regions
+        except RegionError as exc:
+            for region in regions:
+                region.close()
+            logger.warning("shard arenas in private memory (workers cannot map them): %s", exc)
+    return [MemoryRegion.allocate(nbytes) for _ in range(count)]

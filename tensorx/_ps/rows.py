@@ -16,12 +16,14 @@ Pure: no I/O.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Rows", "SparseRows", "no_invariant_checks"]
+__all__ = ["RowGroup", "Rows", "SparseRows", "no_invariant_checks", "row_groups"]
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (row ids int64 [n], values [n, *row_shape])
 
@@ -41,6 +43,8 @@ class SparseRows:
         self._index = {s.name: i for i, s in self._specs.items()}
         self._rows: dict[int, dict[int, Rows]] = {}
         self._gathered: dict[int, torch.Tensor | None] | None = None
+        self.groups = row_groups(self._specs)
+        self._packed: dict[int, list[Rows | None]] = {}  # rank -> its rows per group
 
     def __contains__(self, i: object) -> bool:
         return i in self._specs
@@ -79,18 +83,48 @@ class SparseRows:
     def put(self, rank: int, rows: Mapping[str, Rows]) -> None:
         """``rank``'s rows of its latest push, by table name (tables it sent none of: none)."""
         self._rows[rank] = {self._index[name]: r for name, r in rows.items() if r[0].numel()}
+        self._packed.pop(rank, None)
 
     def drop(self, rank: int) -> None:
         self._rows.pop(rank, None)
+        self._packed.pop(rank, None)
 
     def finite(self, rank: int) -> bool:
         """Is every value ``rank`` pushed finite? (as :func:`tensorx._ps.nonfinite.finite`)"""
         with torch.no_grad():
-            for _, values in self._rows.get(rank, {}).values():
+            for part in self.packed(rank):
+                values = None if part is None else part[1]
+                if values is None or not values.is_floating_point():
+                    continue
                 acc = torch.float64 if values.dtype == torch.float64 else torch.float32
-                if values.is_floating_point() and not torch.isfinite(values.sum(dtype=acc)):
+                if not torch.isfinite(values.sum(dtype=acc)):
                     return False
         return True
+
+    def packed(self, rank: int) -> list[Rows | None]:
+        """``rank``'s rows per group of :attr:`groups` (None: none in it), keyed by their
+        group's row (see :class:`RowGroup`): sorted if each table's ids are."""
+        got = self._packed.get(rank)
+        if got is None:
+            mine = self._rows.get(rank, {})
+            got = self._packed[rank] = [g.pack(mine) for g in self.groups]
+        return got
+
+    def summed(self, ranks: Sequence[int]) -> list[Rows | None]:
+        """Per group, the rows of ``ranks`` summed by key and divided by their number: every
+        table's gradient at once, the same values :meth:`grad` gives table by table."""
+        out: list[Rows | None] = []
+        for k in range(len(self.groups)):
+            parts = [p for p in (self.packed(r)[k] for r in ranks) if p is not None]
+            if not parts:
+                out.append(None)
+                continue
+            with torch.no_grad():
+                ids, values = _sum_rows(parts, copy=False)
+                if len(ranks) > 1:
+                    values.div_(len(ranks))
+            out.append((ids, values))
+        return out
 
     def grad(self, ranks: Sequence[int], i: int) -> torch.Tensor | None:
         """Table ``i``'s gradient for an update of ``ranks`` (see the module docstring), or
@@ -117,17 +151,84 @@ class SparseRows:
         self._gathered = None
 
 
-def _sum_rows(parts: Sequence[Rows]) -> Rows:
-    """The rows of ``parts`` summed by row id: (sorted unique ids, fresh values), as
+def _sum_rows(parts: Sequence[Rows], copy: bool = True) -> Rows:
+    """The rows of ``parts`` summed by row id: (sorted unique ids, values), as
     ``coalesce()`` gives them. One part of sorted unique ids (what a worker stages) is
-    taken as it is (its values copied: the gradient may be changed in place, the rows a
-    rank pushed may not); else one sort and one scatter-add, in rank order."""
+    taken as it is (its values copied unless ``copy`` is False: the gradient may be changed
+    in place, the rows a rank pushed may not); else one sort and one scatter-add, in rank
+    order."""
     if len(parts) == 1:
         ids, values = parts[0]
         if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
-            return ids, values.clone()
-    ids = torch.cat([p[0] for p in parts])
-    values = torch.cat([p[1] for p in parts])
-    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    summed = values.new_zeros((int(unique.numel()), *values.shape[1:]))
-    return unique, summed.index_add_(0, inverse, values)
+            return ids, values.clone() if copy else values
+    unique, inverse = torch.unique(torch.cat([p[0] for p in parts]), sorted=True,
+                                   return_inverse=True)
+    first = parts[0][1]
+    summed = first.new_zeros((int(unique.numel()), *first.shape[1:]))
+    at = 0
+    for ids, values in parts:  # rank by rank: no copy of them all first
+        summed.index_add_(0, inverse[at:at + ids.numel()], values)
+        at += ids.numel()
+    return unique, summed
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Tables whose rows share dtype and shape and lie a whole number of rows apart in the
+    arena: one tensor of rows from ``offset`` views them all, and table ``i``'s row ``r`` is
+    its row ``starts[i] + r`` (rows between tables, of other parameters, are never named)."""
+
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+    offset: int
+    rows: int  # rows of the view, from offset to the end of the last table
+    starts: dict[int, int]  # table index -> its first row in the view, ascending
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * self.dtype.itemsize
+
+    def view(self, region: Any) -> torch.Tensor:
+        """The group's rows in ``region`` (an arena of the shard's layout)."""
+        u8: torch.Tensor = region.view(torch.uint8)
+        part = u8[self.offset:self.offset + self.rows * self.row_bytes]
+        return part.view(self.dtype).view(self.rows, *self.row_shape)
+
+    def pack(self, rows: Mapping[int, Rows]) -> Rows | None:
+        """The group's tables' ``rows`` (by table index) as one (keys, values)."""
+        mine = [(rows[i], start) for i, start in self.starts.items() if i in rows]
+        if not mine:
+            return None
+        if len(mine) == 1:  # no copy of the rows
+            (ids, values), start = mine[0]
+            return (ids + start if start else ids), values
+        keys = torch.cat([ids + start for (ids, _), start in mine])
+        return keys, torch.cat([values for (_, values), _ in mine])
+
+    def split(self, keys: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Sorted ``keys`` of the group as row ids per table (tables without any left out)."""
+        starts = torch.tensor(list(self.starts.values()), dtype=keys.dtype)
+        cuts = torch.searchsorted(keys, starts).tolist()
+        out = {}
+        for (i, start), part in zip(self.starts.items(), keys.tensor_split(cuts[1:]),
+                                    strict=True):
+            if part.numel():
+                out[i] = part - start
+        return out
+
+
+def row_groups(specs: Mapping[int, Any]) -> list[RowGroup]:
+    """The sparse tables ``specs`` (index -> spec) in :class:`RowGroup` s."""
+    by: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
+    for i, s in sorted(specs.items(), key=lambda item: item[1].offset):
+        row_shape = tuple(s.shape[1:])
+        row_bytes = math.prod(row_shape) * s.dtype.itemsize
+        by.setdefault((s.dtype, row_shape, s.offset % max(1, row_bytes)), []).append((i, s))
+    out = []
+    for (dtype, row_shape, _), members in by.items():
+        row_bytes = max(1, math.prod(row_shape) * dtype.itemsize)
+        base = members[0][1].offset
+        starts = {i: (s.offset - base) // row_bytes for i, s in members}
+        end = max(starts[i] + s.shape[0] for i, s in members)
+        out.append(RowGroup(dtype, row_shape, base, end, starts))
+    return out

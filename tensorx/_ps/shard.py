@@ -21,13 +21,14 @@ import torch
 from tensorx._ps import checkpoint, parts
 from tensorx._ps.changed import ChangedRows, row_local
 from tensorx._ps.checksum import checksum
-from tensorx._ps.device import fence, is_cuda
+from tensorx._ps.device import allocate_arenas, fence
 from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
 from tensorx._ps.flat import FlatUpdate, elementwise
 from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs, step_failure
 from tensorx._ps.rows import Rows, SparseRows, no_invariant_checks
+from tensorx._ps.rowsgd import RowSGD
 from tensorx._ps.sparse import dynamic_path_ok
-from tensorx.errors import OptimizerError, RegionError, UsageError
+from tensorx.errors import OptimizerError, UsageError
 from tensorx.memregion import MemoryRegion
 
 __all__ = ["CHECKPOINT_FORMAT", "OptimizerFactory", "SchedulerFactory", "ShardLayout",
@@ -141,7 +142,7 @@ class ShardState:
         self.num_workers = num_workers
         self.version = 0
         self.device = device
-        self.params_region, *self.slot_regions = _allocate(layout.nbytes, 1 + num_workers,
+        self.params_region, *self.slot_regions = allocate_arenas(layout.nbytes, 1 + num_workers,
                                                            shared, device)
         self.shared = self.params_region.shared_name is not None
         self._acc_region = MemoryRegion.allocate(layout.nbytes, device=device)
@@ -166,6 +167,7 @@ class ShardState:
         self.optimizer = build_optimizer(optimizer, self.named_parameters()) \
             if self.params else None
         self._fast: FlatUpdate | None = None
+        self._row_sgd = RowSGD.build(self.optimizer, self.params, self.rows, device)
         self.update = self._choose_update(flat)
         logger.info("ps shard %d update: %s", layout.shard, self.update)
         self.lr_scheduler = lr_scheduler(self.optimizer) \
@@ -216,7 +218,7 @@ class ShardState:
         """Replace ``rank``'s gradient slot by fresh zeroed memory (in /dev/shm if the old
         one was) and close the old one, which unexports it wherever it was exported."""
         old = self.slot_region(rank)
-        (new,) = _allocate(self.layout.nbytes, 1, old.shared_name is not None, self.device)
+        (new,) = allocate_arenas(self.layout.nbytes, 1, old.shared_name is not None, self.device)
         self.slot_regions[rank] = new
         self._slots[rank] = self._split(new)
         if self._fast is not None:
@@ -229,7 +231,7 @@ class ShardState:
     def new_arena(self) -> MemoryRegion:
         """Fresh memory the size of the parameter arena, where it lives (private: never
         offered for mapping), for :meth:`move_params`."""
-        (region,) = _allocate(self.layout.nbytes, 1, False, self.device)
+        (region,) = allocate_arenas(self.layout.nbytes, 1, False, self.device)
         return region
 
     def move_params(self, new: MemoryRegion) -> MemoryRegion:
@@ -359,9 +361,11 @@ class ShardState:
             self._step_tables(ranks, self._tables)
             self._fast_step([self._fast_grad(ranks, k) for k in range(len(self.fast.ranges))])
         else:
+            fused = self._fused_tables(ranks, self._tables)
             for i, p in enumerate(self.params):
-                p.grad = self._grad(ranks, i)
-            self._step()
+                p.grad = None if fused and i in self.rows else self._grad(ranks, i)
+            if not fused or len(self.rows) < len(self.params):
+                self._step()
         self.finish_update()
         fence(self.device)  # the update is in the arena before a byte of it leaves
 
@@ -429,8 +433,8 @@ class ShardState:
     def _step_tables(self, ranks: list[int], tables: list[int]) -> None:
         """Step the sparse ``tables`` alone (the face of a flat update): every other
         parameter's ``.grad`` is unset meanwhile, so the optimizer skips it."""
-        if not tables:  # a pass over every parameter, and a step of none
-            return
+        if not tables or self._fused_tables(ranks, tables):
+            return  # (no table: a pass over every parameter, and a step of none)
         saved = [p.grad for p in self.params]
         try:
             for i, p in enumerate(self.params):
@@ -439,6 +443,20 @@ class ShardState:
         finally:
             for p, g in zip(self.params, saved, strict=True):
                 p.grad = g
+
+    def _fused_tables(self, ranks: list[int], tables: list[int]) -> bool:
+        """Step all the tables with plain SGD's few ops, if :class:`RowSGD` may now
+        (not for some of them, nor a gradient gathered to be changed first)."""
+        sgd = self._row_sgd
+        if sgd is None or self._gathered or len(tables) != len(self.rows) or not sgd.usable():
+            return False
+        try:
+            changed = sgd.step(ranks, self.params_region)
+        except Exception as exc:
+            self.changed.forget()
+            raise OptimizerError(self._failure(exc)) from exc
+        self.changed.noted(changed)
+        return True
 
     def _step(self) -> None:
         """One optimizer step; its failure, as an :class:`OptimizerError` naming the tensors."""
@@ -581,26 +599,6 @@ class ShardState:
 def _dense_part(grad: torch.Tensor) -> torch.Tensor:
     """The values of a (coalesced) sparse gradient; a dense one itself."""
     return grad.values() if grad.is_sparse else grad
-
-
-def _allocate(nbytes: int, count: int, shared: bool, where: str = "cpu") -> list[MemoryRegion]:
-    """``count`` regions, all in /dev/shm when ``shared`` and it has room, else all private;
-    on the GPU ``where`` names, if it names one (never shared)."""
-    regions: list[MemoryRegion] = []
-    if is_cuda(where):
-        regions = [MemoryRegion.allocate(nbytes, device=where) for _ in range(count)]
-        fence(where)  # zeroed before they are exported: no late memset over a write
-        return regions
-    if shared:
-        try:
-            for _ in range(count):
-                regions.append(MemoryRegion.allocate(nbytes, shared=True))
-            return regions
-        except RegionError as exc:
-            for region in regions:
-                region.close()
-            logger.warning("shard arenas in private memory (workers cannot map them): %s", exc)
-    return [MemoryRegion.allocate(nbytes) for _ in range(count)]
 
 
 checkpoint_path = checkpoint.path_for
