@@ -33,6 +33,13 @@ def in_flight(runtime: UcxRuntime) -> object:
     return w
 
 
+def done(runtime: UcxRuntime, w: object) -> None:
+    """The op in flight completes, as UCX's callback would have it, and its eventfd's
+    callback runs (the process's count of waits in flight goes back down too)."""
+    runtime.lib.tx_wait_release(w)
+    runtime._on_event()
+
+
 async def test_a_peer_seen_to_fail_ends_its_waits_at_once(runtime: UcxRuntime) -> None:
     told: list[str] = []
     watch = runtime.watch_peer("peer", told.append)
@@ -45,15 +52,16 @@ async def test_a_peer_seen_to_fail_ends_its_waits_at_once(runtime: UcxRuntime) -
         await asyncio.wait_for(waiting, 5)  # no timeout of its own: only the failure ends it
     assert told == ["the peer process exited"]
     assert w in runtime._orphans  # UCX still owns it: kept alive until it completes
+    done(runtime, w)
 
 
 async def test_a_wait_ends_on_its_timer_and_on_its_completion(runtime: UcxRuntime) -> None:
     w = in_flight(runtime)
     with pytest.raises(TimeoutError):
         await runtime.complete(w, 0.05, inline=False)
+    done(runtime, w)
     other = in_flight(runtime)
     waiting = asyncio.ensure_future(runtime.complete(other, None, inline=False))
     await asyncio.sleep(0)
-    runtime.lib.tx_wait_release(other)  # the op completes (as UCX's callback would) ...
-    runtime._on_event()  # ... and its eventfd's callback runs
+    done(runtime, other)
     await asyncio.wait_for(waiting, 5)
