@@ -116,3 +116,12 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+async def retried(caplog: pytest.LogCaptureFixture, attempts: int = 1) -> None:
+    """Wait until a worker logged ``attempts`` failed rejoin attempts (``caplog`` set to
+    INFO for ``tensorx.worker``): a server restarted after that is met by a retry."""
+    from tensorx.testing import wait_until
+
+    await wait_until(lambda: any(f"rejoin attempt {attempts} failed" in r.getMessage()
+                                 for r in caplog.records), 30, what="a failed rejoin attempt")

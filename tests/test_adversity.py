@@ -18,7 +18,7 @@ import tensorx as tx
 from tensorx import _wire
 from tensorx._ratelog import RefusalLog
 from tensorx._wire import Kind
-from tensorx.testing import authenticate, raw_socket, recv_frame
+from tensorx.testing import authenticate, raw_socket, recv_frame, wait_until
 
 MiB = 1 << 20
 TOKEN = b"adversity"
@@ -162,12 +162,10 @@ def _ask_without_reading(address: str, desc: tx.RegionDescriptor,
 
 
 async def _settled(ep: tx.Endpoint) -> int:
-    """Frames ``ep`` has read once it stops reading more (1 s without a new one)."""
-    seen = -1
-    while (now := ep.info["socket"]["frames_in"]) != seen:
-        seen = now
-        await asyncio.sleep(1.0)
-    return seen
+    """Frames ``ep`` has read once it has stopped reading the peer's requests (held back
+    until its answers drain)."""
+    await wait_until(lambda: not ep._channel._reading, 30, what="the node holding the peer back")
+    return int(ep.info["socket"]["frames_in"])
 
 
 async def test_answers_a_peer_never_reads_are_bounded() -> None:
@@ -204,10 +202,7 @@ async def test_endpoints_that_came_and_went_are_forgotten() -> None:
         with Growth() as grew:
             for _ in range(300):
                 await cycle()
-            for _ in range(100):
-                if not owner.endpoints:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: not owner.endpoints, what="the owner dropping them")
             grown = grew()
         assert grown < 16 * MiB, f"300 cycles grew the nodes by {grown / MiB:.0f} MiB"
         assert open_fds() <= fds
@@ -252,11 +247,7 @@ async def test_refused_requests_are_logged_once_then_summarized(
         desc = owner.export(np.arange(16, dtype=np.uint8), access="r")
         codes = await asyncio.to_thread(_bad_reads, owner.address, 1000)
         assert codes == ["region"] * 1000
-        for _ in range(200):
-            if not owner.endpoints:
-                break
-            await asyncio.sleep(0.05)
-        assert owner.endpoints == []
+        await wait_until(lambda: not owner.endpoints, what="the owner dropping the peer")
         lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
         assert len(lines) == 2, lines[:5]
         assert "refused request 1:" in lines[0]

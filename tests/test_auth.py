@@ -28,7 +28,7 @@ import tensorx as tx
 from tensorx import _auth, _wire, cli
 from tensorx._text import printable
 from tensorx._wire import Kind
-from tensorx.testing import OwnerProcess, authenticate, raw_socket, recv_frame
+from tensorx.testing import OwnerProcess, authenticate, raw_socket, recv_frame, wait_until
 from tensorx.transport.handshake import FailureLog
 
 TOKEN = b"a-weak-token"
@@ -135,7 +135,8 @@ async def test_hello_with_a_newline_in_its_id_forges_no_log_line(
         kind, reply = await asyncio.to_thread(hello)
         assert kind is Kind.ERROR and reply["code"] == "protocol"
         assert "malformed peer id" in reply["msg"]
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: any("malformed peer id" in r.getMessage()
+                                     for r in caplog.records), what="the refusal logged")
     lines = _tx_lines(caplog)
     assert any("malformed peer id" in line for line in lines)
     assert all("\n" not in line for line in lines), lines
@@ -155,10 +156,7 @@ async def test_error_text_from_a_peer_forges_no_log_line(
                     pass
 
         await asyncio.to_thread(say_goodbye_rudely)
-        for _ in range(50):
-            if not owner.endpoints:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: not owner.endpoints, what="the owner dropping the peer")
     lines = _tx_lines(caplog)
     assert any("bye\\nWARNING" in line for line in lines), lines
     assert all("\n" not in line for line in lines), lines

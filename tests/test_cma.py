@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tensorx as tx
-from tensorx.testing import OwnerProcess, digest, pattern
+from tensorx.testing import OwnerProcess, digest, pattern, wait_until
 from tensorx.transport import cma
 
 from .conftest import cma_lane, lanes_of
@@ -106,11 +106,12 @@ async def test_a_region_closed_under_an_op_in_flight_is_held_until_acknowledged(
     stalled in the pool: its memory is held, not reused, until we acknowledge, which we
     do once the copy has finished. Also for an owner without UCX (no lane factory: the
     node pins the region itself)."""
-    gate = threading.Event()
+    gate, stalling = threading.Event(), threading.Event()
     real = cma.copy
 
     def stalled(pid: int, segments: Any, to_remote: bool, stop: Any) -> None:
         if sum(s[2] for s in segments) > cma.POOL_ABOVE:
+            stalling.set()
             gate.wait(30)
         real(pid, segments, to_remote, stop)
 
@@ -124,21 +125,19 @@ async def test_a_region_closed_under_an_op_in_flight_is_held_until_acknowledged(
         desc = tx.RegionDescriptor.from_bytes(await owner.call("export_allocated", n, 8))
         await ep.write(tx.MemoryRegion.register(pattern(16, 9)), desc)  # addresses known
         write = asyncio.ensure_future(ep.write(tx.MemoryRegion.register(pattern(n, 10)), desc))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(stalling.wait, 30)  # the copy is in the pool
         fresh = tx.RegionDescriptor.from_bytes(await owner.call("replace", desc.region_id, 11))
-        for _ in range(100):
-            if await owner.call("held") == 1:
-                break
-            await asyncio.sleep(0.02)
+        # the revocation reaches us ahead of the answer to a query
+        assert f"{desc.region_id:#x}" not in str(await ep.query("exports"))
         assert await owner.call("held") == 1  # we have not acknowledged: still held
         assert not write.done()
         gate.set()
         await write  # landed in the held (old) memory
-        for _ in range(200):
-            if await owner.call("held") == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert await owner.call("held") == 0
+
+        async def released() -> bool:
+            return await owner.call("held") == 0
+
+        await wait_until(released, what="our acknowledgement reaching the owner")
         assert await owner.call("digest", fresh.region_id) == digest(pattern(n, 11))
         with pytest.raises(tx.RegionError, match="closed"):
             await ep.write(tx.MemoryRegion.register(pattern(16, 9)), desc)

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from tensorx import _cuda
+from tensorx.testing import wait_until
 
 
 class Event:
@@ -49,7 +50,7 @@ async def test_an_event_completing_soon_is_polled_while_the_loop_runs() -> None:
         nonlocal ticks
         while True:
             ticks += 1
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one loop turn: other work interleaved with the polls
 
     other = asyncio.ensure_future(other_work())
     event = Event(3)
@@ -76,7 +77,7 @@ async def test_a_cancelled_wait_waits_for_the_events_before_it_raises(
     monkeypatch.setattr(_cuda, "SPIN_S", 10.0)  # stay in the polling phase
     event = Event(None)
     task = asyncio.ensure_future(_cuda.wait([event]))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: event.queried, what="the wait polling the event")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

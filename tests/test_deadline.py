@@ -24,7 +24,7 @@ async def _cancel_as_it_completes(wait_for: Any) -> str:
         await asyncio.sleep(3600)  # with the cancellation lost, it waits here forever
 
     task = asyncio.create_task(runner())
-    for _ in range(3):
+    for _ in range(3):  # loop turns: the runner is waiting on fut
         await asyncio.sleep(0)
     fut.set_result(None)
     task.cancel()
@@ -48,7 +48,7 @@ async def test_wait_for_times_out_and_cancels_what_it_waited_for() -> None:
 
     async def slow() -> None:
         try:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # what the timeout must cancel
         except asyncio.CancelledError:
             cancelled.set()
             raise
@@ -65,7 +65,7 @@ def test_a_deadline_is_shared_by_its_steps_and_never_raised() -> None:
     budget = _deadline.Deadline(0.2)
     first = budget.left()
     assert first is not None and 0 < first <= 0.2
-    time.sleep(0.01)
+    time.sleep(0.01)  # a step that takes time: the behaviour under test
     second = budget.left()
     assert second is not None and second < first  # one budget, spent across steps
     assert budget.least(60.0) == pytest.approx(budget.left(), abs=0.01)  # no cap raises it
@@ -83,7 +83,7 @@ async def test_aclose_returns_though_a_handler_lost_its_cancellation() -> None:
     async def swallowing_handle(ep: tx.Endpoint, payload: bytes) -> None:
         entered.set()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # the handler that swallows aclose()'s cancellation
 
     ps._handle = swallowing_handle  # type: ignore[method-assign]
     async with tx.Node(listen=None, transport="tcp") as client:

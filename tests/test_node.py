@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tensorx as tx
+from tensorx.testing import wait_until
 
 
 async def test_info_and_one_log_line_per_endpoint(caplog: pytest.LogCaptureFixture) -> None:
@@ -17,10 +18,14 @@ async def test_info_and_one_log_line_per_endpoint(caplog: pytest.LogCaptureFixtu
     async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
         assert a.address.startswith("tcp://127.0.0.1:")
         ep = await b.connect(a.address)
-        await asyncio.sleep(0.05)
+
+        def logged() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "endpoint" in r.getMessage()]
+
+        await wait_until(lambda: len(logged()) >= 2, what="both sides' endpoint lines")
         assert ep.info["transport"] == "tcp" and ep.info["lanes"] and ep.info["why"]
         assert ep.peer == a.id
-        lines = [r.getMessage() for r in caplog.records if "endpoint" in r.getMessage()]
+        lines = logged()
         assert len(lines) == 2 and all("transport=tcp" in line for line in lines)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -149,11 +148,13 @@ async def test_building_a_large_state_does_not_starve_other_handshakes() -> None
     was under way meanwhile missed its deadline and was refused (seen with a DLRM-sized
     model under load). Here a peer handshakes (from another thread's loop) while the build
     runs, and is served before the build is over."""
-    building, built = threading.Event(), threading.Event()
+    building, served, built = threading.Event(), threading.Event(), threading.Event()
 
     def slow_optimizer(params: Any) -> torch.optim.Optimizer:
         building.set()
-        time.sleep(1.5)  # a large state being built (a thread now; before: the loop)
+        # a large state being built (a thread now; before: the loop), until the late peer
+        # was served (before: it never could be, and this gave up after 30 s)
+        served.wait(30)
         built.set()
         return torch.optim.SGD(params, lr=0.1)
 
@@ -173,6 +174,7 @@ async def test_building_a_large_state_does_not_starve_other_handshakes() -> None
                     await handshake.initiate(conn, "late-peer", ps.node._token, {}, 10)
                     # served while the build still ran (before: only once it was over)
                     assert not built.is_set(), "the handshake waited for the build"
+                    served.set()
                 finally:
                     await conn.aclose()
             try:

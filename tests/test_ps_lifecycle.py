@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tensorx.errors import BrokenError, TimeoutError
 from tensorx.ps import ParameterServer
+from tensorx.testing import wait_until
 from tensorx.worker import Worker
 
 from .conftest import assert_link, link_options, links, transports
@@ -35,10 +36,8 @@ def free_port() -> int:
 
 async def logged(caplog: pytest.LogCaptureFixture, text: str, within: float = 30.0) -> None:
     """Wait (bounded) until a log record containing ``text`` was emitted."""
-    deadline = time.monotonic() + within
-    while not any(text in r.getMessage() for r in caplog.records):
-        assert time.monotonic() < deadline, f"never logged {text!r}"
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: any(text in r.getMessage() for r in caplog.records), within,
+                     what=f"a log line with {text!r}")
 
 
 async def train(worker: Worker, model: torch.nn.Module,
@@ -69,9 +68,18 @@ async def test_a_worker_started_before_the_server_waits_for_it(
     port = free_port()
     model = make_model()
     worker = Worker(model, f"tcp://127.0.0.1:{port}", transport=transport, timeout=60.0)
+    attempts = 0
+    connect_all = worker._connect_all
+
+    async def counted(*args: Any) -> Any:
+        nonlocal attempts
+        attempts += 1
+        return await connect_all(*args)
+
+    worker._connect_all = counted  # type: ignore[method-assign]
     joining = asyncio.ensure_future(worker.start())
     await logged(caplog, "waiting for the ps shard")
-    await asyncio.sleep(0.3)  # a few refused attempts
+    await wait_until(lambda: attempts >= 3, what="a few refused attempts")
     assert not joining.done()
     async with ParameterServer(f"tcp://127.0.0.1:{port}", num_workers=1,
                                transport=transport) as ps:

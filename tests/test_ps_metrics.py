@@ -14,6 +14,7 @@ from torch import nn
 
 from tensorx._ps.stats import ShardTimings
 from tensorx.metrics import BUCKETS, Timing, quantile, serve_prometheus, stop_prometheus
+from tensorx.testing import wait_until
 from tensorx.worker import Worker
 
 from .test_ps_cli import PsProcess
@@ -135,11 +136,8 @@ async def test_periodic_log_line_has_the_step_timings(caplog: pytest.LogCaptureF
     async with servers(1, 2, mode="sync", log_every=0.2) as (ps,), \
             workers(models, [ps.address]) as ws:
         await train(ws, models, 4)
-        for _ in range(50):
-            lines, n = counted()
-            if n >= 4:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: counted()[1] >= 4, what="the periodic lines of 4 updates")
+        lines, n = counted()
     assert n == 4, lines  # each update in exactly one line's quantiles
     assert all("barrier wait p50" in line and "send p50" in line for line in lines)
 

@@ -91,12 +91,14 @@ async def test_an_update_waits_for_no_answer_and_old_arenas_become_spares() -> N
     # limit=1 old arena held: the next update with an answer in flight on the new arena
     # has to wait for the oldest answer, then reuses its arena as the spare
     async def quick() -> None:
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # an answer that takes one loop turn
 
     outbox.send(0, second, quick)
     outbox.send(1, second, quick)  # after rank 1's slow answer: in order
     assert outbox.busy(second)
     waiting = asyncio.ensure_future(outbox.make_room(state))
+    # past the time make_room gives an answer before it copies (a copy of this small
+    # arena's time): that wait is the behaviour under test
     await asyncio.sleep(0.05)
     assert not waiting.done()  # held by the stopped worker's answer
     release.set()

@@ -66,8 +66,10 @@ async def test_workers_see_a_killed_server_as_broken_naming_it() -> None:
                 w.zero_grad()
                 backward(m, x, y)
             await asyncio.gather(*(w.step() for w in ws))
-        waiting = asyncio.create_task(ws[0].step())  # pushed; waits for rank 1 at the barrier
-        await asyncio.sleep(0.3)
+        await ws[0].push()  # a step's first half: its push is out
+        waiting = asyncio.create_task(ws[0].pull())  # the second: at the barrier for rank 1
+        for _ in range(3):  # loop turns: the pull is under way
+            await asyncio.sleep(0)
         assert not waiting.done()
         t_kill, _ = sigkill(ps)
         with pytest.raises(BrokenError, match=LOST) as caught:
@@ -84,7 +86,7 @@ async def test_workers_see_a_killed_server_as_broken_naming_it() -> None:
         await asyncio.gather(*(w.aclose() for w in ws), return_exceptions=True)
         ps.stop(signal.SIGKILL)
         _shm.sweep()  # the killed server could not unlink its /dev/shm files
-    assert t_waiting < timeout and t_pushing < timeout
+    # BrokenError naming the lost connection (not the workers' 5 s timeout running out)
     print(f"\nBrokenError after SIGKILL: worker waiting at the barrier {t_waiting * 1e3:.1f} ms, "
           f"worker pushing right after {t_pushing * 1e3:.1f} ms (timeout {timeout} s)")
 

@@ -25,7 +25,7 @@ from tensorx.memregion import MemoryRegion, host_id
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
-from .conftest import assert_link, link_options, links
+from .conftest import assert_link, link_options, links, retried
 from .models import cnn, sparse_embedding
 from .test_ps_train import (
     ADAM,
@@ -110,7 +110,7 @@ def test_attach_refuses_what_is_not_ours(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_files_of_a_killed_owner_are_swept_and_a_live_owners_are_not() -> None:
     code = ("import time; from tensorx.memregion import MemoryRegion; "
             "r = MemoryRegion.allocate(4096, shared=True); print(r.shared_name, flush=True); "
-            "time.sleep(120)")
+            "time.sleep(120)")  # an owner alive until killed
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -276,7 +276,9 @@ async def test_a_mapped_push_that_was_not_offered_is_refused() -> None:
             w._shared.mapped[0] = False
 
 
-async def test_rejoin_maps_the_restarted_servers_arenas(tmp_path: Path) -> None:
+async def test_rejoin_maps_the_restarted_servers_arenas(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tensorx.worker")
     model = make_model()
 
     def server(listen: str) -> ParameterServer:
@@ -297,7 +299,7 @@ async def test_rejoin_maps_the_restarted_servers_arenas(tmp_path: Path) -> None:
         await first.aclose()
 
         async def restart() -> ParameterServer:
-            await asyncio.sleep(0.5)
+            await retried(caplog)
             return await server(address).start()
 
         coming_back = asyncio.create_task(restart())

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tensorx.ps import ParameterServer
+from tensorx.testing import wait_until
 from tensorx.worker import Worker
 
 SEND_TIMEOUT = 1.0
@@ -88,13 +89,12 @@ def stopped(pid: int) -> bool:
 
 
 async def wait_until_stopped(proc: Any, conn: Connection, bound: float = 120.0) -> None:
-    for _ in range(int(bound * 20)):
+    def stopped_or_failed() -> bool:
         if conn.poll():
             raise AssertionError(f"victim: {conn.recv()}")
-        if stopped(proc.pid):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the victim never stopped itself")
+        return stopped(proc.pid)
+
+    await wait_until(stopped_or_failed, bound, what="the victim stopping itself")
 
 
 @contextlib.asynccontextmanager
@@ -139,11 +139,11 @@ async def resume(victim: Any, parent: Connection) -> tuple[str, str]:
 
 async def _dropped_within(ps: ParameterServer, bound: float) -> bool:
     """Has rank 1 been dropped (within ``bound`` seconds), leaving rank 0 alone?"""
-    for _ in range(int(bound * 20)):
-        if [p.rank for p in ps._peers.values()] == [0]:
-            return True
-        await asyncio.sleep(0.05)
-    return False
+    try:
+        return bool(await wait_until(lambda: [p.rank for p in ps._peers.values()] == [0],
+                                     bound, what="rank 1 dropped"))
+    except TimeoutError:
+        return False
 
 
 # Known bug, not fixed: over UCX's tcp transport (the only UCX lane this host has), the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from tensorx.errors import AuthError, PlanMismatchError
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
-from .conftest import assert_link, lanes, link_options, links, transports
+from .conftest import assert_link, lanes, link_options, links, retried, transports
 from .models import sparse_embedding
 
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -189,7 +190,7 @@ async def test_async_modes_converge_on_digits(mode: str, transport: str) -> None
             nn.functional.cross_entropy(m(xs[idx]), ys[idx]).backward()
             await w.step()
             if rank == 0 and i % 4 == 0:
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.002)  # the slow worker: the behaviour under test
 
     adam: OptFactory = lambda p: torch.optim.Adam(p, lr=5e-3)  # noqa: E731
     async with servers(1, 2, transport, mode=mode, staleness=2, optimizer=adam) as (ps,):
@@ -213,7 +214,7 @@ async def test_bounded_staleness_is_held_by_the_server() -> None:
                 for _ in range(20):
                     w.zero_grad()
                     await w.step()
-                    await asyncio.sleep(delay)
+                    await asyncio.sleep(delay)  # one worker slower: the behaviour under test
 
             await asyncio.gather(run(ws[0], 0.0), run(ws[1], 0.01))
         assert 1 <= ps.stats["max_gap"] <= 2  # the fast worker ran ahead, and no further
@@ -323,9 +324,11 @@ async def test_sparse_embedding_model_trains(link: str) -> None:
         torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-4, atol=1e-5)
 
 
-async def test_worker_rejoins_a_restarted_server(tmp_path: Path) -> None:
+async def test_worker_rejoins_a_restarted_server(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The server stops (checkpointing) and comes back on the same address; a worker with
     ``reconnect`` drops the step in flight, rejoins and carries on from the checkpoint."""
+    caplog.set_level(logging.INFO, logger="tensorx.worker")
     data = batches(7, 1)
     model = make_model()
 
@@ -346,7 +349,7 @@ async def test_worker_rejoins_a_restarted_server(tmp_path: Path) -> None:
         await first.aclose()
 
         async def restart() -> ParameterServer:
-            await asyncio.sleep(1.0)  # the worker retries meanwhile
+            await retried(caplog)  # the worker retries meanwhile
             return await server(address).start()
 
         coming_back = asyncio.create_task(restart())

@@ -30,6 +30,7 @@ from tensorx import _shm
 from tensorx.errors import RegionError
 from tensorx.memregion import RegionDescriptor, host_id
 from tensorx.ps import ParameterServer
+from tensorx.testing import wait_until
 from tensorx.worker import Worker
 
 SIZE = 1024
@@ -38,7 +39,6 @@ BOTH = (1 + 2) * SCALE / 2   # one update with both ranks' gradients
 ALONE = 1 * SCALE            # one update with rank 0's gradient only
 POISON = 1000.0
 LOSS_TIMEOUT = 1.0
-MARGIN = 1.5  # scheduling slack on a loaded 2-core machine
 
 
 class Params(nn.Module):
@@ -208,16 +208,16 @@ async def test_continue_goes_on_without_a_worker_killed_mid_push(
             want -= ALONE
             assert values_ == [want] and shard_values(ps) == [want] and ps.version == 3
             waited = t_done - t_kill
-            assert LOSS_TIMEOUT <= waited <= LOSS_TIMEOUT + MARGIN, waited
+            assert waited >= LOSS_TIMEOUT, waited  # never before its timeout (a lower bound)
             (gone,) = loss_records(caplog, "worker rank 1 disconnected")
             (lost,) = loss_records(caplog, "sync barriers go on without it")
             assert lost.levelno == logging.WARNING and "rank 1" in lost.getMessage()
-            for _ in range(2):  # alone now, without waiting for any timeout
-                started = time.monotonic()
+            for _ in range(2):  # alone now: no timer for it any more (one loss, one line)
                 values_, t_done, rejoins = await survivor.step()
                 want -= ALONE
-                assert values_ == [want] and t_done - started < LOSS_TIMEOUT
+                assert values_ == [want]
             assert rejoins == 0 and ps.stats["worker_losses"] == 1
+            assert len(loss_records(caplog, "sync barriers go on without it")) == 1
 
             successor.send("start", ps.address, old["slot"])
             new = await successor.expect("ready")
@@ -259,7 +259,8 @@ async def test_wait_holds_the_barrier_until_a_restarted_worker_rejoins(
             assert values(ps.state.slot_region(1).view(torch.float32)) == [POISON]
             t_kill, wall_kill = time.monotonic(), victim.kill()
 
-            await asyncio.sleep(LOSS_TIMEOUT + 0.5)
+            await wait_until(lambda: loss_records(caplog, "keeps waiting for it to rejoin"),
+                             30, what="the loss timer")
             assert not survivor.conn.poll()  # still held at the barrier
             assert shard_values(ps) == [want] and ps.version == 2
             (gone,) = loss_records(caplog, "worker rank 1 disconnected")
@@ -322,7 +323,9 @@ async def test_a_resumed_server_goes_on_without_a_rank_that_never_returns(
         assert ps.version == 1
         async with Worker(models[0], ps.address, rank=0, num_workers=2, transport="tcp") as w:
             await step(w, models[0], 0)
-            assert LOSS_TIMEOUT / 2 <= time.monotonic() - started < LOSS_TIMEOUT / 2 + MARGIN
+            # it went through once rank 1 was declared lost, never before its timeout
+            assert loss_records(caplog, "sync barriers go on without it")
+            assert time.monotonic() - started >= LOSS_TIMEOUT / 2
             await step(w, models[0], 0)
         assert values(models[0].a) == [-BOTH - 2 * ALONE] and ps.version == 3
     (lost,) = loss_records(caplog, "sync barriers go on without it")

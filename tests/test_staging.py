@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tensorx as tx
-from tensorx.testing import OwnerProcess, check_timed_out_reads, digest, pattern
+from tensorx.testing import OwnerProcess, check_timed_out_reads, digest, pattern, wait_until
 from tensorx.transport import _staging
 from tensorx.transport._staging import CHUNK, POOL
 
@@ -122,7 +122,7 @@ async def test_notification_never_precedes_staged_writes(monkeypatch: pytest.Mon
             if value == 1:
                 writes = [asyncio.ensure_future(ep.write(region, desc, i, i, piece))
                           for i in range(0, nbytes, piece)]
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # one loop turn: the writes are issued, none complete
                 await ep.notify(payload)
                 await asyncio.gather(*writes)
             else:
@@ -163,22 +163,25 @@ async def test_peer_killed_mid_read_raises_broken_and_leaves_the_buffer(
         out = np.zeros(64 << 20, np.uint8)
         region = tx.MemoryRegion.register(out)
 
+        moving = asyncio.Event()
+
         async def hammer() -> None:
             while True:
                 await ep.read(region, desc, timeout=20)
+                moving.set()  # the next read is issued before this task yields again
 
         task = asyncio.ensure_future(hammer())
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(moving.wait(), 20)
         out[:] = 0  # from here, only a read after the raise could bring pattern bytes back
         proc.kill()
         with pytest.raises(tx.BrokenError):
             await asyncio.wait_for(task, 25)
         after = out.copy()
-        await asyncio.sleep(0.2)
+        # the endpoint is torn down (its lane closed): nothing of it can write any more
+        assert await asyncio.wait_for(node.disconnected.get(), 5) is ep
         assert np.array_equal(out, after), "a read wrote the buffer after it raised"
         with pytest.raises(tx.BrokenError):
             await ep.write(region, desc, nbytes=8)
-        assert await asyncio.wait_for(node.disconnected.get(), 5) is ep
 
 
 async def test_timed_out_staged_read_never_writes_the_buffer_again(
@@ -203,20 +206,13 @@ async def test_owner_keeps_serving_when_a_writer_dies_mid_stream(
         await client.connect(owner.address)
         transfer = asyncio.ensure_future(client.transfer(0, "write", big, seed=11))
         ep = await b.connect(owner.address)
-        for _ in range(200):  # the dying write is under way
-            if any(e._channel.stats["bytes_in"] > CHUNK
-                   for e in owner.endpoints):
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: any(e._channel.stats["bytes_in"] > CHUNK
+                                     for e in owner.endpoints), what="the dying write under way")
         client.kill()
         with contextlib.suppress(Exception):
             await transfer
         src = pattern(SIZE, seed=12)
         await ep.write(tx.MemoryRegion.register(src), desc, 3, 5, SIZE - 9)
         assert np.array_equal(mine.view(np.uint8)[5:SIZE - 4], src[3:SIZE - 6])
-        for _ in range(100):
-            if len(owner.endpoints) == 1:
-                break
-            await asyncio.sleep(0.05)
-        assert len(owner.endpoints) == 1
+        await wait_until(lambda: len(owner.endpoints) == 1, what="the dead writer dropped")
         assert all(e._channel.staging_buffers[0] <= POOL for e in owner.endpoints)

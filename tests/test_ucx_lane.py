@@ -13,7 +13,6 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 
 pytest.importorskip("ucxx")
 
+from tensorx._deadline import Deadline
 from tensorx.errors import (
     BrokenError,
     ClosedError,
@@ -32,6 +32,7 @@ from tensorx.errors import (
     TransportUnavailableError,
 )
 from tensorx.memregion import MemoryRegion, RegionDescriptor
+from tensorx.testing import wait_until
 from tensorx.transport.base import Op
 from tensorx.transport.ucx import UcxFactory, UcxLane
 
@@ -188,16 +189,15 @@ async def test_concurrent_writes_and_write_many(lane: UcxLane, owner: Owner) -> 
     assert b"".join(bytes(r.buffer()) for r in reads) == bytes(local.buffer())
 
 
-async def test_small_put_flush_latency_is_microseconds(lane: UcxLane, owner: Owner) -> None:
+async def test_small_puts_complete_one_after_another(lane: UcxLane, owner: Owner) -> None:
+    """200 small puts in a row, each awaited: each completes (with its flush) and the last
+    one's bytes are the owner's. (Their latency is measured by benchmarks/transfer.py.)"""
     local = MemoryRegion.allocate(8)
     op = Op(local, owner.desc, 0, 0, 8)
-    await lane.write(op, timeout=5)
-    times = []
-    for _ in range(200):
-        t0 = time.perf_counter()
+    for value in range(200):
+        local.view(np.uint8)[:] = value
         await lane.write(op, timeout=5)
-        times.append(time.perf_counter() - t0)
-    assert float(np.median(times)) < 5e-3  # tcp round trip; microseconds on shm
+    assert owner.ask("digest", 0, 8) == _digest(bytes([199] * 8))
 
 
 async def test_symmetric_lane_owner_writes_back(factory: UcxFactory, lane: UcxLane,
@@ -215,7 +215,7 @@ async def test_symmetric_lane_owner_writes_back(factory: UcxFactory, lane: UcxLa
 async def test_cancelled_write_leaves_lane_usable(lane: UcxLane, owner: Owner) -> None:
     local = MemoryRegion.allocate(64 * MiB)
     task = asyncio.ensure_future(lane.write(Op(local, owner.desc, 0, 0, 64 * MiB), timeout=20))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one loop turn: the write is issued
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -290,10 +290,8 @@ async def test_peer_killed_mid_transfer_then_reconnect(factory: UcxFactory) -> N
         op = Op(local, victim.desc, 0, 0, 64 * MiB)
         await lane.write(op, timeout=10)
         asyncio.get_running_loop().call_later(0.02, victim.kill)
-        t0 = time.monotonic()
-        with pytest.raises(BrokenError):
+        with pytest.raises(BrokenError):  # not a TimeoutError: the death was noticed
             await _write_forever(lane, op)
-        assert time.monotonic() - t0 < 10
         with pytest.raises(BrokenError):
             await lane.read(op, timeout=10)
         await asyncio.wait_for(lane.aclose(), 5)
@@ -313,9 +311,7 @@ async def test_stopped_peer_times_out(factory: UcxFactory) -> None:
         try:
             with pytest.raises(TimeoutError):
                 await lane.write(Op(local, sleeper.desc, 0, 0, 64 * MiB), timeout=0.5)
-            t0 = time.monotonic()
             await asyncio.wait_for(lane.aclose(), 10)  # shutdown never hangs
-            assert time.monotonic() - t0 < 6
         finally:
             os.kill(sleeper.pid, signal.SIGCONT)
 
@@ -348,10 +344,11 @@ def _in_child(target: Any, timeout: float = 90.0) -> Any:
     proc = ctx.Process(target=target, args=(child,))
     proc.start()
     try:
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while not conn.poll(0.1):
             assert proc.is_alive(), f"child died (exit code {proc.exitcode})"
-            assert time.monotonic() < deadline, "child did not answer in time"
+            if deadline.expired:
+                raise TimeoutError(f"child did not answer in {timeout} s")
         result = conn.recv()
     finally:
         proc.join(20)
@@ -370,7 +367,8 @@ def _fast_lane_after_peer_death(conn: Connection) -> None:
                 op = Op(MemoryRegion.allocate(4096), peer.desc, 0, 0, 4096)
                 await lane.write(op, timeout=10)
                 peer.kill()
-                await asyncio.sleep(0.2)  # the pidfd watch notices
+                await wait_until(lambda: lane._broken is not None,
+                                 what="the pidfd watch noticing the death")
                 try:
                     await lane.write(op, timeout=10)
                 except BrokenError:
@@ -411,7 +409,7 @@ def _close_memory_of_a_timed_out_write(conn: Connection) -> None:
             gc.collect()
             small = tx.MemoryRegion.register(np.zeros(16, np.uint8))
             await ep.write(small, desc, nbytes=16, timeout=30)
-            await asyncio.sleep(1.0)  # the timed-out write finishes meanwhile
+            await ep.notify(b"", timeout=30)  # flushes: the timed-out write has finished
             return outcome
 
     conn.send(asyncio.run(main()))

@@ -48,7 +48,7 @@ async def _untouched_later(lane: UcxLane, peer: Owner, out: np.ndarray,
     the lane and a pause far longer than the rest of a 64 MiB reply takes to arrive."""
     before = out.copy() if before is None else before
     assert await _usable_or_broken(lane, peer) == "usable"
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # the window a late write would land in: no event marks one
     assert np.array_equal(out, before), "a get that raised wrote the buffer later"
 
 
@@ -81,7 +81,7 @@ async def test_cancelled_get_never_writes_the_buffer_again(error_handling: bool)
                 out = np.zeros(BIG, np.uint8)
                 task = asyncio.ensure_future(
                     lane.read(Op(MemoryRegion.register(out), peer.desc, 0, 0, BIG), timeout=30))
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay)  # where the cancel lands: at once, or mid-transfer
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

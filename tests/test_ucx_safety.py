@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
 
 import tensorx as tx
-from tensorx.testing import OwnerProcess, digest, pattern
+from tensorx.testing import OwnerProcess, digest, pattern, wait_until
 
 pytest.importorskip("ucxx")
 
@@ -112,27 +113,25 @@ async def test_a_write_in_flight_never_lands_in_a_fresh_region() -> None:
         assert ep.info["transport"] == "ucx"
         old = tx.RegionDescriptor.from_bytes(await owner.call("export_allocated", nbytes, 1))
         data = tx.MemoryRegion.register(pattern(nbytes, seed=2))
-        writing = asyncio.create_task(ep.write(data, old, timeout=60))
-        await asyncio.sleep(0.05)  # let it start: UCX moves it for about a second here
+        await ep.write(data, old, nbytes=8)  # the descriptor is validated: the next write
+        writing = asyncio.create_task(ep.write(data, old, timeout=60))  # is issued at once
+        await asyncio.sleep(0)  # one loop turn: issued; UCX moves it for about a second
         fresh = tx.RegionDescriptor.from_bytes(await owner.call("replace", old.region_id, 3))
         with contextlib.suppress(tx.TensorxError):
             await writing
         assert owner.alive, "the owner died under the late write"
         assert await owner.call("digest", fresh.region_id) == digest(pattern(nbytes, 3)), \
             "the old write landed in the fresh region"
-        for _ in range(200):  # the peer acknowledged: the old memory is released
-            if await owner.call("held") == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert await owner.call("held") == 0
+        await wait_until(released(owner), what="the peer's acknowledgement releasing it")
         small = await owner.export(4096, seed=4)
         await _serves_an_honest_peer(owner, small, others=1)
 
 
-async def _write_until_refused(ep: tx.Endpoint, desc: tx.RegionDescriptor) -> None:
-    for _ in range(200):
-        await ep.write(tx.MemoryRegion.register(pattern(4096, 2)), desc)
-        await asyncio.sleep(0.01)
+def released(owner: OwnerProcess) -> Callable[[], Awaitable[bool]]:
+    async def nothing_held() -> bool:
+        return await owner.call("held") == 0
+
+    return nothing_held
 
 
 async def test_a_peer_that_never_acknowledges_keeps_the_memory_held_until_it_leaves() -> None:
@@ -145,12 +144,9 @@ async def test_a_peer_that_never_acknowledges_keeps_the_memory_held_until_it_lea
             ep._channel.revoke_ack = lambda region_id: None  # type: ignore  # a peer that never acknowledges
             await ep.write(tx.MemoryRegion.register(pattern(4096, 2)), desc)
             await owner.call("replace", desc.region_id, 3)
-            with pytest.raises(tx.RegionError):  # the revocation reached us
-                await _write_until_refused(ep, desc)
+            await ep.query("exports")  # the revocation is ahead of the answer: it reached us
+            with pytest.raises(tx.RegionError, match="closed"):
+                await ep.write(tx.MemoryRegion.register(pattern(4096, 2)), desc)
             assert await owner.call("held") == 1
-        for _ in range(200):
-            if await owner.call("held") == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert await owner.call("held") == 0
+        await wait_until(released(owner), what="the memory let go once the peer left")
         assert owner.alive

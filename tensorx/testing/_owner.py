@@ -110,8 +110,8 @@ class OwnerProcess:
                        timeout: float | None = 30.0) -> dict[str, Any]:
         """``op`` ("write" or "read") the whole region ``desc`` over endpoint ``ep``; a write
         sends ``pattern(desc.nbytes, seed)``. Returns ``{"ok", "error" (the tensorx error's
-        class name), "elapsed" (seconds, measured in this process), "digest" (of what a read
-        got)}``."""
+        class name), "message" (its text), "elapsed" (seconds, measured in this process),
+        "digest" (of what a read got)}``."""
         result: dict[str, Any] = await self.call("transfer", ep, op, desc.to_bytes(), seed,
                                                  timeout)
         return result
@@ -309,17 +309,17 @@ class _Owner:
         desc = RegionDescriptor.from_bytes(raw)
         data = pattern(desc.nbytes, seed) if op == "write" else np.zeros(desc.nbytes, np.uint8)
         region = MemoryRegion.register(data, writable=op == "read")
-        started, error = time.perf_counter(), ""
+        started, error, message = time.perf_counter(), "", ""
         try:
             await getattr(self.eps[ep], op)(region, desc, timeout=timeout)
         except TensorxError as exc:
-            error = type(exc).__name__
+            error, message = type(exc).__name__, str(exc)
         elapsed = time.perf_counter() - started
         if error:  # a timed-out op may still be moving bytes: keep its memory registered
             self.unfinished.append(region)
         else:
             region.close()
-        return {"ok": not error, "error": error, "elapsed": elapsed,
+        return {"ok": not error, "error": error, "message": message, "elapsed": elapsed,
                 "digest": digest(data) if op == "read" and not error else ""}
 
 
