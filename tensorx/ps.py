@@ -42,6 +42,7 @@ from typing import Any
 
 from tensorx._ps import observe
 from tensorx._ps.checkpoint import check_schedule
+from tensorx._ps.choose import EarlyChooser
 from tensorx._ps.device import resolve as resolve_device
 from tensorx._ps.grads import GradHook, GradProcessing
 from tensorx._ps.losses import LossWatch
@@ -148,6 +149,12 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     ``on_nonfinite`` (``"skip"``, the default, or ``"refuse"``): what to do with a pushed
     gradient that holds NaN or Inf (never applied; logged with its rank, counted in
     ``stats["nonfinite"]``); see :mod:`tensorx._ps.nonfinite`.
+    ``pipeline`` (sync mode, a flat update in several parts; see docs/architecture.md, "A
+    pipelined round"): ``None`` (the default): the shard measures its first rounds both
+    ways (parts applied as soon as every worker's has landed, with a backup each, or once
+    the whole gradient is in) and keeps the faster, measuring again every 500 rounds (one
+    INFO line says which and the medians); ``True`` / ``False`` force one. Either way a
+    worker's push that does not complete leaves no trace, and a version is whole.
     ``node_options``: further :class:`tensorx.Node` options, e.g.
     ``{"ucx_options": {"error_handling": False}}`` or ``{"require": "rdma"}``.
     ``metrics_port``: serve this shard's step timings and endpoint counters for Prometheus
@@ -171,7 +178,8 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
                  node_options: dict[str, Any] | None = None,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
                  clip_grad_norm: float | None = None,
-                 grad_hook: GradHook | None = None, device: str = "cpu") -> None:
+                 grad_hook: GradHook | None = None, device: str = "cpu",
+                 pipeline: bool | None = None) -> None:
         self.device = resolve_device(device)
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
@@ -226,6 +234,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self._writes, self._release, self._deferred = {}, [], []
         self._round_t0 = 0.0
         self._applier = self._applying = None
+        self._chooser = EarlyChooser(pipeline)
         self._sessions: set[asyncio.Task[None]] = set()
         # async and bounded modes: answers in flight, and the arenas they read
         self.outbox = Outbox(shard, limit=max(1, num_workers - 1))

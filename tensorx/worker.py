@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 BACKOFF_FIRST = 0.1  # seconds before the second rejoin attempt; doubles up to BACKOFF_CAP
 BACKOFF_CAP = 2.0
+# A pipelined push's part writes in flight at once: two keep a TCP stream full while the
+# first waits for its acknowledgement, and a same-host lane's two copy threads land them
+# nearly in order (all at once, they landed in any order: the shard waited for the first)
+PARTS_IN_FLIGHT = 2
 # A goodbye is best effort and nobody's budget (aclose() takes none): a shard that does not
 # read must not hold the worker's exit up for longer than this.
 BYE_TIMEOUT = 5.0
@@ -376,11 +381,9 @@ class Worker:
                 await ep.write_many(ops, notify=msg, timeout=self.timeout)
                 return
             await ep.notify(msg, timeout=self.timeout)
-            # in order, one at a time: parts written at once land in any order (a lane's
-            # copy threads take them as they come) and the shard waits for the first
-            for k, part_ops in sorted(by_part.items()):
-                await ep.write_many(part_ops, timeout=self.timeout,
-                                    notify=protocol.encode("part", k=k))
+            await windowed([functools.partial(ep.write_many, part_ops, timeout=self.timeout,
+                                              notify=protocol.encode("part", k=k))
+                            for k, part_ops in sorted(by_part.items())], PARTS_IN_FLIGHT)
 
     def _lost(self, shard: int, detail: str = "") -> BrokenError:
         return BrokenError(f"lost the connection to ps shard {shard} "
@@ -559,6 +562,26 @@ class Worker:
         if self._notes.get(shard) != why:
             logger.info("worker rank %d: ps shard %d holds our step: %r", self.rank, shard, why)
         self._notes[shard] = why
+
+
+async def windowed(calls: list[Callable[[], Awaitable[None]]], window: int) -> None:
+    """Run ``calls`` in order with at most ``window`` of them in flight; the first error
+    cancels the rest and is raised."""
+    running: set[asyncio.Task[None]] = set()
+    try:
+        for call in calls:
+            if len(running) >= window:
+                done, running = await asyncio.wait(running,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+            running.add(asyncio.ensure_future(call()))
+        await asyncio.gather(*running)
+    except BaseException:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        raise
 
 
 def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:

@@ -8,7 +8,14 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import hypothesis  # noqa: F401  # see below
 import pytest
+
+# Imported before any test runs, not by its pytest plugin at the session's end: there, the
+# import's ast.parse can race with a thread a test left compiling (torch's lazy imports in a
+# shard's apply thread) and CPython 3.11.7 raises "SystemError: AST constructor recursion
+# depth mismatch" (gh-106905: the parser's depth counter was global state), after every
+# test passed, when a single file that does not use hypothesis is run on its own.
 
 if TYPE_CHECKING:
     from tensorx.endpoint import Endpoint

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import parts, protocol
+from tensorx._ps import choose, parts, protocol
 from tensorx._ps import round as rounds
 from tensorx._ps.parts import check_parts, split_ops
 from tensorx._ps.round import PartBackups, Round
@@ -106,11 +107,32 @@ def test_a_push_is_cut_at_the_parts_bounds() -> None:
             check_parts(bad, 320)
 
 
+def test_the_faster_way_is_chosen_by_measuring_both() -> None:
+    slow_early = choose.EarlyChooser()
+    seen = []
+    for _ in range(choose.SKIP + 2 * choose.PROBE):
+        early = slow_early.early()
+        seen.append(early)
+        slow_early.observe(early, 0.048 if early else 0.033)
+    assert seen[choose.SKIP:].count(True) == seen[choose.SKIP:].count(False) == choose.PROBE
+    assert slow_early.early() is False and "once all have landed" in str(slow_early.decided)
+    for _ in range(choose.RECHECK - 1):  # until the next probe it sticks to it
+        assert slow_early.early() is False
+        slow_early.observe(False, 0.033)
+    fast_early = choose.EarlyChooser()
+    for _ in range(choose.SKIP + 2 * choose.PROBE):
+        early = fast_early.early()
+        fast_early.observe(early, 0.020 if early else 0.033)
+    assert fast_early.early() is True
+    assert choose.EarlyChooser(forced=False).early() is False
+
+
 # -- end to end --------------------------------------------------------------------------
 @contextlib.asynccontextmanager
 async def cluster(lane: str, opt: OptFactory, models: Sequence[nn.Module],
                   **server: Any) -> AsyncIterator[tuple[ParameterServer, list[Worker]]]:
     transport = node_transport(lane)
+    server.setdefault("pipeline", True)  # parts applied as they land (not chosen by timing)
     async with ParameterServer("tcp://127.0.0.1:0", num_workers=2, mode="sync",
                                optimizer=opt, transport=transport, share_memory=False,
                                log_every=None, **server) as ps:
@@ -166,7 +188,7 @@ async def test_a_large_model_is_pipelined_by_default() -> None:
     """No option: a shard whose flat update has several parts offers them."""
     model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048))  # 32 MiB
     async with ParameterServer(num_workers=1, transport="tcp", share_memory=False,
-                               log_every=None) as ps, \
+                               log_every=None, pipeline=True) as ps, \
             Worker(model, ps.address, rank=0, num_workers=1, transport="tcp",
                    share_memory=False, overlap=False) as w:
         assert len(w._parts[0]) > 1
@@ -335,3 +357,15 @@ async def test_a_server_closing_mid_round_checkpoints_the_version_before(
                                checkpoint_dir=tmp_path, log_every=None) as again:
         assert again.version == 1
         assert torch.equal(again.state.params_region.view(torch.uint8), before)  # type: ignore[union-attr]
+
+
+@pytest.mark.usefixtures("tiny_parts")
+async def test_by_default_the_shard_measures_both_ways_and_says_which_it_keeps(
+        caplog: pytest.LogCaptureFixture) -> None:
+    models = [make_model(), make_model(seed=99)]
+    rounds = choose.SKIP + 2 * choose.PROBE
+    with caplog.at_level(logging.INFO, logger="tensorx.ps"):
+        async with cluster("tcp", SGD_MOMENTUM, models, pipeline=None) as (ps, ws):
+            await _steps(ws, models, batches(rounds + 1, 2))
+            assert ps._chooser.rounds >= rounds
+    assert "pipelined rounds: parts applied as they land:" in caplog.text

@@ -107,6 +107,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loop", choices=LOOPS, default=None,
                    help="event loop: uvloop where installed (auto, the default, or "
                         "$TENSORX_LOOP), or asyncio's own")
+    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                   help="sync rounds of a flat update in parts: apply each part as soon as "
+                        "every worker's has landed (--pipeline) or once the whole gradient "
+                        "is in (--no-pipeline); default: measure both, keep the faster")
     p.add_argument("--share-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="sync mode: let workers on this host map the arenas (zero-copy); "
                         "--no-share-memory always copies, as across hosts")
@@ -294,7 +298,7 @@ async def serve(args: argparse.Namespace) -> None:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         checkpoint_keep=args.checkpoint_keep, share_memory=args.share_memory,
         token=args.token, transport=args.transport, insecure=args.insecure,
-        log_every=args.log_every or None, flat=args.flat,
+        log_every=args.log_every or None, flat=args.flat, pipeline=args.pipeline,
         on_worker_loss=args.on_worker_loss, worker_loss_timeout=args.worker_loss_timeout,
         clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite,
         send_timeout=args.send_timeout, device=args.device)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import concurrent.futures
 
     from tensorx._ps.answer import Peer
+    from tensorx._ps.choose import EarlyChooser
     from tensorx._ps.grads import GradProcessing
     from tensorx._ps.losses import LossWatch
     from tensorx._ps.nonfinite import NonFiniteGuard
@@ -97,6 +98,7 @@ class ShardCore(abc.ABC):
     _applier: concurrent.futures.ThreadPoolExecutor | None
     _applying: concurrent.futures.Future[Any] | None
     _deferred: list[Peer]  # joined while a round was open: welcomed after it
+    _chooser: EarlyChooser  # whether a round applies parts as they land (_ps.choose)
     _until: str | None
     stats: dict[str, Any]
 

@@ -62,7 +62,8 @@ class Pipelined(ShardCore):
     def _pushed_parts(self, peer: Peer, done: list[Any]) -> None:
         """A push on a pipelined shard: which parts of ``peer``'s gradient are in."""
         rnd = self._the_round()
-        rnd.header(peer.rank, range(rnd.num_parts) if peer.mapped else done)
+        rnd.header(peer.rank, range(rnd.num_parts) if peer.mapped else done,
+                   time.perf_counter())
 
     async def _part(self, ep: Endpoint, msg: dict[str, Any]) -> None:
         peer = self._peers.get(ep)
@@ -83,6 +84,8 @@ class Pipelined(ShardCore):
         self.stats["barrier_s"] += self.timings.barrier_done()
         self.optim.before_update(decision.apply, self.state)
         rnd.start(decision.apply)
+        rnd.early = self._chooser.early()
+        rnd.eligible = rnd.outstanding() >= rounds.EARLY_BYTES
         self._release = list(decision.release)
         self._round_t0 = time.perf_counter()
         await self._advance()
@@ -93,7 +96,8 @@ class Pipelined(ShardCore):
         while rnd.ranks is not None and not rnd.complete():
             settled = rnd.all_landed()
             todo = rnd.ready()
-            if rnd.skip or not todo or (not settled and rnd.outstanding() < rounds.EARLY_BYTES):
+            if rnd.skip or not todo or (not settled and (
+                    not rnd.early or rnd.outstanding() < rounds.EARLY_BYTES)):
                 break
             if settled and not rnd.checked:  # nothing can undo the rest: check it all first
                 bad = await self._in_thread(self._check_parts, rnd.ranks, todo)
@@ -182,6 +186,7 @@ class Pipelined(ShardCore):
             self.stats["apply_s"] += self.timings.apply.since(self._round_t0)
             if self.checkpoint_every and state.version % self.checkpoint_every == 0:
                 self.checkpoint()
+        measured = (rnd.early, rnd.t_first) if updated and rnd.eligible else None
         rnd.finish()
         by_rank = {p.rank: p for p in self._peers.values()}
         targets = [by_rank[r] for r in self._release if r in by_rank]
@@ -191,7 +196,17 @@ class Pipelined(ShardCore):
         await asyncio.gather(*(self._params_sender(p, writes.get(p.rank), last)()
                                for p in targets))
         self.stats["send_s"] += self.timings.sent(t0, len(targets))
+        if measured is not None and measured[1] is not None:
+            self._measured(measured[0], time.perf_counter() - measured[1])
         await self._welcome_deferred()
+
+    def _measured(self, early: bool, seconds: float) -> None:
+        """A round that could apply parts early took ``seconds``: tell the chooser, and
+        say once when it has decided (again)."""
+        before = self._chooser.decided
+        self._chooser.observe(early, seconds)
+        if self._chooser.decided != before:
+            logger.info("ps shard %d: pipelined rounds: %s", self.shard, self._chooser.decided)
 
     # -- when it cannot go on as it started ----------------------------------------------
     async def _rollback(self) -> None:

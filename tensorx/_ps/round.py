@@ -46,6 +46,9 @@ class Round:
         self.backed_up: set[int] = set()
         self.checked = False  # every part of every rank landed and found finite
         self.skip = False     # no update this time (NaN or Inf): answer once all landed
+        self.early = True     # parts may be applied before all have landed (_ps.choose)
+        self.eligible = False  # that could matter in this round (enough was on its way)
+        self.t_first: float | None = None  # when its first push arrived
 
     @property
     def num_parts(self) -> int:
@@ -56,8 +59,10 @@ class Round:
         """Part of an update is in the arena, not yet committed."""
         return bool(self.applied)
 
-    def header(self, rank: int, done: Iterable[int]) -> None:
-        """``rank`` pushed (its header): the parts in ``done`` have landed already."""
+    def header(self, rank: int, done: Iterable[int], now: float = 0.0) -> None:
+        """``rank`` pushed (its header) at ``now``: the parts in ``done`` have landed."""
+        if not self.landed:
+            self.t_first = now
         parts = set(done)
         if any(not isinstance(k, int) or not 0 <= k < self.num_parts for k in parts):
             raise ProtocolError(f"push from rank {rank} names parts outside "
@@ -115,10 +120,12 @@ class Round:
         self.backed_up.clear()
         self.checked = False
         self.skip = False
+        self.eligible = False  # a round that was reopened says nothing of either way
 
     def finish(self) -> None:
         """Committed: the next barrier starts from nothing."""
         self.landed.clear()
+        self.t_first = None
         self.reset()
 
 

@@ -1,0 +1,62 @@
+"""Whether a pipelined round applies parts as they land, chosen by measuring both. Pure.
+
+Applying part ``k`` while later parts are still arriving (see :mod:`tensorx._ps.round`)
+shortens a round only where moving the bytes leaves the shard's cores time to spare: an
+RDMA NIC or another machine's CPU does the copying, or the host has cores to spare. Where
+the copies themselves keep every core busy and memory bandwidth is the limit (two
+processes on a small host, measured on this project's 2-core VM: same-host lane and TCP,
+ResNet-50 and BERT-base, 10-30% slower), the backups an early part needs are pure cost.
+So a shard measures: it runs its first eligible rounds both ways, alternately, keeps the
+faster (by median) and measures again every :data:`RECHECK` rounds. A round is eligible
+when enough of the gradient is still on its way when the barrier completes (else both ways
+are the same round). ``ParameterServer(pipeline=True/False)`` forces the choice.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+__all__ = ["PROBE", "RECHECK", "SKIP", "EarlyChooser"]
+
+SKIP = 2       # eligible rounds not measured at first (the first ones warm caches up)
+PROBE = 4      # rounds measured each way per probe
+RECHECK = 500  # rounds between two probes
+
+
+class EarlyChooser:
+    """Decides, round by round, whether parts are applied as they land (``early()``), from
+    the durations it is told (``observe``). ``forced``: always that answer."""
+
+    def __init__(self, forced: bool | None = None) -> None:
+        self.forced = forced
+        self.choice = True      # until measured
+        self.rounds = 0         # eligible rounds observed
+        self._samples: dict[bool, list[float]] = {True: [], False: []}
+        self._next_probe = SKIP
+        self.decided: str | None = None  # the last decision, for the log
+
+    def early(self) -> bool:
+        """Apply parts as they land in the round that starts now?"""
+        if self.forced is not None:
+            return self.forced
+        if self.rounds < self._next_probe:
+            return self.choice
+        # probing: alternate, starting with the way that has fewer samples
+        return len(self._samples[True]) <= len(self._samples[False])
+
+    def observe(self, early: bool, seconds: float) -> None:
+        """An eligible round took ``seconds`` (first push to commit), applied ``early``."""
+        probing = self.forced is None and self.rounds >= self._next_probe
+        self.rounds += 1
+        if not probing:
+            return
+        self._samples[early].append(seconds)
+        if min(len(s) for s in self._samples.values()) < PROBE:
+            return
+        on, off = (statistics.median(self._samples[k]) for k in (True, False))
+        self.choice = on < off
+        self.decided = (f"parts applied as they land: {on * 1e3:.1f} ms, once all have "
+                        f"landed: {off * 1e3:.1f} ms (medians of {PROBE} rounds each): "
+                        f"{'as they land' if self.choice else 'once all have landed'}")
+        self._samples = {True: [], False: []}
+        self._next_probe = self.rounds + RECHECK
