@@ -33,6 +33,12 @@ from benchmarks.baselines import training
 from benchmarks.baselines.pair import SAME_HOST, Pair, System
 
 SYSTEMS = {
+    # the defaults (transport="auto", overlap on), first as shipped (on one host the workers
+    # map the PS's arenas), then on the copy path (the same-host lane moves every byte)
+    "tensorx-defaults": System("tensorx defaults (share_memory=True)", "train-tensorx",
+                               ("--transport", "auto", "--share-memory", "on")),
+    "tensorx-auto-overlap": System("tensorx defaults, share_memory=False (same-host lane)",
+                                   "train-tensorx", ("--transport", "auto", "--overlap", "on")),
     "tensorx-tcp-overlap": System("tensorx tcp, overlap on", "train-tensorx",
                                   ("--transport", "tcp", "--overlap", "on")),
     "tensorx-tcp": System("tensorx tcp, overlap off", "train-tensorx",
