@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import msgpack
@@ -243,14 +243,18 @@ class Layout:
         return packed
 
 
+_ENTRY_FIELDS = tuple(f.name for f in fields(PlanEntry))
+_DYNAMIC_FIELDS = tuple(f.name for f in fields(DynamicEntry))
+
+
 def _entry_row(e: PlanEntry) -> list[Any]:
-    row = list(astuple(e))
+    row = [getattr(e, f) for f in _ENTRY_FIELDS]  # astuple deep-copies: 65k chunks took s
     row[4] = list(e.shape)
     return row
 
 
 def _dynamic_row(d: DynamicEntry) -> list[Any]:
-    row = list(astuple(d))
+    row = [getattr(d, f) for f in _DYNAMIC_FIELDS]
     row[4] = list(d.row_shape)
     return row
 
