@@ -231,6 +231,22 @@ async def _until(handled: asyncio.Condition, predicate: Callable[[], bool]) -> N
         await asyncio.wait_for(handled.wait_for(predicate), 20)
 
 
+async def _rank_1_stops_after_2_parts(ps: ParameterServer, ws: list[Worker],
+                                      models: list[nn.Module],
+                                      step: list[tuple[torch.Tensor, ...]]) -> asyncio.Task[None]:
+    """Rank 0 pushes this step whole (its step, returned, waits for the round), rank 1
+    only 2 of its parts; returns once the shard has applied those 2 (an open round)."""
+    for w, m, (x, y) in zip(ws, models, step, strict=True):
+        w.zero_grad()
+        backward(m, x, y)
+    handled = _watch(ps)
+    first = asyncio.create_task(ws[0].step())
+    await _until(handled, lambda: 0 in (ps._round.landed if ps._round else {}))
+    await _push_partly(ws[1], 2)
+    await _until(handled, lambda: ps._round is not None and len(ps._round.applied) >= 2)
+    return first
+
+
 async def _dies_mid_push(policy: str, lane: str) -> tuple[list[torch.Tensor], int]:
     """Rank 1 dies after 2 of its parts at step 2 (its parts 0 and 1 already applied);
     then, under "wait", a new rank 1 redoes its step, under "continue" rank 0 goes on
@@ -240,14 +256,7 @@ async def _dies_mid_push(policy: str, lane: str) -> tuple[list[torch.Tensor], in
     server = {"on_worker_loss": policy, "worker_loss_timeout": 0.05}
     async with cluster(lane, SGD_MOMENTUM, models, **server) as (ps, ws):
         await _steps(ws, models, data[:2])
-        for w, m, (x, y) in zip(ws, models, data[2], strict=True):
-            w.zero_grad()
-            backward(m, x, y)
-        handled = _watch(ps)
-        first = asyncio.create_task(ws[0].step())
-        await _until(handled, lambda: 0 in (ps._round.landed if ps._round else {}))
-        await _push_partly(ws[1], 2)
-        await _until(handled, lambda: ps._round is not None and len(ps._round.applied) >= 2)
+        first = await _rank_1_stops_after_2_parts(ps, ws, models, data[2])
         ws[1]._eps[0].abort()  # gone mid-push, as if killed
         if policy == "wait":
             ws[1] = Worker(models[1], ps.address, rank=1, num_workers=2,
@@ -341,14 +350,7 @@ async def test_a_server_closing_mid_round_checkpoints_the_version_before(
     async with cluster("tcp", SGD_MOMENTUM, models, checkpoint_dir=tmp_path) as (ps, ws):
         await _steps(ws, models, data[:1])
         before = ps.state.params_region.view(torch.uint8).clone()  # type: ignore[union-attr]
-        for w, m, (x, y) in zip(ws, models, data[1], strict=True):
-            w.zero_grad()
-            backward(m, x, y)
-        handled = _watch(ps)
-        first = asyncio.create_task(ws[0].step())
-        await _until(handled, lambda: 0 in (ps._round.landed if ps._round else {}))
-        await _push_partly(ws[1], 2)
-        await _until(handled, lambda: ps._round is not None and len(ps._round.applied) >= 2)
+        first = await _rank_1_stops_after_2_parts(ps, ws, models, data[1])
         assert ps._round is not None and ps._round.open
         await ps.aclose()  # SIGTERM in the CLI: checkpoint, then close
         with contextlib.suppress(TensorxError):
