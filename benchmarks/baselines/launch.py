@@ -2,7 +2,8 @@
 
     SYSTEM: tensorx | tensorpipe | grpc | raw (one PS round)
             train-tensorx | train-rpc (PS training, two workers: --rank)
-            sparse-tensorx | sparse-rpc (DLRM-shaped training, two workers: --rank)
+            sparse-tensorx | sparse-rpc | sparse-local (DLRM-shaped training, two workers:
+            --rank; local: no PS)
             gpu-tensorx | gpu-tensorpipe (one PS round on --device, --workers workers)
     ROLE:   server | client
 """
@@ -30,6 +31,7 @@ ENTRIES = {  # system: (module, server function, client function)
     "gpu-tensorpipe": ("gpu_ps", "rpc_serve", "rpc_client"),
     "sparse-tensorx": ("sparse_train", "tensorx_serve", "tensorx_client"),
     "sparse-rpc": ("sparse_train", "rpc_serve", "rpc_client"),
+    "sparse-local": ("sparse_train", "local_serve", "local_client"),
 }
 
 

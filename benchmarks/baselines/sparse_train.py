@@ -3,9 +3,9 @@
 A DLRM-shaped model (facebookresearch/dlrm's structure: a bottom MLP over 13 dense features,
 26 ``nn.EmbeddingBag(sparse=True)`` tables, their dot-product interactions, a top MLP) on a
 synthetic click log whose ids follow a Zipf law per table, as in the Criteo data. Table sizes
-are spread over ``10^4 .. 10^5`` rows of 32 floats (``dlrm``: 66 MB of embeddings) or ten
-times that (``dlrm-x10``: 660 MB), with the same batches: the rows a step touches are the
-same, only the tables grow. Two systems:
+are spread over ``10^4 .. 10^5`` rows of 32 floats (``dlrm``: 132 MB of embeddings) or ten
+times that (``dlrm-x10``: 1.3 GB), with the same batches: the rows a step touches are the
+same, only the tables grow. Three systems:
 
 * ``tensorx``: :class:`tensorx.ps.ParameterServer` (sync, SGD, default options) and, per
   worker, :class:`tensorx.RemoteOptimizer` in an ordinary PyTorch loop; tensorx finds the
@@ -15,6 +15,8 @@ same, only the tables grow. Two systems:
   gradients and, per table, the ids and gradient rows it touched; once every worker has,
   the PS applies SGD to the average (rows with ``index_add_``) and answers each worker with
   the dense parameters and the fresh values of the rows it will look up next (its batch).
+* ``local``: no PS; each worker steps its own model (``torch.optim.SGD``) on its batch: the
+  forward, backward and update every system's step contains, on the same cores at once.
 """
 
 from __future__ import annotations
@@ -125,6 +127,28 @@ def tensorx_client(args: argparse.Namespace) -> None:
         common.client_loop(lambda n: common.timed_rounds(step, n),
                            {"lanes": ep.info["lanes"], "host": ep.info.get("host", ""),
                             "rows": rows_touched(args.rank)})
+
+
+# -- no PS: each worker's own step (the floor under any PS's step) ----------------------------
+def local_serve(args: argparse.Namespace) -> None:
+    common.announce({"host": args.host})
+    threading.Event().wait()  # until the driver stops us (SIGTERM)
+
+
+def local_client(args: argparse.Namespace) -> None:
+    """The same forward, backward and sparse SGD step, on this worker's batch alone: what a
+    step costs before any parameter server adds to it."""
+    model = build_model(args.model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    run_backward = backward(model, args.rank)
+
+    def step() -> None:
+        opt.zero_grad()
+        run_backward()
+        opt.step()
+
+    common.client_loop(lambda n: common.timed_rounds(step, n),
+                       {"lanes": [], "rows": rows_touched(args.rank)})
 
 
 # -- torch.distributed.rpc: a PS that moves rows ------------------------------------------------

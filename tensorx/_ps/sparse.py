@@ -67,7 +67,7 @@ class SparseSender:
     def accept(self, shard: int, msg: dict[str, Any]) -> None:
         """``shard``'s answer landed: scatter the rows it wrote into our inbox."""
         inbox = self.inboxes.get(shard)
-        if inbox is not None:
+        if inbox is not None and (msg["rows"] or msg["rows_want"]):
             tables = [self.binding.tensor_view(e.name, "params") for e in self.entries
                       if e.shard == shard]
             inbox.accept(msg, tables)
