@@ -2,7 +2,10 @@
 region descriptors (:mod:`tensorx.memregion`) and parameter-server messages
 (:mod:`tensorx._ps.protocol`). Pure: no I/O, nothing else of tensorx but its errors.
 
-A :class:`Record` names its fields and what each must be: a type, a bound (an int's
+Two forms. A :class:`Packed` record is a fixed binary layout: the headers on every op's
+path, a few u64 fields and flags decoded by one ``struct`` call, the layout their bound.
+Everything else is a msgpack map (or a list, :meth:`Record.check_row`) checked against a
+:class:`Record`, which names its fields and what each must be: a type, a bound (an int's
 exclusive upper limit, a string's, bytes', list's or map's length), optionally the values
 allowed, the record a map must be or what every list item must be. :meth:`Record.check`
 raises :class:`~tensorx.errors.ProtocolError` naming the record and the field, with the
@@ -15,14 +18,15 @@ subclass of the type passes too, so our own values need no conversion.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tensorx._text import printable
 from tensorx.errors import ProtocolError
 
-__all__ = ["Field", "Record", "blob", "choice", "flag", "real", "seq", "table", "text",
-           "uint"]
+__all__ = ["Field", "Packed", "Record", "blob", "choice", "flag", "real", "seq", "table",
+           "text", "uint"]
 
 U64 = 1 << 64
 
@@ -172,3 +176,83 @@ class Record:
             if why is not None:
                 raise ProtocolError(f"{self.what}: field {name!r} {why}")
         return row
+
+
+class Packed:
+    """A record in a fixed binary form: ``ints``, unsigned 64-bit big endian, then one byte
+    whose low bits are the ``flags`` (booleans); if the flag named ``tail`` is set, the
+    bytes after the fixed part are that field's value, else there must be none.
+
+    The layout is the bound of every int; :meth:`row` and :meth:`unpack` refuse
+    (ProtocolError) a header of the wrong length or with a flag bit the layout does not
+    know: there is nothing else to check."""
+
+    __slots__ = ("_known", "_tail_bit", "flags", "ints", "names", "size", "struct", "tail",
+                 "what")
+
+    def __init__(self, what: str, ints: Sequence[str], flags: Sequence[str] = (),
+                 tail: str | None = None) -> None:
+        assert tail is None or tail in flags
+        assert len(flags) <= 8
+        self.what = what
+        self.ints = tuple(ints)
+        self.flags = tuple(flags)
+        self.tail = tail
+        self.names = self.ints + self.flags  # of the values of a row
+        self._tail_bit = self.flags.index(tail) if tail is not None else -1
+        self.struct = struct.Struct("!" + "Q" * len(ints) + ("B" if flags else ""))
+        self.size = self.struct.size
+        self._known = (1 << len(flags)) - 1
+
+    def pack(self, fields: Mapping[str, Any]) -> bytes:
+        """The bytes of ``fields`` (ProtocolError naming the field that does not fit): for
+        tests and tools; the hot paths pack their frames with one ``struct`` of their own."""
+        for name in self.ints:
+            self._check(name, _U64, fields.get(name))
+        bits = 0
+        for i, name in enumerate(self.flags):
+            value = fields.get(name)
+            self._check(name, _TAIL if name == self.tail else _FLAG, value)
+            if value is not None and value is not False:  # a tail, or True
+                bits |= 1 << i
+        tail = fields.get(self.tail) if self.tail is not None else None
+        values = [fields[name] for name in self.ints] + ([bits] if self.flags else [])
+        return self.struct.pack(*values) + (tail or b"")
+
+    def _check(self, name: str, spec: Field, value: Any) -> None:
+        why = spec.problem(value)
+        if why is not None:
+            raise ProtocolError(f"{self.what}: field {name!r} {why}")
+
+    def row(self, raw: bytes | bytearray | memoryview) -> tuple[Any, ...]:
+        """The values of ``raw`` (exactly one header), in order: the ints, then each flag
+        (the tail's flag: its bytes, or None). What the transport reads on every op."""
+        size = len(raw)
+        if size < self.size:
+            raise ProtocolError(f"{self.what}: {size} B, not {self.size}")
+        values: tuple[Any, ...] = self.struct.unpack_from(raw)
+        if not self.flags:
+            if size != self.size:
+                raise ProtocolError(f"{self.what}: {size} B, not {self.size}")
+            return values
+        bits = values[-1]
+        if bits & ~self._known:
+            raise ProtocolError(f"{self.what}: unknown flags {bits:#04x}")
+        flags: list[Any] = [bool(bits & 1 << i) for i in range(len(self.flags))]
+        if self.tail is not None and flags[self._tail_bit]:
+            flags[self._tail_bit] = bytes(raw[self.size:])
+        elif size != self.size:
+            raise ProtocolError(f"{self.what}: {size} B, not {self.size}")
+        elif self.tail is not None:
+            flags[self._tail_bit] = None
+        return (*values[:-1], *flags)
+
+    def unpack(self, raw: bytes | bytearray | memoryview) -> dict[str, Any]:
+        """:meth:`row` as a map (a tail that is absent is left out)."""
+        fields = dict(zip(self.names, self.row(raw), strict=True))
+        if self.tail is not None and fields[self.tail] is None:
+            del fields[self.tail]
+        return fields
+
+
+_U64, _FLAG, _TAIL = uint(64), flag(), Field(bytes, optional=True)

@@ -1,12 +1,15 @@
 """Frame encoding for the tensorx control protocol. Pure: no asyncio, no sockets.
 
-A frame is a 16-byte prefix, a msgpack header (a map with short string keys) and an
-optional raw payload that the transport moves straight between socket and region memory::
+A frame is a 16-byte prefix, a header and an optional raw payload that the transport moves
+straight between socket and region memory::
 
     prefix  = magic b"TX" | version u8 | kind u8 | header_len u32 | payload_len u64   (big endian)
 
-Every header is validated against the schema of its kind (a :class:`tensorx._schema.Record`)
-before anything acts on it.
+The frames of every one-sided op (WRITE, WRITE_ACK, READ, READ_DATA) have a fixed binary
+header (a :class:`tensorx._schema.Packed`: u64 fields, a flags byte; a WRITE's size is its
+payload's), packed and checked with one ``struct`` call each; every other kind's header is a
+msgpack map with short string keys, checked against its :class:`tensorx._schema.Record`.
+Nothing acts on a header before it passed.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from tensorx._schema import Field, Record, blob, choice, flag, table, text, uint
+from tensorx._schema import Field, Packed, Record, blob, choice, table, text, uint
 from tensorx.errors import ProtocolError
 
 __all__ = [
@@ -27,13 +30,19 @@ __all__ = [
     "PREFIX",
     "PROTOCOL_VERSION",
     "Kind",
+    "decode",
     "decode_header",
     "decode_prefix",
     "encode",
+    "read_frame",
+    "reply_frame",
+    "write_frame",
 ]
 
 MAGIC = b"TX"
-PROTOCOL_VERSION = 2  # 2: the client proves the token first (v1 servers proved first)
+# 2: the client proves the token first (v1 servers proved first); 3: the op frames' headers
+# are fixed binary layouts (they were msgpack maps)
+PROTOCOL_VERSION = 3
 PREFIX = struct.Struct("!2sBBIQ")
 MAX_HEADER = 64 * 1024
 MAX_NOTIFY = 16 * 1024 * 1024
@@ -75,10 +84,6 @@ SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
     Kind.AUTH: {"proof": _NONCE},
     Kind.WELCOME: {"proof": _NONCE, "caps": _CAPS},
     Kind.CAPS: {"caps": _CAPS},
-    Kind.WRITE: {"req": _U, "rid": _U, "ck": _U, "off": _U, "n": _U, "last": flag()},
-    Kind.WRITE_ACK: {"req": _U},
-    Kind.READ: {"req": _U, "rid": _U, "ck": _U, "off": _U, "n": _U},
-    Kind.READ_DATA: {"req": _U},
     Kind.NOTIFY: {},
     Kind.ERROR: {"req": _U, "code": _CODE, "msg": text(MAX_HEADER)},
     Kind.VALIDATE: {"req": _U, "rid": _U, "ck": _U},
@@ -89,6 +94,18 @@ SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
     Kind.REVOKE: {"rid": _U},
     Kind.REVOKE_ACK: {"rid": _U},
 }.items()}
+# The op frames: fixed layouts. A WRITE's "n" is its payload's length (not on the wire);
+# "last": the write's last frame; "imm": a notification it carries (on the last frame only).
+PACKED: dict[Kind, Packed] = {
+    Kind.WRITE: Packed("WRITE header", ("req", "rid", "ck", "off"), ("last", "imm"), "imm"),
+    Kind.WRITE_ACK: Packed("WRITE_ACK header", ("req",)),
+    Kind.READ: Packed("READ header", ("req", "rid", "ck", "off", "n")),
+    Kind.READ_DATA: Packed("READ_DATA header", ("req",)),
+}
+_LAST, _IMM = 1, 2  # WRITE's flag bits
+_WRITE = struct.Struct(PREFIX.format + PACKED[Kind.WRITE].struct.format[1:])
+_READ = struct.Struct(PREFIX.format + PACKED[Kind.READ].struct.format[1:])
+_REPLY = struct.Struct(PREFIX.format + "Q")
 _KINDS = {int(kind): kind for kind in Kind}  # a lookup, not Kind(value): on every frame
 # Kinds whose payload is region data; every other kind but NOTIFY carries none.
 DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
@@ -96,15 +113,48 @@ DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
 
 def encode(kind: Kind, header: dict[str, Any], payload_len: int = 0) -> bytes:
     """Prefix + header bytes of one frame; the payload (if any) is sent after them."""
-    raw: bytes = msgpack.packb(header, use_bin_type=True)
+    packed = PACKED.get(kind)
+    if packed is not None:
+        if kind is Kind.WRITE and header.get("n", payload_len) != payload_len:
+            raise ProtocolError(f"WRITE says {header['n']} B but carries {payload_len} B")
+        raw = packed.pack(header)
+    else:
+        raw = msgpack.packb(header, use_bin_type=True)
     if len(raw) > MAX_HEADER:
         raise ProtocolError(f"{kind.name} header of {len(raw)} B exceeds {MAX_HEADER} B")
     return PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, len(raw), payload_len) + raw
 
 
-def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[Kind, int, int]:
-    """(kind, header_len, payload_len) of a 16-byte prefix; ProtocolError if it is bad."""
-    magic, version, kind, header_len, payload_len = PREFIX.unpack(data)
+# The op frames, packed whole (prefix and header) in one call: what the transport sends on
+# every op. Their fields are ours (checked by the endpoint), never a peer's.
+def write_frame(req: int, rid: int, ck: int, off: int, n: int, last: bool,
+                imm: bytes | None = None) -> bytes:
+    """A WRITE frame's prefix and header; ``n`` bytes of payload follow."""
+    if imm is None:
+        return _WRITE.pack(MAGIC, PROTOCOL_VERSION, Kind.WRITE, _WRITE.size - PREFIX.size, n,
+                           req, rid, ck, off, _LAST if last else 0)
+    if len(imm) > MAX_HEADER - _WRITE.size or not last:
+        raise ProtocolError(f"a WRITE carries a notification of at most "
+                            f"{MAX_HEADER - _WRITE.size} B, on its last frame")
+    return _WRITE.pack(MAGIC, PROTOCOL_VERSION, Kind.WRITE, _WRITE.size - PREFIX.size + len(imm),
+                       n, req, rid, ck, off, _LAST | _IMM) + imm
+
+
+def read_frame(req: int, rid: int, ck: int, off: int, n: int) -> bytes:
+    return _READ.pack(MAGIC, PROTOCOL_VERSION, Kind.READ, _READ.size - PREFIX.size, 0,
+                      req, rid, ck, off, n)
+
+
+def reply_frame(kind: Kind, req: int, payload_len: int = 0) -> bytes:
+    """A WRITE_ACK (no payload) or READ_DATA (``payload_len`` bytes follow) frame."""
+    return _REPLY.pack(MAGIC, PROTOCOL_VERSION, kind, 8, payload_len, req)
+
+
+def decode_prefix(data: bytes | bytearray | memoryview, offset: int = 0
+                  ) -> tuple[Kind, int, int]:
+    """(kind, header_len, payload_len) of the 16-byte prefix at ``offset``; ProtocolError
+    if it is bad."""
+    magic, version, kind, header_len, payload_len = PREFIX.unpack_from(data, offset)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}: not a tensorx peer")
     if version != PROTOCOL_VERSION:
@@ -128,12 +178,34 @@ def _check_payload_len(kind: Kind, payload_len: int) -> None:
 
 def decode_header(kind: Kind, raw: bytes | bytearray | memoryview,
                   payload_len: int = 0) -> dict[str, Any]:
-    """Unpack and validate a header against its kind's schema."""
+    """Unpack and validate a header against its kind's schema, as a map."""
+    packed = PACKED.get(kind)
+    if packed is None:
+        return _decode_map(kind, raw)
+    header = dict(zip(packed.names, decode(kind, raw), strict=True))
+    if kind is Kind.WRITE:
+        header["n"] = payload_len
+        if header["imm"] is None:
+            del header["imm"]
+    return header
+
+
+def decode(kind: Kind, raw: bytes | bytearray | memoryview) -> Any:
+    """What the transport reads: the header of an op frame as its row (its values in the
+    order :data:`PACKED` names them: a WRITE's is ``(req, rid, ck, off, last, imm)``), of
+    any other kind as a map; validated either way."""
+    packed = PACKED.get(kind)
+    if packed is None:
+        return _decode_map(kind, raw)
+    row = packed.row(raw)
+    if kind is Kind.WRITE and row[5] is not None and not row[4]:
+        raise ProtocolError("WRITE carries a notification on a frame before its last")
+    return row
+
+
+def _decode_map(kind: Kind, raw: bytes | bytearray | memoryview) -> dict[str, Any]:
     try:
         unpacked = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER)
     except Exception as exc:
         raise ProtocolError(f"undecodable {kind.name} header: {exc}") from exc
-    header = SCHEMAS[kind].check(unpacked)
-    if kind is Kind.WRITE and header["n"] != payload_len:
-        raise ProtocolError(f"WRITE says {header['n']} B but carries {payload_len} B")
-    return header
+    return SCHEMAS[kind].check(unpacked)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import struct
 from collections.abc import Iterator
 
 import numpy as np
@@ -161,7 +162,7 @@ frames = st.one_of(
     st.binary(min_size=1, max_size=256),
     st.builds(lambda kind, version, hlen, plen, tail: _wire.PREFIX.pack(
         b"TX", version, kind, hlen, plen) + tail,
-        st.integers(0, 255), st.sampled_from([2, 2, 1, 3, 0]), st.integers(0, 2**20),
+        st.integers(0, 255), st.sampled_from([3, 3, 2, 1, 4, 0]), st.integers(0, 2**20),
         st.integers(0, 2**41), st.binary(max_size=64)),
 )
 
@@ -195,20 +196,20 @@ def test_forged_write_frame_past_the_end_changes_nothing(owner: OwnerProcess) ->
     assert owner.call_blocking("guards_intact")
 
 
-@pytest.mark.parametrize(("imm", "last"), [(7, True), (b"early", False)])
-def test_malformed_carried_notification_is_a_protocol_error(owner: OwnerProcess, imm: object,
-                                                            last: bool) -> None:
-    """A WRITE's carried notification must be bytes, on the last frame of its write."""
+@pytest.mark.parametrize("flags", [0b10, 0b110, 0b11 | 0x80])
+def test_malformed_carried_notification_is_a_protocol_error(owner: OwnerProcess,
+                                                            flags: int) -> None:
+    """A WRITE's carried notification must come on the last frame of its write, and a
+    WRITE has no flags but 'last' and 'carries a notification'."""
     d = tx.RegionDescriptor.from_bytes(owner.call_blocking("export", 128, "rw", 6))
     sock = _authenticated_socket(owner)
-    header = {"req": 1, "rid": d.region_id, "ck": d.cookie, "off": 0, "n": 8, "last": last,
-              "imm": imm}
-    sock.sendall(_wire.encode(Kind.WRITE, header, 8) + b"\xff" * 8)
+    header = struct.pack("!QQQQB", 1, d.region_id, d.cookie, 0, flags) + b"early"
+    sock.sendall(_wire.PREFIX.pack(b"TX", V, Kind.WRITE, len(header), 8) + header + b"\xff" * 8)
     kind, reply = recv_frame(sock)
     assert kind is Kind.ERROR and reply["code"] == "protocol"
     assert _closed_by_owner(sock)
     assert owner.call_blocking("digest", d.region_id) == digest(pattern(128, 6))
-    assert imm not in owner.call_blocking("notes")
+    assert b"early" not in owner.call_blocking("notes")
 
 
 async def test_owner_keeps_serving_after_all_of_the_above(owner: OwnerProcess) -> None:
@@ -223,7 +224,8 @@ V = _wire.PROTOCOL_VERSION
     _wire.PREFIX.pack(b"TX", 9, Kind.WRITE, 0, 0),                   # protocol version 9
     _wire.PREFIX.pack(b"TX", V, Kind.WRITE, 1 << 20, 0),             # header over the limit
     _wire.encode(Kind.HELLO, {"id": "again", "nonce": b"x"}),        # handshake frame later
-    _wire.PREFIX.pack(b"TX", V, Kind.WRITE, 3, 0) + b"\xc1\xc1\xc1",  # undecodable header
+    _wire.PREFIX.pack(b"TX", V, Kind.QUERY, 3, 0) + b"\xc1\xc1\xc1",  # undecodable header
+    _wire.PREFIX.pack(b"TX", V, Kind.WRITE, 3, 0) + b"\xc1\xc1\xc1",  # op header cut short
 ])
 def test_malformed_frame_gets_a_protocol_error_reply(owner: OwnerProcess, frame: bytes) -> None:
     sock = _authenticated_socket(owner)

@@ -152,24 +152,25 @@ async def test_replayed_handshake_is_refused() -> None:
         assert header["code"] == "auth"
 
 
-async def test_protocol_version_mismatch_is_explained_to_the_peer() -> None:
-    """A peer of protocol v1 (whose server proved the token first) is told why it is
-    refused; this process speaks v2."""
-    assert _wire.PROTOCOL_VERSION == 2
+@pytest.mark.parametrize("old", [1, 2])
+async def test_protocol_version_mismatch_is_explained_to_the_peer(old: int) -> None:
+    """A peer of protocol v1 (whose server proved the token first) or v2 (whose op frames
+    had msgpack headers) is told why it is refused; this process speaks v3."""
+    assert _wire.PROTOCOL_VERSION == 3
     async with tx.Node(transport="tcp") as owner:
-        def speak_v1() -> tuple[Kind, dict[str, object]]:
+        def speak_old() -> tuple[Kind, dict[str, object]]:
             with raw_socket(owner.address) as sock:
-                sock.sendall(_wire.PREFIX.pack(b"TX", 1, Kind.HELLO, 0, 0))
+                sock.sendall(_wire.PREFIX.pack(b"TX", old, Kind.HELLO, 0, 0))
                 prefix = sock.recv(_wire.PREFIX.size, socket.MSG_WAITALL)
-                assert _wire.PREFIX.unpack(prefix)[1] == 2  # the refusal is a v2 frame
+                assert _wire.PREFIX.unpack(prefix)[1] == 3  # the refusal is a v3 frame
                 kind, hlen, _ = _wire.PREFIX.unpack(prefix)[2], _wire.PREFIX.unpack(prefix)[3], 0
                 header = _wire.decode_header(Kind(kind), sock.recv(hlen, socket.MSG_WAITALL))
                 return Kind(kind), header
 
-        kind, header = await asyncio.to_thread(speak_v1)
+        kind, header = await asyncio.to_thread(speak_old)
         assert kind is Kind.ERROR
         assert header["code"] == "protocol"
-        assert "v1" in str(header["msg"]) and "v2" in str(header["msg"])
+        assert f"v{old}" in str(header["msg"]) and "v3" in str(header["msg"])
         async with tx.Node(listen=None, transport="tcp") as node:  # still serving
             await node.connect(owner.address)
 

@@ -40,12 +40,14 @@ async def session(monkeypatch: pytest.MonkeyPatch, client: bool = True,
         yield proc, node, ep
 
 
-def test_the_switch_is_read_per_op(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch_stages_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     region = tx.MemoryRegion.register(bytearray(10))
     monkeypatch.delenv(STAGE, raising=False)
-    assert isinstance(_staging.staged_range(region, 2, 3), memoryview)
+    assert not _staging.stage_host()
+    assert isinstance(_staging.staged_range(region, 2, 3, _staging.stage_host()), memoryview)
     monkeypatch.setenv(STAGE, "1")
-    staged = _staging.staged_range(region, 2, 3)
+    assert _staging.stage_host()
+    staged = _staging.staged_range(region, 2, 3, _staging.stage_host())
     assert isinstance(staged, _staging.StagedRange) and len(staged) == 3
     assert _staging.split_staged([b"h", staged, b"x", b"y"]) == [[b"h"], staged, [b"x", b"y"]]
 

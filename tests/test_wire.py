@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,33 +17,78 @@ def test_roundtrip_every_kind_with_valid_header() -> None:
     samples = {
         Kind.WRITE: ({"req": 1, "rid": 2, "ck": 3, "off": 4, "n": 5, "last": True}, 5),
         Kind.READ: ({"req": 1, "rid": 2, "ck": 3, "off": 4, "n": 5}, 0),
+        Kind.WRITE_ACK: ({"req": 2**64 - 1}, 0),
+        Kind.READ_DATA: ({"req": 7}, 9),
         Kind.ERROR: ({"req": 0, "code": "region", "msg": "nope"}, 0),
         Kind.NOTIFY: ({}, 100),
     }
     for kind, (header, plen) in samples.items():
         raw = _wire.encode(kind, header, plen)
         k, hlen, got_plen = _wire.decode_prefix(raw[:_wire.PREFIX.size])
-        assert (k, got_plen) == (kind, plen)
+        assert (k, got_plen, hlen) == (kind, plen, len(raw) - _wire.PREFIX.size)
         assert _wire.decode_header(k, raw[_wire.PREFIX.size:], plen) == header
+
+
+def test_the_op_frames_packers_agree_with_their_layouts() -> None:
+    """What the transport sends on every op (packed whole, in one call) is what the
+    declared layouts say, notification carried or not."""
+    write = {"req": 1, "rid": 2**64 - 1, "ck": 3, "off": 4, "n": 5, "last": False}
+    assert _wire.write_frame(1, 2**64 - 1, 3, 4, 5, False) == _wire.encode(Kind.WRITE, write, 5)
+    carried = {**write, "last": True, "imm": b"note"}
+    assert _wire.write_frame(1, 2**64 - 1, 3, 4, 5, True, b"note") == _wire.encode(
+        Kind.WRITE, carried, 5)
+    raw = _wire.write_frame(1, 2, 3, 4, 5, True, b"")
+    assert _wire.decode_header(Kind.WRITE, raw[_wire.PREFIX.size:], 5)["imm"] == b""
+    read = {"req": 1, "rid": 2, "ck": 3, "off": 4, "n": 5}
+    assert _wire.read_frame(1, 2, 3, 4, 5) == _wire.encode(Kind.READ, read)
+    assert _wire.reply_frame(Kind.READ_DATA, 9, 7) == _wire.encode(Kind.READ_DATA, {"req": 9}, 7)
+    assert _wire.reply_frame(Kind.WRITE_ACK, 9) == _wire.encode(Kind.WRITE_ACK, {"req": 9})
+    with pytest.raises(ProtocolError, match="last frame"):
+        _wire.write_frame(1, 2, 3, 4, 5, False, b"early")
 
 
 @pytest.mark.parametrize(("header", "match"), [
     ({"req": 1, "rid": 2, "ck": 3, "off": 4, "n": 5}, "last"),
     ({"req": -1, "rid": 2, "ck": 3, "off": 4, "n": 5, "last": True}, "out of range"),
+    ({"req": 2**64, "rid": 2, "ck": 3, "off": 4, "n": 5, "last": True}, "out of range"),
     ({"req": True, "rid": 2, "ck": 3, "off": 4, "n": 5, "last": True}, "req"),
     ({"req": 1, "rid": "2", "ck": 3, "off": 4, "n": 5, "last": True}, "rid"),
+    ({"req": 1, "rid": 2, "ck": 3, "off": 4, "n": 5, "last": 1}, "last"),
+    ({"req": 1, "rid": 2, "ck": 3, "off": 4, "n": 5, "last": True, "imm": 7}, "imm"),
+    ({"req": 1, "rid": 2, "ck": 3, "off": 4, "n": 6, "last": True}, "carries"),
 ])
-def test_schema_violations_are_protocol_errors(header: dict[str, object], match: str) -> None:
-    raw = _wire.encode(Kind.WRITE, header, 5)
+def test_a_header_that_does_not_fit_its_layout_is_not_sent(header: dict[str, object],
+                                                           match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
-        _wire.decode_header(Kind.WRITE, raw[_wire.PREFIX.size:], 5)
+        _wire.encode(Kind.WRITE, header, 5)
 
 
-def test_write_payload_must_match_its_header() -> None:
-    header = {"req": 1, "rid": 2, "ck": 3, "off": 0, "n": 10, "last": True}
-    raw = _wire.encode(Kind.WRITE, header, 10)
-    with pytest.raises(ProtocolError, match="carries"):
-        _wire.decode_header(Kind.WRITE, raw[_wire.PREFIX.size:], 11)
+def _write_header(flags: int, tail: bytes = b"") -> bytes:
+    return struct.pack("!QQQQB", 1, 2, 3, 4, flags) + tail
+
+
+@pytest.mark.parametrize(("kind", "raw", "match"), [
+    (Kind.WRITE, _write_header(1)[:-1], "32 B, not 33"),             # one byte short
+    (Kind.WRITE, _write_header(1, b"x"), "34 B, not 33"),            # a tail without its flag
+    (Kind.WRITE, _write_header(4), "unknown flags 0x04"),            # a flag nobody knows
+    (Kind.WRITE, _write_header(0x81), "unknown flags 0x81"),
+    (Kind.WRITE, _write_header(2, b"early"), "before its last"),     # a note on a frame before
+    (Kind.WRITE_ACK, b"\0" * 9, "9 B, not 8"),
+    (Kind.READ_DATA, b"", "0 B, not 8"),
+    (Kind.READ, b"\0" * 39, "39 B, not 40"),
+    (Kind.READ, b"\0" * 41, "41 B, not 40"),
+])
+def test_op_headers_of_the_wrong_form_are_protocol_errors(kind: Kind, raw: bytes,
+                                                          match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        _wire.decode_header(kind, raw, 8 if kind is Kind.WRITE else 0)
+
+
+def test_any_u64_fits_an_op_header() -> None:
+    top = 2**64 - 1
+    raw = _wire.read_frame(top, top, top, top, top)
+    header = _wire.decode_header(Kind.READ, raw[_wire.PREFIX.size:])
+    assert header == {"req": top, "rid": top, "ck": top, "off": top, "n": top}
 
 
 def test_limits_and_versions() -> None:

@@ -3,6 +3,10 @@ READ for the TCP lane), VALIDATE and QUERY, each a request id with a future, and
 handlers of their answers (WRITE_ACK, READ_DATA landing straight in the caller's memory,
 VALID, ANSWER, ERROR).
 
+Their timeouts share one timer per connection, set for the earliest deadline of the
+requests in flight (a timer per request cost each small op a few microseconds to arm and
+cancel).
+
 Owned by one :class:`~tensorx.transport.control.ControlChannel`, which reads the frames
 and hands the answers here; :mod:`~tensorx.transport.owner` serves the peer's requests.
 """
@@ -11,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tensorx import _wire
@@ -26,10 +30,19 @@ from tensorx.transport._staging import Land, StagedRange
 __all__ = ["Pending", "Requests"]
 
 
-@dataclass
 class Pending:
-    future: asyncio.Future[Any]
-    dest: memoryview | StagedRange | None = None
+    """A request in flight: its future, where its answer's payload lands (a read), its
+    deadline on the loop's clock (``math.inf``: none) and what its timeout says."""
+
+    __slots__ = ("at", "dest", "future", "timeout", "what")
+
+    def __init__(self, future: asyncio.Future[Any], dest: memoryview | StagedRange | None,
+                 at: float, what: str, timeout: float | None) -> None:
+        self.future = future
+        self.dest = dest
+        self.at = at
+        self.what = what
+        self.timeout = timeout
 
 
 class Requests:
@@ -45,64 +58,102 @@ class Requests:
         self._land = land
         self._pending: dict[int, Pending] = {}
         self._req_ids = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None  # for the earliest deadline or sooner
+        self._timer_at = math.inf
 
     def fail(self, exc: TensorxError) -> None:
         """The channel ended: every request in flight fails with (a copy of) ``exc``."""
         for pending in self._pending.values():
             set_once(pending.future, fresh_copy(exc))
         self._pending.clear()
+        self._disarm()
 
-    def _new_request(self, dest: memoryview | StagedRange | None = None
-                     ) -> tuple[int, Pending]:
+    def _new_request(self, timeout: float | None, what: str,
+                     dest: memoryview | StagedRange | None = None) -> tuple[int, Pending]:
         req = next(self._req_ids)
-        pending = Pending(self._loop.create_future(), dest)
+        at = math.inf if timeout is None else self._loop.time() + timeout
+        pending = Pending(self._loop.create_future(), dest, at, what, timeout)
         self._pending[req] = pending
+        if at < self._timer_at:
+            self._arm(at)
         return req, pending
 
-    async def _await(self, req: int, pending: Pending, timeout: float | None, what: str) -> Any:
-        """Wait for the reply; a timer (not wait_for's extra task hop) enforces the timeout."""
-        fut = pending.future
-        timer = None
-        if timeout is not None:
-            timer = self._loop.call_later(timeout, self._time_out, fut, what, timeout)
+    async def _await(self, req: int, pending: Pending) -> Any:
+        """Wait for the reply (the connection's timer enforces the timeout)."""
         try:
-            return await fut
+            return await pending.future
         finally:
-            if timer is not None:
-                timer.cancel()
             self._pending.pop(req, None)
 
-    def _time_out(self, fut: asyncio.Future[Any], what: str, timeout: float) -> None:
-        set_once(fut, TimeoutError(f"{self.label}: {what} timed out after {timeout} s"))
+    def _arm(self, at: float) -> None:
+        self._disarm()
+        self._timer = self._loop.call_at(at, self._expire)
+        self._timer_at = at
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, math.inf
+
+    def _expire(self) -> None:
+        """The timer is due: time out every request whose deadline has come (the timer's
+        own: the loop runs it at its time, give or take the clock's resolution), then set
+        it for the earliest deadline left."""
+        due, self._timer, self._timer_at = self._timer_at, None, math.inf
+        earliest = math.inf
+        for pending in self._pending.values():
+            if pending.at <= due:
+                set_once(pending.future, TimeoutError(
+                    f"{self.label}: {pending.what} timed out after {pending.timeout} s"))
+                pending.at = math.inf
+            elif pending.at < earliest:
+                earliest = pending.at
+        if earliest < math.inf:
+            self._arm(earliest)
 
     async def write(self, ops: Sequence[tuple[memoryview | StagedRange, int, int, int]],
                             timeout: float | None, imm: bytes | None = None) -> None:
         """Send WRITE frames for (src, region_id, cookie, offset); one ACK covers them all.
         ``imm``: a notification carried by the last frame, which the owner delivers once
         every frame of the write has landed (and not at all if one was refused)."""
-        req, pending = self._new_request()
+        req, pending = self._new_request(timeout, "write")
         try:
+            last = len(ops) - 1
             for i, (src, rid, ck, off) in enumerate(ops):
-                header: dict[str, Any] = {"req": req, "rid": rid, "ck": ck, "off": off,
-                                          "n": len(src), "last": i == len(ops) - 1}
-                if imm is not None and header["last"]:
-                    header["imm"] = imm
-                self._out.enqueue([_wire.encode(Kind.WRITE, header, len(src)), src])
+                frame = _wire.write_frame(req, rid, ck, off, len(src), i == last,
+                                          imm if i == last else None)
+                self._out.enqueue([frame, src])
         except BaseException:
             self._pending.pop(req, None)
             raise
-        await self._await(req, pending, timeout, "write")
+        await self._await(req, pending)
+
+    async def write_one(self, src: memoryview | StagedRange, rid: int, ck: int, off: int,
+                        timeout: float | None) -> None:
+        """:meth:`write` of one frame without a notification (the small op's path)."""
+        req, pending = self._new_request(timeout, "write")
+        try:
+            self._out.enqueue([_wire.write_frame(req, rid, ck, off, len(src), True), src])
+        except BaseException:
+            self._pending.pop(req, None)
+            raise
+        await self._await(req, pending)
 
     async def _ask(self, kind: Kind, fields: dict[str, Any], timeout: float | None, what: str,
                    dest: memoryview | StagedRange | None = None) -> Any:
         """Send one request frame and wait for its answer."""
-        req, pending = self._new_request(dest)
+        req, pending = self._new_request(timeout, what, dest)
         try:
-            self._out.enqueue([_wire.encode(kind, {"req": req, **fields})])
+            if kind is Kind.READ:
+                frame = _wire.read_frame(req, fields["rid"], fields["ck"], fields["off"],
+                                         fields["n"])
+            else:
+                frame = _wire.encode(kind, {"req": req, **fields})
+            self._out.enqueue([frame])
         except BaseException:
             self._pending.pop(req, None)
             raise
-        return await self._await(req, pending, timeout, what)
+        return await self._await(req, pending)
 
     async def read(self, dest: memoryview | StagedRange, rid: int, ck: int, off: int,
                            timeout: float | None) -> None:
@@ -142,11 +193,12 @@ class Requests:
             return None
         return pending
 
-    def read_data_now(self, h: dict[str, Any], payload_len: int) -> bool:
+    # READ_DATA's and WRITE_ACK's headers are rows: (req,)
+    def read_data_now(self, h: tuple[int], payload_len: int) -> bool:
         """READ_DATA whose payload is buffered, for host memory: lands right here."""
         if payload_len > self._reader.buffered:
             return False
-        pending = self._landing(h["req"], payload_len)
+        pending = self._landing(h[0], payload_len)
         if pending is None:
             self._reader.skip(payload_len)
             return True
@@ -156,8 +208,8 @@ class Requests:
         pending.future.set_result(None)
         return True
 
-    async def on_read_data(self, h: dict[str, Any], payload_len: int) -> None:
-        pending = self._landing(h["req"], payload_len)
+    async def on_read_data(self, h: tuple[int], payload_len: int) -> None:
+        pending = self._landing(h[0], payload_len)
         if pending is None or pending.dest is None:
             await self._reader.discard(payload_len)
             return
@@ -166,8 +218,8 @@ class Requests:
         if await self._land(pending.dest, live=lambda: not pending.future.done()):
             set_once(pending.future)
 
-    def on_ack(self, h: dict[str, Any], payload_len: int) -> None:
-        self._resolve(h["req"], None)
+    def on_ack(self, h: tuple[int], payload_len: int) -> None:
+        self._resolve(h[0], None)
 
     def on_valid(self, h: dict[str, Any], payload_len: int) -> None:
         addr = h.get("addr")

@@ -28,6 +28,7 @@ LOWAT_MIN = 256 * 1024
 LOWAT_MAX = 1024 * 1024
 SOCKET_BUFFER = 4 * 1024 * 1024
 
+PREFIX_SIZE = _wire.PREFIX.size
 KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 
 
@@ -121,21 +122,20 @@ class FrameReader:
             raise BrokenError("peer closed the connection")
         self._end += n
 
-    def next_frame(self) -> tuple[Kind, dict[str, Any], int] | None:
+    def next_frame(self) -> tuple[Kind, Any, int] | None:
         """The next frame's (kind, header, payload length) if its prefix and header are
-        buffered, else None (and nothing consumed). Its payload is not consumed."""
-        start, have = self._start, self._end - self._start
-        if have < _wire.PREFIX.size:
-            self._make_room(_wire.PREFIX.size)
+        buffered, else None (and nothing consumed). Its payload is not consumed. The header
+        is an op frame's row, any other kind's map (see :func:`tensorx._wire.decode`)."""
+        start = self._start
+        if self._end - start < PREFIX_SIZE:
+            self._make_room(PREFIX_SIZE)
             return None
-        kind, header_len, payload_len = _wire.decode_prefix(
-            self._view[start:start + _wire.PREFIX.size])
-        end = start + _wire.PREFIX.size + header_len
+        kind, header_len, payload_len = _wire.decode_prefix(self._buf, start)
+        end = start + PREFIX_SIZE + header_len
         if end > self._end:
-            self._make_room(_wire.PREFIX.size + header_len)
+            self._make_room(PREFIX_SIZE + header_len)
             return None
-        header = _wire.decode_header(kind, self._view[start + _wire.PREFIX.size:end],
-                                     payload_len)
+        header = _wire.decode(kind, self._view[start + PREFIX_SIZE:end])
         self._start = end
         return kind, header, payload_len
 
@@ -219,7 +219,7 @@ class FrameReader:
             self._start += taken
             n -= taken
 
-    async def frame(self) -> tuple[Kind, dict[str, Any], int]:
+    async def frame(self) -> tuple[Kind, Any, int]:
         while (frame := self.next_frame()) is None:
             self._end += await self._recv(self._view[self._end:])
         return frame

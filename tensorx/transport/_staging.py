@@ -24,7 +24,8 @@ before the error reaches the caller, so no copy lands in the caller's memory aft
 
 ``TENSORX_STAGE_HOST=1`` (tests only) sends host regions through this same path, with
 host memory standing in for device memory and copies that complete late (on the second
-poll), so the CPU-only suite exercises the staging and its ordering.
+poll), so the CPU-only suite exercises the staging and its ordering. It is read once per
+connection (a spawned owner sets it after importing us, before its node starts).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from tensorx.transport._exceptions import TORCH_ERRORS, map_exceptions
 from tensorx.transport._sock import FrameReader
 
 __all__ = ["CHUNK", "POOL", "Land", "RecvStager", "SendStager", "StagedRange", "describe",
-           "has_staged", "is_staged", "split_staged", "staged_range"]
+           "has_staged", "split_staged", "stage_host", "staged_range"]
 
 CHUNK = 4 << 20
 POOL = 2
@@ -58,13 +59,9 @@ def describe() -> str:
     return f"staged via pinned host, {CHUNK >> 20} MiB x {POOL}"
 
 
-def _stage_host() -> bool:
-    """The test-only switch (read per op: a spawned owner sets it after importing us)."""
+def stage_host() -> bool:
+    """The test-only switch: whether host regions are staged too."""
     return os.environ.get("TENSORX_STAGE_HOST") == "1"
-
-
-def is_staged(region: MemoryRegion) -> bool:
-    return region.is_cuda or _stage_host()
 
 
 class Event(Protocol):
@@ -103,9 +100,11 @@ class StagedRange:
         self.inflight.clear()
 
 
-def staged_range(region: MemoryRegion, offset: int, nbytes: int) -> memoryview | StagedRange:
-    """The payload of an op on ``region``: its bytes, or a range to stage."""
-    if is_staged(region):
+def staged_range(region: MemoryRegion, offset: int, nbytes: int,
+                 host: bool) -> memoryview | StagedRange:
+    """The payload of an op on ``region``: its bytes, or a range to stage (GPU memory,
+    and host memory too where ``host``, the connection's :func:`stage_host`)."""
+    if host or region.is_cuda:
         return StagedRange(region, offset, nbytes)
     return region.buffer()[offset:offset + nbytes]
 

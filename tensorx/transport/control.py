@@ -54,7 +54,9 @@ REQUESTS = frozenset({Kind.WRITE, Kind.READ, Kind.VALIDATE, Kind.QUERY})
 # budget: aclose() takes none, and a peer that does not read must not hold our close up.
 GOODBYE_TIMEOUT = 1.0
 
-Handler = Callable[[dict[str, Any], int], None]
+# A frame's header: an op frame's row (a tuple), any other kind's map (tensorx._wire.decode).
+Header = Any
+Handler = Callable[[Header, int], None]
 
 
 class ChannelEvents:
@@ -95,9 +97,9 @@ class ControlChannel:
         self._stage_in = RecvStager()  # GPU payloads: the reader's staging buffers
         self._owner: OwnerService | None = None
         self._events: ChannelEvents | None = None
-        self._now: dict[Kind, Callable[[dict[str, Any], int], bool]] = {}
+        self._now: dict[Kind, Callable[[Header, int], bool]] = {}
         self._plain: dict[Kind, Handler] = {}
-        self._later: dict[Kind, Callable[[dict[str, Any], int], Awaitable[None]]] = {}
+        self._later: dict[Kind, Callable[[Header, int], Awaitable[None]]] = {}
         self._serving: asyncio.Task[None] | None = None  # a frame that had to wait
         self._refusing: asyncio.Task[None] | None = None
         self._reading = False  # the readiness callback is registered
@@ -116,7 +118,8 @@ class ControlChannel:
             raise error_from_code(header["code"], header["msg"])
         if kind is not expect or payload_len:
             raise ProtocolError(f"expected {expect.name} during handshake, got {kind.name}")
-        return header
+        hello: dict[str, Any] = header  # a handshake kind's header is a map
+        return hello
 
     def start(self, owner: OwnerService, events: ChannelEvents) -> None:
         """The peer has authenticated: serve it (and only now give it a full-size
@@ -248,7 +251,7 @@ class ControlChannel:
         except Exception as exc:
             self._read_failed(exc)
 
-    def _serve_now(self, kind: Kind, header: dict[str, Any], payload_len: int) -> bool:
+    def _serve_now(self, kind: Kind, header: Header, payload_len: int) -> bool:
         if kind is Kind.BYE:
             self._fail(BrokenError(f"{self.label}: peer closed the endpoint"), True)
             return True
@@ -261,12 +264,12 @@ class ControlChannel:
         now = self._now.get(kind)
         return now is not None and now(header, payload_len)
 
-    async def _serve_later(self, kind: Kind, header: dict[str, Any], payload_len: int) -> None:
+    async def _serve_later(self, kind: Kind, header: Header, payload_len: int) -> None:
         """Serve a frame that has to wait, then what is already here after it, as a reader
         task would (no loop turn between frames: a peer flooding notifications fills our
         queue at once and is held back by it); back to the callback once drained."""
         try:
-            frame: tuple[Kind, dict[str, Any], int] | None = (kind, header, payload_len)
+            frame: tuple[Kind, Header, int] | None = (kind, header, payload_len)
             while frame is not None:
                 await self._serve_waiting(*frame)
                 frame = self._next_waiting()
@@ -276,7 +279,7 @@ class ControlChannel:
         self._serving = None
         self._resume()
 
-    def _next_waiting(self) -> tuple[Kind, dict[str, Any], int] | None:
+    def _next_waiting(self) -> tuple[Kind, Header, int] | None:
         """Serve the frames already here that can be served at once; return the next one
         that has to wait, or None when nothing more has arrived."""
         while self._error is None:
@@ -293,7 +296,7 @@ class ControlChannel:
                 return frame
         return None
 
-    async def _serve_waiting(self, kind: Kind, header: dict[str, Any], payload_len: int) -> None:
+    async def _serve_waiting(self, kind: Kind, header: Header, payload_len: int) -> None:
         if kind in REQUESTS and self.out.backlog >= MAX_QUEUED_FRAMES:
             # A peer that asks without reading our answers: stop reading its requests
             # until the answers drain (TCP then holds it back), instead of queueing more.
@@ -340,7 +343,7 @@ class ControlChannel:
         return self._stage_in.buffers, self.out.staging_buffers
 
     # -- frames served here ---------------------------------------------------------------
-    async def _on_write(self, h: dict[str, Any], payload_len: int) -> None:
+    async def _on_write(self, h: tuple[Any, ...], payload_len: int) -> None:
         assert self._owner is not None
         assert self._events is not None
         imm = await self._owner.on_write(h, payload_len)

@@ -15,11 +15,11 @@ from typing import Any, Protocol
 
 from tensorx._exports import ExportTable
 from tensorx._ratelog import RefusalLog
-from tensorx._wire import Kind
+from tensorx._wire import Kind, reply_frame
 from tensorx.errors import ProtocolError, TensorxError, error_code
 from tensorx.transport._sendq import SendQueue
 from tensorx.transport._sock import FrameReader
-from tensorx.transport._staging import StagedRange, staged_range
+from tensorx.transport._staging import StagedRange, stage_host, staged_range
 
 __all__ = ["OwnerService"]
 
@@ -60,76 +60,82 @@ class OwnerService:
         self._reader = wire.reader
         self._land = wire.land
         self._post = wire.out.post
+        self._send = wire.out.enqueue
         self._refused: set[int] = set()  # the peer's write requests with a refused frame
         self._refusals = RefusalLog(logger, wire.label)
+        self._stage_host = stage_host()  # read once per connection, not per op
 
     def close(self) -> None:
         """The channel ended: log what was refused and not reported yet."""
         self._refusals.flush()
 
-    def write_now(self, h: dict[str, Any], payload_len: int) -> bool:
+    # The op frames' headers are rows (tensorx._wire.PACKED): a WRITE's is
+    # (req, rid, ck, off, last, imm), a READ's (req, rid, ck, off, n).
+    def write_now(self, h: tuple[Any, ...], payload_len: int) -> bool:
         """A WRITE whose payload is buffered and has host memory to land in."""
-        if payload_len > self._reader.buffered or "imm" in h:
+        req, rid, ck, off, last, imm = h
+        if payload_len > self._reader.buffered or imm is not None:
             return False
         try:
-            region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "w")
-            dest = staged_range(region, h["off"], h["n"])
+            region = self._exports.resolve(rid, ck, off, payload_len, "w")
+            dest = staged_range(region, off, payload_len, self._stage_host)
         except TensorxError as exc:
             self._reader.skip(payload_len)
-            self._refuse_write(h, exc)
+            self._refuse_write(req, last, exc)
             return True
         if isinstance(dest, StagedRange):
             return False
         self._reader.take_into(dest)
-        self._written(h)
+        self._written(req, last)
         return True
 
-    async def on_write(self, h: dict[str, Any], payload_len: int) -> bytes | None:
+    async def on_write(self, h: tuple[Any, ...], payload_len: int) -> bytes | None:
         """Land a WRITE frame; the notification it carries once the whole write has landed
         (None if it carries none, or a frame of the write was refused)."""
-        imm = h.get("imm")
-        if imm is not None and (not isinstance(imm, bytes) or not h["last"]):
-            raise ProtocolError("WRITE carries a malformed notification")
+        req, rid, ck, off, last, imm = h
         try:
-            region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "w")
-            dest = staged_range(region, h["off"], h["n"])
+            region = self._exports.resolve(rid, ck, off, payload_len, "w")
+            dest = staged_range(region, off, payload_len, self._stage_host)
         except TensorxError as exc:
             await self._reader.discard(payload_len)
-            self._refuse_write(h, exc)
+            self._refuse_write(req, last, exc)
             return None
         await self._land(dest)  # into GPU memory: every copy has completed
-        return imm if self._written(h) else None
+        written = self._written(req, last)
+        return imm if written else None
 
-    def _written(self, h: dict[str, Any]) -> bool:
+    def _written(self, req: int, last: bool) -> bool:
         """A WRITE frame has landed: acknowledge the write after its last frame, unless
         an earlier frame of it was refused. Returns whether it was acknowledged."""
-        if not h["last"]:
+        if not last:
             return False
-        if h["req"] in self._refused:
-            self._refused.discard(h["req"])
+        if req in self._refused:
+            self._refused.discard(req)
             return False
-        self._post(Kind.WRITE_ACK, {"req": h["req"]})
+        self._send([reply_frame(Kind.WRITE_ACK, req)])
         return True
 
-    def _refuse_write(self, h: dict[str, Any], exc: TensorxError) -> None:
+    def _refuse_write(self, req: int, last: bool, exc: TensorxError) -> None:
         """Refuse a WRITE frame; remember the write until its last frame (so that a
         notification it carries is dropped)."""
-        self._reply_error(h["req"], exc)
-        if h["last"]:
-            self._refused.discard(h["req"])
+        self._reply_error(req, exc)
+        if last:
+            self._refused.discard(req)
             return
         if len(self._refused) > MAX_REFUSED:  # a peer that never finishes its writes
             raise ProtocolError("too many unfinished refused writes")
-        self._refused.add(h["req"])
+        self._refused.add(req)
 
-    def on_read(self, h: dict[str, Any], payload_len: int) -> None:
+    def on_read(self, h: tuple[Any, ...], payload_len: int) -> None:
+        req, rid, ck, off, n = h
         try:
-            region = self._exports.resolve(h["rid"], h["ck"], h["off"], h["n"], "r")
-            src = staged_range(region, h["off"], h["n"])
+            region = self._exports.resolve(rid, ck, off, n, "r")
+            src = staged_range(region, off, n, self._stage_host)
         except TensorxError as exc:
-            self._reply_error(h["req"], exc)
+            self._reply_error(req, exc)
             return
-        self._post(Kind.READ_DATA, {"req": h["req"]}, src if len(src) else None)
+        self._send([reply_frame(Kind.READ_DATA, req, n), src] if n
+                   else [reply_frame(Kind.READ_DATA, req)])
 
     def on_validate(self, h: dict[str, Any], payload_len: int) -> None:
         try:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorx.transport import _staging
-from tensorx.transport._staging import StagedRange, staged_range
+from tensorx.transport._staging import StagedRange, stage_host, staged_range
 from tensorx.transport.base import CUDA, HOST, Capabilities, DataLane, LaneFactory, Link, Op
 from tensorx.transport.control import MAX_IMM, ControlChannel
 
@@ -39,6 +39,7 @@ class TcpLane(DataLane):
     def __init__(self, channel: ControlChannel, why: str = "tensorx's own TCP lane") -> None:
         self._requests = channel.requests
         self._why = why
+        self._stage_host = stage_host()  # read once per connection, not per op
 
     @property
     def info(self) -> dict[str, Any]:
@@ -46,10 +47,12 @@ class TcpLane(DataLane):
                 "gpu": _staging.describe()}
 
     async def write(self, op: Op, *, timeout: float | None) -> None:
-        await self.write_many([op], timeout=timeout)
+        src = staged_range(op.local, op.local_offset, op.nbytes, self._stage_host)
+        await self._requests.write_one(src, op.remote.region_id, op.remote.cookie,
+                                       op.remote_offset, timeout)
 
     async def read(self, op: Op, *, timeout: float | None) -> None:
-        dest = _payload(op)
+        dest = staged_range(op.local, op.local_offset, op.nbytes, self._stage_host)
         try:
             await self._requests.read(dest, op.remote.region_id, op.remote.cookie,
                                           op.remote_offset, timeout)
@@ -59,14 +62,14 @@ class TcpLane(DataLane):
             raise
 
     async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
-        await self._requests.write(_frames(ops), timeout)
+        await self._requests.write(self._frames(ops), timeout)
 
     async def write_notify(self, ops: Sequence[Op], payload: bytes, *,
                            timeout: float | None) -> bool:
         """The notification rides in the last WRITE frame: no wait between the two."""
         if not ops or len(payload) > MAX_IMM:
             return False
-        await self._requests.write(_frames(ops), timeout, imm=bytes(payload))
+        await self._requests.write(self._frames(ops), timeout, imm=bytes(payload))
         return True
 
     async def flush(self, *, timeout: float | None) -> None:
@@ -79,11 +82,6 @@ class TcpLane(DataLane):
     def abort(self) -> None:
         """See :meth:`aclose`."""
 
-
-def _payload(op: Op) -> memoryview | StagedRange:
-    return staged_range(op.local, op.local_offset, op.nbytes)
-
-
-def _frames(ops: Sequence[Op]) -> list[tuple[memoryview | StagedRange, int, int, int]]:
-    return [(_payload(op), op.remote.region_id, op.remote.cookie, op.remote_offset)
-            for op in ops]
+    def _frames(self, ops: Sequence[Op]) -> list[tuple[memoryview | StagedRange, int, int, int]]:
+        return [(staged_range(op.local, op.local_offset, op.nbytes, self._stage_host),
+                 op.remote.region_id, op.remote.cookie, op.remote_offset) for op in ops]
