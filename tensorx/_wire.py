@@ -32,6 +32,7 @@ __all__ = [
     "Kind",
     "decode",
     "decode_header",
+    "decode_op",
     "decode_prefix",
     "encode",
     "read_frame",
@@ -148,6 +149,39 @@ def read_frame(req: int, rid: int, ck: int, off: int, n: int) -> bytes:
 def reply_frame(kind: Kind, req: int, payload_len: int = 0) -> bytes:
     """A WRITE_ACK (no payload) or READ_DATA (``payload_len`` bytes follow) frame."""
     return _REPLY.pack(MAGIC, PROTOCOL_VERSION, kind, 8, payload_len, req)
+
+
+# An op frame in its usual form, prefix and header unpacked in one call: by its kind byte,
+# (kind, its struct, its header's length, the slice of the values that is its row).
+_OPS = {int(k): (k, s, s.size - PREFIX.size, slice(5, None)) for k, s in (
+    (Kind.WRITE, _WRITE), (Kind.READ, _READ), (Kind.WRITE_ACK, _REPLY),
+    (Kind.READ_DATA, _REPLY))}
+_NO_PAYLOAD = (Kind.READ, Kind.WRITE_ACK)
+
+
+def decode_op(data: bytes | bytearray, offset: int, available: int
+              ) -> tuple[Kind, tuple[Any, ...], int, int] | None:
+    """(kind, row, payload length, frame size without payload) of the op frame at
+    ``offset`` if it is one in its usual form (a WRITE without a notification, a READ, a
+    WRITE_ACK, a READ_DATA, each with a header of its fixed size) and all of its prefix and
+    header are among the ``available`` bytes (at least a prefix's); else None, and
+    :func:`decode_prefix` and :func:`decode` decide (and raise on what is wrong). The row
+    is what :func:`decode` gives."""
+    op = _OPS.get(data[offset + 3])
+    if op is None:
+        return None
+    kind, packed, header_len, row = op
+    if available < packed.size:
+        return None
+    values = packed.unpack_from(data, offset)
+    if (values[0] != MAGIC or values[1] != PROTOCOL_VERSION or values[3] != header_len
+            or values[4] > MAX_PAYLOAD or (values[4] and kind in _NO_PAYLOAD)):
+        return None
+    if kind is Kind.WRITE:
+        if values[9] & ~_LAST:  # a notification, or flags we do not know
+            return None
+        return kind, (*values[5:9], values[9] == _LAST, None), values[4], packed.size
+    return kind, values[row], values[4], packed.size
 
 
 def decode_prefix(data: bytes | bytearray | memoryview, offset: int = 0

@@ -104,6 +104,47 @@ def test_limits_and_versions() -> None:
         _wire.encode(Kind.NOTIFY, {"x": b"y" * (_wire.MAX_HEADER + 1)})
 
 
+def _general(raw: bytes) -> tuple[Kind, object, int]:
+    kind, hlen, plen = _wire.decode_prefix(raw)
+    return kind, _wire.decode(kind, raw[_wire.PREFIX.size:_wire.PREFIX.size + hlen]), plen
+
+
+@pytest.mark.parametrize("raw", [
+    _wire.write_frame(1, 2, 3, 4, 5, True), _wire.write_frame(2**64 - 1, 2, 3, 4, 0, False),
+    _wire.read_frame(1, 2, 3, 4, 5), _wire.reply_frame(Kind.WRITE_ACK, 7),
+    _wire.reply_frame(Kind.READ_DATA, 7, 2**40),
+])
+def test_the_one_unpack_reading_of_an_op_frame_agrees_with_the_general_one(raw: bytes) -> None:
+    kind, row, plen, size = _wire.decode_op(raw + b"payload", 0, len(raw) + 7)  # type: ignore[misc]
+    assert (kind, row, plen) == _general(raw)
+    assert size == len(raw)
+    assert _wire.decode_op(b"x" + raw, 1, len(raw) - 1) is None  # header not all there yet
+
+
+V = _wire.PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize(("raw", "match"), [
+    (_wire.write_frame(1, 2, 3, 4, 5, True, b"note"), None),          # a notification
+    (_wire.write_frame(1, 2, 3, 4, 5, True, b""), None),
+    (struct.pack("!2sBBIQQQQQB", b"TX", V, Kind.WRITE, 33, 5, 1, 2, 3, 4, 4), "flags"),
+    (struct.pack("!2sBBIQQQQQB", b"TX", V - 1, Kind.WRITE, 33, 5, 1, 2, 3, 4, 1), f"v{V - 1}"),
+    (struct.pack("!2sBBIQQ", b"TY", V, Kind.WRITE_ACK, 8, 0, 1), "magic"),
+    (struct.pack("!2sBBIQQ", b"TX", V, Kind.WRITE_ACK, 8, 1, 1), "exceeds"),  # a payload
+    (struct.pack("!2sBBIQQ", b"TX", V, Kind.READ_DATA, 8, 2**40 + 1, 1), "exceeds"),
+    (struct.pack("!2sBBIQQQ", b"TX", V, Kind.READ_DATA, 16, 0, 1, 2), "16 B, not 8"),
+])
+def test_an_op_frame_in_any_other_form_is_left_to_the_general_reading(
+        raw: bytes, match: str | None) -> None:
+    """What the one-unpack reading does not take is decided (and refused) as before."""
+    assert _wire.decode_op(raw, 0, len(raw)) is None
+    if match is None:
+        assert _general(raw)[0] is Kind.WRITE
+    else:
+        with pytest.raises(ProtocolError, match=match):
+            _general(raw)
+
+
 @given(st.binary(min_size=_wire.PREFIX.size, max_size=_wire.PREFIX.size), st.binary(max_size=512))
 def test_decoding_garbage_raises_only_protocol_error(prefix: bytes, body: bytes) -> None:
     try:

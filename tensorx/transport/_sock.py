@@ -130,6 +130,10 @@ class FrameReader:
         if self._end - start < PREFIX_SIZE:
             self._make_room(PREFIX_SIZE)
             return None
+        op = _wire.decode_op(self._buf, start, self._end - start)  # one unpack, most frames
+        if op is not None:
+            self._start = start + op[3]
+            return op[0], op[1], op[2]
         kind, header_len, payload_len = _wire.decode_prefix(self._buf, start)
         end = start + PREFIX_SIZE + header_len
         if end > self._end:
