@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from tensorx import _auth
+from tensorx import _auth, _wire
 from tensorx._exports import ExportTable
 from tensorx._wire import Kind
 from tensorx.errors import AuthError, ProtocolError, TimeoutError
 from tensorx.transport import handshake
+from tensorx.transport._sock import FrameReader
 from tensorx.transport.control import ChannelEvents, ControlChannel
 from tensorx.transport.owner import OwnerService
 
@@ -143,3 +144,22 @@ async def test_an_aborted_peer_is_a_failure_for_the_other_side(
     client.abort()  # no BYE: the socket just ends
     exc = await asyncio.wait_for(closed, 10)
     assert exc is not None  # a broken connection, reported as one
+
+
+async def test_a_frame_that_fits_the_buffer_is_read_whole_once_the_buffer_is_consumed() -> None:
+    """After frames that filled the read buffer's tail were consumed, the next frame is
+    read from the front of the buffer: a WRITE the size of most of the buffer comes in one
+    read (not only the tail's worth, which left its payload to be served by a task)."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        reader = FrameReader(b, 1024)
+        filler = _wire.reply_frame(Kind.WRITE_ACK, 1)
+        for _ in range(1000 // len(filler)):  # frames up to near the end of the buffer
+            a.sendall(filler)
+            reader.feed()
+            assert reader.next_frame() is not None
+        frame = _wire.write_frame(1, 2, 3, 0, 900, True) + b"x" * 900
+        a.sendall(frame)
+        reader.feed()
+        assert reader.buffered == len(frame)

@@ -111,7 +111,9 @@ class FrameReader:
     def feed(self) -> None:
         """One non-blocking ``recv_into`` the buffer, for a reader driven by readiness
         callbacks. Raises BlockingIOError when nothing is there, BrokenError at the end."""
-        if self._end == len(self._buf):
+        if self._start == self._end:  # all consumed: read from the front, so that a frame
+            self._start = self._end = 0  # as large as the buffer's free room is read whole
+        elif self._end == len(self._buf):
             self._make_room(len(self._buf) - self._start + 1)
         with self._lost:
             try:
