@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tensorx._analyzer.sparse import SparseStaging
+from tensorx._analyzer.sparse import SparseStaging, read_header, read_headers
 from tensorx._ps import optim_state
 from tensorx._ps.shard import ShardLayout, ShardState
 from tensorx._ps.sparse import SparseReceiver
@@ -245,6 +245,33 @@ async def test_staged_rows_spread_past_what_the_tables_take_are_refused_unread()
         assert ep.reads == 0
     finally:
         receiver.close()
+        staging.close()
+
+
+@pytest.mark.parametrize("field", ["rows", "nbytes", "offset"])
+def test_a_header_that_does_not_fit_its_table_is_refused_naming_it(field: str) -> None:
+    """All the header slots are decoded at once, each checked as read_header checks one: a
+    slot whose rows pass the budget, whose bytes do not match its rows, or whose payload is
+    not aligned raises RegionError naming its table; good slots decode to read_header's."""
+    plan, _ = plan_and_layout()
+    staging = SparseStaging(plan)
+    try:
+        grads = {name: torch.sparse_coo_tensor(ids[None], values, TABLES[name],
+                                               check_invariants=True)
+                 for name, (ids, values) in rows_of(1).items()}
+        staged = staging.stage(0, grads)
+        headers = staging.header_regions()[(0, "headers")]
+        entries = list(plan.dynamic_entries)
+        assert read_headers(headers, entries) == [read_header(headers, e) for e in entries]
+        entry = plan.dynamic("bag.weight")
+        good = staged.headers[entry.name]
+        bad = {"rows": entry.budget_rows + 1, "nbytes": good.nbytes + 8,
+               "offset": good.offset + 8}[field]
+        slot = entry.header_offset
+        headers.buffer()[slot:slot + 40] = dataclasses.replace(good, **{field: bad}).pack()[:40]
+        with pytest.raises(RegionError, match=r"bag\.weight: header"):
+            read_headers(headers, entries)
+    finally:
         staging.close()
 
 

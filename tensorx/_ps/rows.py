@@ -45,6 +45,7 @@ class SparseRows:
         self._gathered: dict[int, torch.Tensor | None] | None = None
         self.groups = row_groups(self._specs)
         self._packed: dict[int, list[Rows | None]] = {}  # rank -> its rows per group
+        self._finite: dict[int, bool] = {}  # rank -> are its rows finite
 
     def __contains__(self, i: object) -> bool:
         return i in self._specs
@@ -81,16 +82,24 @@ class SparseRows:
         return s.offset, s.numel * s.dtype.itemsize
 
     def put(self, rank: int, rows: Mapping[str, Rows]) -> None:
-        """``rank``'s rows of its latest push, by table name (tables it sent none of: none)."""
+        """``rank``'s rows of its latest push, by table name (tables it sent none of: none),
+        packed and checked at once: while the shard waits for the other ranks' pushes, not
+        after the last one."""
+        self.drop(rank)
         self._rows[rank] = {self._index[name]: r for name, r in rows.items() if r[0].numel()}
-        self._packed.pop(rank, None)
+        self._finite[rank] = self._all_finite(rank)
 
     def drop(self, rank: int) -> None:
         self._rows.pop(rank, None)
         self._packed.pop(rank, None)
+        self._finite.pop(rank, None)
 
     def finite(self, rank: int) -> bool:
         """Is every value ``rank`` pushed finite? (as :func:`tensorx._ps.nonfinite.finite`)"""
+        got = self._finite.get(rank)
+        return self._all_finite(rank) if got is None else got
+
+    def _all_finite(self, rank: int) -> bool:
         with torch.no_grad():
             for part in self.packed(rank):
                 values = None if part is None else part[1]
@@ -161,8 +170,7 @@ def _sum_rows(parts: Sequence[Rows], copy: bool = True) -> Rows:
         ids, values = parts[0]
         if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
             return ids, values.clone() if copy else values
-    unique, inverse = torch.unique(torch.cat([p[0] for p in parts]), sorted=True,
-                                   return_inverse=True)
+    unique, inverse = _unique(torch.cat([p[0] for p in parts]))
     first = parts[0][1]
     summed = first.new_zeros((int(unique.numel()), *first.shape[1:]))
     at = 0
@@ -170,6 +178,14 @@ def _sum_rows(parts: Sequence[Rows], copy: bool = True) -> Rows:
         summed.index_add_(0, inverse[at:at + ids.numel()], values)
         at += ids.numel()
     return unique, summed
+
+
+def _unique(keys: torch.Tensor) -> Rows:
+    """``torch.unique(keys, sorted=True, return_inverse=True)``, from one sort: torch's
+    unique took ~40% longer on a few thousand sorted runs of ids."""
+    ordered, order = torch.sort(keys, stable=True)
+    unique, at = torch.unique_consecutive(ordered, return_inverse=True)
+    return unique, torch.empty_like(at).index_put_((order,), at)
 
 
 @dataclass(frozen=True)
@@ -202,7 +218,11 @@ class RowGroup:
         if len(mine) == 1:  # no copy of the rows
             (ids, values), start = mine[0]
             return (ids + start if start else ids), values
-        keys = torch.cat([ids + start for (ids, _), start in mine])
+        # one add for all the tables' ids, not one per table
+        keys = torch.cat([ids for (ids, _), _ in mine])
+        counts = torch.tensor([int(ids.numel()) for (ids, _), _ in mine], device=keys.device)
+        keys += torch.tensor([start for _, start in mine],
+                             device=keys.device).repeat_interleave(counts)
         return keys, torch.cat([values for (_, values), _ in mine])
 
     def split(self, keys: torch.Tensor) -> dict[int, torch.Tensor]:
