@@ -132,6 +132,8 @@ class SharedArenas:
         parameters in place (copy-on-write pages), so the model holds the shard's update,
         exactly as a copied pull would overwrite such an edit. The shard and the other
         workers never saw it."""
+        if shard not in self._attached:
+            return  # nothing of the shard's is mapped here (a claim the shard will refuse)
         edited = self._attached[shard][0].drop_own_writes()  # -1: unknown, all dropped
         if edited > 0 and not self._warned:
             self._warned = True
