@@ -17,9 +17,11 @@ descriptor.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,9 +56,17 @@ class StagedSparse:
     whether the staging region is new (then its descriptor must be announced again)."""
 
     shard: int
-    headers: dict[str, SparseHeader]
+    names: tuple[str, ...]
+    fields: Any  # uint64 [5, tables]: the header slots' rows, nbytes, version, capacity, offset
     region: MemoryRegion
     grown: bool
+
+    @functools.cached_property
+    def headers(self) -> dict[str, SparseHeader]:
+        """Each table's header, by name (made when asked: a push never asks, and 26 of
+        them were a tenth of a DLRM-shaped worker's staging)."""
+        return {name: SparseHeader(*values)
+                for name, values in zip(self.names, self.fields.T.tolist(), strict=True)}
 
 
 def read_header(region: MemoryRegion, entry: DynamicEntry) -> SparseHeader:
@@ -143,33 +153,33 @@ class SparseStaging:
         coalesced = [grads[e.name].coalesce() for e in entries]
         ids = [g.indices()[0] for g in coalesced]
         values = [g.values() for g in coalesced]
-        offsets, end = self._offsets(entries, [int(i.numel()) for i in ids])
+        counts = [int(i.numel()) for i in ids]
+        offsets, end = self._offsets(entries, counts)
         grown = self._ensure_capacity(shard, entries, end)
         region = self._regions[shard]
-        u8 = region.view(torch.uint8)
-        for entry, i, v, off in zip(entries, ids, values, offsets, strict=True):
-            rows = int(i.numel())
-            u8[off:off + 8 * rows].view(torch.int64).copy_(i)
-            start = off + entry.values_offset(rows)
-            u8[start:start + rows * entry.row_bytes].view(v.dtype).view_as(v).copy_(v)
-        headers = self._write_headers(shard, entries, ids, offsets, region.nbytes)
-        return StagedSparse(shard, headers, region, grown)
+        typed = {torch.int64: region.view(torch.int64)}  # the region once per dtype
+        for entry, i, v, off, rows in zip(entries, ids, values, offsets, counts, strict=True):
+            typed[torch.int64][off // 8:off // 8 + rows].copy_(i)  # offsets are 64-aligned
+            view = typed.get(v.dtype)
+            if view is None:
+                view = typed[v.dtype] = region.view(v.dtype)
+            start = (off + entry.values_offset(rows)) // v.element_size()
+            view[start:start + v.numel()].view_as(v).copy_(v)
+        fields = self._write_headers(shard, entries, counts, offsets, region.nbytes)
+        return StagedSparse(shard, tuple(e.name for e in entries), fields, region, grown)
 
-    def _write_headers(self, shard: int, entries: Sequence[DynamicEntry],
-                       ids: Sequence[torch.Tensor], offsets: Sequence[int],
-                       capacity: int) -> dict[str, SparseHeader]:
-        """Fill the header slots of ``entries`` (one vector store per field)."""
+    def _write_headers(self, shard: int, entries: Sequence[DynamicEntry], rows: Sequence[int],
+                       offsets: Sequence[int], capacity: int) -> Any:
+        """Fill the header slots of ``entries`` (one vector store per field); the fields."""
         slots = self._headers[shard].view("<u8")  # the header is little-endian
         at = np.array([e.header_offset // 8 for e in entries])
         versions = self._versions[shard]
         versions += 1
-        rows = [int(i.numel()) for i in ids]
         fields = np.array([rows, [e.payload_bytes(n) for e, n in zip(entries, rows, strict=True)],
                            versions, [capacity] * len(entries), offsets], dtype="<u8")
         for k, values in enumerate(fields):
             slots[at + k] = values
-        return {e.name: SparseHeader(*(int(v) for v in fields[:, j]))
-                for j, e in enumerate(entries)}
+        return fields
 
     @staticmethod
     def _offsets(entries: Sequence[DynamicEntry], rows: Sequence[int]) -> tuple[list[int], int]:
