@@ -23,14 +23,14 @@ import logging
 import random
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from tensorx._deadline import Deadline, wait_for
 from tensorx._ps import optim_state, protocol
-from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
+from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, windowed
 from tensorx._ps.checksum import checksum
 from tensorx._ps.hyper import snapshot as hyper_snapshot
 from tensorx._ps.optim import plan_params
@@ -566,26 +566,6 @@ class Worker:
         if self._notes.get(shard) != why:
             logger.info("worker rank %d: ps shard %d holds our step: %r", self.rank, shard, why)
         self._notes[shard] = why
-
-
-async def windowed(calls: list[Callable[[], Awaitable[None]]], window: int) -> None:
-    """Run ``calls`` in order with at most ``window`` of them in flight; the first error
-    cancels the rest and is raised."""
-    running: set[asyncio.Task[None]] = set()
-    try:
-        for call in calls:
-            if len(running) >= window:
-                done, running = await asyncio.wait(running,
-                                                   return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()
-            running.add(asyncio.ensure_future(call()))
-        await asyncio.gather(*running)
-    except BaseException:
-        for task in running:
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
-        raise
 
 
 def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 
 from tensorx import _cuda
 
-__all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent"]
+__all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent", "windowed"]
 
 logger = logging.getLogger(__name__)
 
@@ -218,3 +218,24 @@ class BucketPusher:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+# A pipelined push (see tensorx._ps.round) writes its parts this way, a few in flight.
+async def windowed(calls: list[Callable[[], Awaitable[None]]], window: int) -> None:
+    """Run ``calls`` in order with at most ``window`` of them in flight; the first error
+    cancels the rest and is raised."""
+    running: set[asyncio.Task[None]] = set()
+    try:
+        for call in calls:
+            if len(running) >= window:
+                done, running = await asyncio.wait(running,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+            running.add(asyncio.ensure_future(call()))
+        await asyncio.gather(*running)
+    except BaseException:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        raise

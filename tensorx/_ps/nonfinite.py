@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tensorx._ps.schedule import Decision
-from tensorx._ps.shard import views
+from tensorx._ps.shard_layout import views
 from tensorx.errors import UsageError
 
 __all__ = ["POLICIES", "NonFiniteGuard", "all_finite", "finite"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,89 +23,29 @@ from tensorx._ps.checksum import checksum
 from tensorx._ps.device import allocate_arenas, fence
 from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
 from tensorx._ps.flat import FlatUpdate, elementwise
-from tensorx._ps.optim import ParamSpec, build_optimizer, param_specs, step_failure
+from tensorx._ps.optim import build_optimizer, step_failure
 from tensorx._ps.rows import Rows, SparseRows, no_invariant_checks
 from tensorx._ps.rowsgd import RowSGD
-from tensorx._ps.sparse import dynamic_path_ok
+from tensorx._ps.shard_layout import (
+    ShardLayout,
+    Slot,
+    flat_splitter,
+    param_splitter,
+    single_dtype,
+    views,
+)
 from tensorx.errors import OptimizerError, UsageError
 from tensorx.memregion import MemoryRegion
 
 __all__ = ["CHECKPOINT_FORMAT", "OptimizerFactory", "SchedulerFactory", "ShardLayout",
-           "ShardState", "checksum", "load_checkpoint", "read_checkpoint", "to_cpu"]
+           "ShardState", "Slot", "checksum", "load_checkpoint", "read_checkpoint", "to_cpu",
+           "views"]
 
 logger = logging.getLogger(__name__)
 
 # factory(params) or factory(named_params=[(name, param), ...]): see tensorx._ps.optim
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One tensor (or chunk) of the shard: where it lives in the arena."""
-
-    key: str
-    offset: int
-    numel: int
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """The part of a transfer plan one shard needs: its entries and its arena size."""
-
-    shard: int
-    num_shards: int
-    nbytes: int
-    slots: tuple[Slot, ...]
-    fingerprint: str
-    params: tuple[ParamSpec, ...] = ()  # what the optimizer sees, in model order
-
-    def param_specs(self) -> tuple[ParamSpec, ...]:
-        """:attr:`params`, or for a layout made without them, one 1-D parameter per slot."""
-        return self.params or tuple(ParamSpec(s.key, s.offset, (s.numel,), s.dtype)
-                                    for s in self.slots)
-
-    @classmethod
-    def from_plan(cls, plan: Any, shard: int) -> ShardLayout:
-        entries = sorted(plan.shard_entries(shard), key=lambda e: e.offset)
-        slots = tuple(Slot(entry_key(e), e.offset, e.numel, to_dtype(e.dtype)) for e in entries)
-        return cls(shard, plan.num_shards, plan.arena_bytes(shard), slots, plan.fingerprint,
-                   param_specs(entries, to_dtype, dynamic_path_ok(plan)))
-
-
-def entry_key(entry: Any) -> str:
-    return str(getattr(entry, "label", entry.name))
-
-
-def to_dtype(dtype: Any) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise UsageError(f"unknown dtype {dtype!r} in plan")
-    return found
-
-
-def views(layout: ShardLayout, region: MemoryRegion) -> list[torch.Tensor]:
-    return [region.view(s.dtype, (s.numel,), s.offset) for s in layout.slots]
-
-
-def _single_dtype(layout: ShardLayout) -> torch.dtype | None:
-    dtypes = {s.dtype for s in layout.slots}
-    return dtypes.pop() if len(dtypes) == 1 else None
-
-
-def _param_splitter(layout: ShardLayout) -> Callable[[MemoryRegion], list[torch.Tensor]]:
-    specs = layout.param_specs()
-    return lambda region: [region.view(p.dtype, p.shape, p.offset) for p in specs]
-
-
-def _flat_splitter(layout: ShardLayout,
-                   dtype: torch.dtype) -> Callable[[MemoryRegion], list[torch.Tensor]]:
-    size = torch.empty((), dtype=dtype).element_size()
-    cuts = parts.bounds(layout.nbytes // size, size)
-    return lambda region: [region.view(dtype, (n,), start * size) for start, n in cuts]
 
 
 class ShardState:
@@ -149,12 +88,12 @@ class ShardState:
         self.views = views(layout, self.params_region)  # one per plan entry, for checkpoints
         self.rows = SparseRows(layout.param_specs(), device)
         self.changed = ChangedRows(list(self.rows))  # rows each update changed (answers)
-        dtype = _single_dtype(layout) if flat and not self.rows else None
+        dtype = single_dtype(layout) if flat and not self.rows else None
         if flat and dtype is None and layout.slots:
             logger.warning("flat=True needs one dtype in the arena and no sparse table; "
                            "optimizing per tensor")
         self.flat = dtype is not None
-        split = _flat_splitter(layout, dtype) if dtype is not None else _param_splitter(layout)
+        split = flat_splitter(layout, dtype) if dtype is not None else param_splitter(layout)
         self._split = split
         self.params = [torch.nn.Parameter(v, requires_grad=True)
                        for v in split(self.params_region)]

@@ -1,0 +1,87 @@
+"""A shard's layout: the part of a transfer plan one shard needs (its slots, arena size,
+the parameters its optimizer sees), and the views of an arena it is cut into."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorx._ps import parts
+from tensorx._ps.optim import ParamSpec, param_specs
+from tensorx._ps.sparse import dynamic_path_ok
+from tensorx.errors import UsageError
+from tensorx.memregion import MemoryRegion
+
+__all__ = ["ShardLayout", "Slot", "entry_key", "flat_splitter", "param_splitter",
+           "single_dtype", "to_dtype", "views"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor (or chunk) of the shard: where it lives in the arena."""
+
+    key: str
+    offset: int
+    numel: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The part of a transfer plan one shard needs: its entries and its arena size."""
+
+    shard: int
+    num_shards: int
+    nbytes: int
+    slots: tuple[Slot, ...]
+    fingerprint: str
+    params: tuple[ParamSpec, ...] = ()  # what the optimizer sees, in model order
+
+    def param_specs(self) -> tuple[ParamSpec, ...]:
+        """:attr:`params`, or for a layout made without them, one 1-D parameter per slot."""
+        return self.params or tuple(ParamSpec(s.key, s.offset, (s.numel,), s.dtype)
+                                    for s in self.slots)
+
+    @classmethod
+    def from_plan(cls, plan: Any, shard: int) -> ShardLayout:
+        entries = sorted(plan.shard_entries(shard), key=lambda e: e.offset)
+        slots = tuple(Slot(entry_key(e), e.offset, e.numel, to_dtype(e.dtype)) for e in entries)
+        return cls(shard, plan.num_shards, plan.arena_bytes(shard), slots, plan.fingerprint,
+                   param_specs(entries, to_dtype, dynamic_path_ok(plan)))
+
+
+def entry_key(entry: Any) -> str:
+    return str(getattr(entry, "label", entry.name))
+
+
+def to_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise UsageError(f"unknown dtype {dtype!r} in plan")
+    return found
+
+
+def views(layout: ShardLayout, region: MemoryRegion) -> list[torch.Tensor]:
+    return [region.view(s.dtype, (s.numel,), s.offset) for s in layout.slots]
+
+
+def single_dtype(layout: ShardLayout) -> torch.dtype | None:
+    dtypes = {s.dtype for s in layout.slots}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def param_splitter(layout: ShardLayout) -> Callable[[MemoryRegion], list[torch.Tensor]]:
+    specs = layout.param_specs()
+    return lambda region: [region.view(p.dtype, p.shape, p.offset) for p in specs]
+
+
+def flat_splitter(layout: ShardLayout,
+                   dtype: torch.dtype) -> Callable[[MemoryRegion], list[torch.Tensor]]:
+    size = torch.empty((), dtype=dtype).element_size()
+    cuts = parts.bounds(layout.nbytes // size, size)
+    return lambda region: [region.view(dtype, (n,), start * size) for start, n in cuts]
