@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tensorx._analyzer.sparse import ALIGN, budget_bytes
+from tensorx._analyzer.sparse import ALIGN, budget_bytes, read_headers
 from tensorx._ps.device import fence
 from tensorx._ps.rowpull import RowInbox, RowOutbox
 from tensorx.errors import ProtocolError, RegionError
@@ -171,8 +171,6 @@ class SparseReceiver:
 
     def _parts(self, rank: int) -> list[_Part]:
         """``rank``'s staged tables, by the staging region they lie in."""
-        from tensorx._analyzer.sparse import read_headers
-
         parts: dict[int, _Part] = {}
         for entry, header in zip(self.entries, read_headers(self.headers[rank], self.entries),
                                  strict=True):
