@@ -31,8 +31,8 @@ async def pair(owner: OwnerProcess, node: tx.Node) -> tx.Endpoint:
 
 
 RANGES = [  # (local offset, remote offset, nbytes): inline, pool, many pieces, odd everywhere
-    (0, 0, 1), (1, 3, 7), (5, 1000, 4093), (3, 77, (256 << 10) - 1), (7, 5, (256 << 10) + 1),
-    (11, 13, 3 << 20), (1, 2, (17 << 20) + 5),
+    (0, 0, 1), (1, 3, 7), (5, 1000, 4093), (3, 77, cma.POOL_ABOVE - 1),
+    (7, 5, cma.POOL_ABOVE + 1), (11, 13, 3 << 20), (1, 2, (17 << 20) + 5),
 ]
 
 
@@ -205,3 +205,29 @@ async def test_same_process_peers_use_it_too() -> None:
         await ep.write(tx.MemoryRegion.register(pattern(1 << 20, 2)), desc)
         assert np.array_equal(region.view(np.uint8), pattern(1 << 20, 2))
         assert cma_lane(ep).ops == 1
+
+
+async def test_a_ps_rounds_2_mb_copies_on_the_loop_without_a_thread_hop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write of a few MB (the many-small model's 2 MB arena, twice a round) is copied
+    by the event loop's own thread: a trip through the pool costs more than the copy on a
+    busy host (at 256 KiB the same-host lane lost such a round to TCP)."""
+    threads: list[threading.Thread] = []
+    real, n = cma.copy, 2 << 20
+
+    def watched(pid: int, segments: Any, to_remote: bool, stop: Any) -> None:
+        if sum(s[2] for s in segments) == n:  # (not the probes' reads at connect)
+            threads.append(threading.current_thread())
+        real(pid, segments, to_remote, stop)
+
+    monkeypatch.setattr(cma, "copy", watched)
+    async with tx.Node() as server, tx.Node(listen=None, same_host=True) as client:
+        ep = await client.connect(server.address)
+        region = tx.MemoryRegion.register(np.zeros(n, np.uint8))
+        desc = server.export(region)
+        src = tx.MemoryRegion.register(pattern(n, 3))
+        for _ in range(2):  # the first asks the owner for the address
+            await ep.write_many([(src, desc, 0, 0, n)], notify=b"done")
+        assert np.array_equal(region.view(np.uint8), pattern(n, 3))
+        assert (await server.notifications.get())[1] == b"done"
+    assert threads == [threading.current_thread()] * 2

@@ -63,7 +63,12 @@ __all__ = ["KEY", "CmaFactory", "CmaLane", "Probe", "check", "enabled", "make_po
 logger = logging.getLogger(__name__)
 
 KEY = "cma"
-POOL_ABOVE = 256 << 10  # ops larger than this run in the pool, not on the event loop
+# Ops larger than this run in the pool, not on the event loop. A trip through the pool
+# (submit, a thread's wake-up, the GIL and the loop's wake-up back) costs 50 us on an idle
+# host and 0.3-0.6 ms on a busy one, twice a PS round, while a 4 MiB copy takes ~0.7 ms: at
+# 256 KiB, a 2 MB round over this lane lost to TCP (benchmarks/ps_round.py, many-small:
+# 4.7 vs 4.4 ms; 3.4 ms with the copies on the loop). Up to this, the loop pauses instead.
+POOL_ABOVE = 4 << 20
 PIECE = 8 << 20  # bytes per syscall: a cancelled or closed op stops at the next piece
 MAX_IOV = 1024  # UIO_MAXIOV
 MAX_CACHED = 4096  # owner-given addresses kept per lane
