@@ -218,6 +218,50 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+FLOOR_BYTES = 32 << 20  # smaller models' rounds are bound by per-tensor work, not memory
+
+
+def memory_floor(model: str, rows: list[dict[str, Any]]) -> list[str]:
+    """The least a same-host round can take on this host's memory, timed here with one
+    torch thread: what no lane can skip (the check, the SGD update, and on the copy path a
+    copy of the gradient in and of the parameters out), one after the other, against the
+    TensorPipe round measured above. One after the other because that is what two cores
+    give here when memory bandwidth is the limit: two copies at once are timed too."""
+    import threading
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = common.model_bytes(model) // 4
+        a, b, c, d = (torch.ones(n) for _ in range(4))
+        copy = _median_s(lambda: b.copy_(a), 5)
+        check = _median_s(lambda: a.sum(), 5)
+        update = _median_s(lambda: a.add_(c, alpha=-1e-9), 5)
+
+        def two() -> None:
+            other = threading.Thread(target=lambda: d.copy_(c))
+            other.start()
+            b.copy_(a)
+            other.join()
+        both = _median_s(two, 5)
+    finally:
+        torch.set_num_threads(threads)
+    tp = next((r["median_s"] for r in rows if r["model"] == model and
+               r["placement"] == SAME_HOST.name and r["key"] == "tensorpipe"), None)
+    mapped, copied = check + update, 2 * copy + check + update
+
+    def of_tp(x: float) -> str:
+        return f" = {x / tp:.3f}x TensorPipe's round" if tp else ""
+    return [f"- {MODEL_LABELS[model]} ({n * 4 / 1e6:.0f} MB): copy {copy * 1e3:.2f} ms, "
+            f"two copies at once {both * 1e3:.2f} ms ({2 * copy / both:.2f}x the speed of "
+            f"one after the other), non-finite check {check * 1e3:.2f} ms, SGD update "
+            f"{update * 1e3:.2f} ms; floor mapped (check + update) {mapped * 1e3:.2f} ms"
+            f"{of_tp(mapped)}; floor copy path (+ two copies) {copied * 1e3:.2f} ms"
+            f"{of_tp(copied)}"]
+
+
 def _median_s(fn: Any, n: int = 7) -> float:
     fn()
     times = []
@@ -359,6 +403,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print("\nGuards, per round (timed in this process):")
     for model in dict.fromkeys(r["model"] for r in rows):
         print("\n".join(guard_costs(model, rows)))
+    big = [m for m in dict.fromkeys(r["model"] for r in rows if r["placement"] ==
+                                    SAME_HOST.name) if common.model_bytes(m) >= FLOOR_BYTES]
+    if big:
+        print("\nMemory floors, same host (timed in this process, one thread):")
+        for model in big:
+            print("\n".join(memory_floor(model, rows)))
     plot(rows, args.plot or args.out / "ps_round.png")
     return rows
 
