@@ -101,7 +101,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                        "RPC PS's time (no PS step can take less)")
     for place in dict.fromkeys(r["placement"] for r in rows):
         by = {(r["key"], r["model"]): r["ms"] for r in rows if r["placement"] == place}
-        for key in ("tensorx", "rpc"):
+        for key in ("tensorx", "rpc", "local"):  # local: how much the step itself grows
             if (key, "dlrm") in by and (key, "dlrm-x10") in by:
                 grow = by[(key, "dlrm-x10")] / by[(key, "dlrm")]
                 note = " (target: within 1.2x)" if key == "tensorx" else ""
