@@ -30,7 +30,7 @@ import torch
 
 from tensorx._deadline import Deadline, wait_for
 from tensorx._ps import optim_state, protocol
-from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, windowed
+from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, together, windowed
 from tensorx._ps.checksum import checksum
 from tensorx._ps.hyper import snapshot as hyper_snapshot
 from tensorx._ps.optim import plan_params
@@ -332,8 +332,8 @@ class Worker:
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("re-bound %s to the arenas (copied once)", ", ".join(copied))
         rest = await self._pusher.settle()
-        await asyncio.gather(*(self._push(s, [b for b in rest if b.shard == s], hyper or [])
-                               for s in range(self.num_shards)))
+        await together([self._push(s, [b for b in rest if b.shard == s], hyper or [])
+                        for s in range(self.num_shards)])
 
     def _mapped(self, shard: int) -> bool:
         return self._shared is not None and self._shared.mapped[shard]
@@ -407,8 +407,7 @@ class Worker:
             for s in range(self.num_shards):
                 if self._shared.mapped[s]:
                     self._shared.refresh(s)
-        replies = await asyncio.gather(*(self._expect(s, "params")
-                                         for s in range(self.num_shards)))
+        replies = await together([self._expect(s, "params") for s in range(self.num_shards)])
         for s, msg in enumerate(replies):
             self._accept_params(s, msg)
         self.steps += 1

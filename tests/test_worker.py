@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps.buckets import make_buckets, merge_adjacent
+from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, merge_adjacent, together
 from tensorx.errors import UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer
@@ -79,6 +79,47 @@ def test_buckets_never_join_across_a_dynamic_entry() -> None:
     for b in merge_adjacent(buckets, list(range(len(buckets)))):
         for e in dynamic:
             assert e.end <= b.offset or e.offset >= b.offset + b.nbytes or e.shard != b.shard
+
+
+async def test_what_step_writes_follows_each_steps_early_writes() -> None:
+    """The buckets left for step (remembered from one step to the next) are each step's
+    own: all of them without a backward, none after a full one, then all again."""
+    model = mlp()
+    buckets = make_buckets(GraphAnalyzer(model, num_shards=2).plan(), bucket_bytes=512)
+    early: list[Bucket] = []
+
+    async def write(bucket: Bucket) -> None:
+        early.append(bucket)
+
+    pusher = BucketPusher(buckets, model, write, asyncio.get_running_loop(), overlap=True)
+    everything = merge_adjacent(buckets, list(range(len(buckets))))
+    assert len(everything) == 2  # one write per shard
+    assert await pusher.settle() == everything
+    model(torch.randn(3, 64)).sum().backward()
+    assert await pusher.settle() == []
+    assert sorted(early, key=lambda b: (b.shard, b.offset)) == buckets
+    assert await pusher.settle() == everything
+    early.clear()
+    model[4](torch.randn(3, 64)).sum().backward()  # the last layer's bucket(s) only
+    left = await pusher.settle()
+    assert early
+    assert left == merge_adjacent(buckets, [i for i, b in enumerate(buckets) if b not in early])
+
+
+async def test_one_awaitable_is_awaited_in_place_many_together() -> None:
+    """together(): gather's results and first error; one awaitable runs in this task."""
+    async def task_of() -> asyncio.Task[object] | None:
+        return asyncio.current_task()
+
+    assert await together([task_of()]) == [asyncio.current_task()]
+    got = await together([task_of(), task_of()])
+    assert len(got) == 2 and asyncio.current_task() not in got
+
+    async def fail() -> None:
+        raise UsageError("no")
+
+    with pytest.raises(UsageError):
+        await together([fail()])
 
 
 @contextlib.contextmanager

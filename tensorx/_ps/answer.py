@@ -174,8 +174,11 @@ async def send_params(region: MemoryRegion, peer: Peer, msg: bytes,
         ops = delta_ops(state, region, peer.params, changed)
     elif not peer.mapped:
         ops = [(region, peer.params)]
+    if not sent:  # the usual answer: one write, awaited in place
+        await peer.ep.write_many(ops, notify=msg, timeout=timeout)
+        return
     results = await asyncio.gather(peer.ep.write_many(ops, notify=msg, timeout=timeout),
-                                   *(sent or []), return_exceptions=True)
+                                   *sent, return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):
             raise result

@@ -11,6 +11,7 @@ from typing import Any
 
 from tensorx._ps import protocol
 from tensorx._ps.answer import Peer, RowsAnswer, apply_in_parts, last_part, send_params
+from tensorx._ps.buckets import together
 from tensorx._ps.core import ShardCore
 from tensorx._ps.schedule import Decision
 from tensorx.endpoint import Endpoint
@@ -89,7 +90,7 @@ class Steps(ShardCore):
                 self._answer_later(p, sending.get(p.rank))
             return
         t0 = time.perf_counter()
-        await asyncio.gather(*(self._send_params(p, sending.get(p.rank)) for p in targets))
+        await together([self._send_params(p, sending.get(p.rank)) for p in targets])
         self.stats["send_s"] += self.timings.sent(t0, len(targets))
 
     def _answer_later(self, peer: Peer, sent: list[asyncio.Future[None]] | None) -> None:
