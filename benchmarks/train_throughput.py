@@ -9,11 +9,14 @@ A communication-heavy model (a wide MLP, 20M parameters, small batches; see
 * the ``torch.distributed.rpc`` parameter-server pattern (TensorPipe) from the PyTorch
   tutorial.
 
-All systems are started, then measured in alternating blocks of steps; a step's time is the
+On one host, and across two network namespaces joined by a veth pair (two hosts' copy path:
+nothing is mapped there; skipped where namespaces cannot be made). All systems of a
+placement are started, then measured in alternating blocks of steps; a step's time is the
 slower worker's. Prints a markdown table; results go to ``OUT/train_throughput.json``.
 
     python benchmarks/train_throughput.py
     python benchmarks/train_throughput.py --systems tensorx-tcp-overlap,rpc --blocks 6
+    python benchmarks/train_throughput.py --placements netns   # two hosts' copy path
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.baselines import training
-from benchmarks.baselines.pair import SAME_HOST, Pair, System
+from benchmarks.baselines.pair import Pair, Placement, System
+from benchmarks.ps_round import placement
 
 SYSTEMS = {
     # the defaults (transport="auto", overlap on), first as shipped (on one host the workers
@@ -60,8 +64,8 @@ def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def start_all(keys: list[str], logdir: Path) -> dict[str, Pair]:
-    pairs = {k: Pair(ALL[k], "wide-mlp", SAME_HOST, logdir, clients=training.WORKERS)
+def start_all(keys: list[str], place: Placement, logdir: Path) -> dict[str, Pair]:
+    pairs = {k: Pair(ALL[k], "wide-mlp", place, logdir, clients=training.WORKERS)
              for k in keys}
     with ThreadPoolExecutor(len(pairs)) as pool:
         futures = {k: pool.submit(p.start) for k, p in pairs.items()}
@@ -88,28 +92,44 @@ def label(key: str, info: dict[str, Any]) -> str:
     return ALL[key].label + (" (mapped)" if info.get("mapped") else " (not mapped: copies)")
 
 
-def summarise(times: dict[str, list[float]], pairs: dict[str, Pair]) -> list[dict[str, Any]]:
+def summarise(times: dict[str, list[float]], pairs: dict[str, Pair], place: Placement
+              ) -> list[dict[str, Any]]:
     rate = {k: 1.0 / statistics.median(t) for k, t in times.items()}
     ref = rate.get(REFERENCE)
-    return [{"key": k, "system": label(k, pairs[k].info), "steps_per_s": r,
+    return [{"placement": place.name, "key": k, "system": label(k, pairs[k].info),
+             "steps_per_s": r,
              "median_step_s": 1.0 / r, "steps": len(times[k]),
              "vs_rpc": r / ref if ref else None} for k, r in rate.items()]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| system | steps/s (median step) | ms / step | throughput vs RPC PS | steps |",
-             "|---|---|---|---|---|"]
+    lines = ["| placement | system | steps/s (median step) | ms / step | throughput vs RPC PS "
+             "| steps |", "|---|---|---|---|---|---|"]
     for r in rows:
         vs = "-" if r["vs_rpc"] is None else f"{r['vs_rpc']:.2f}x"
-        lines.append(f"| {r['system']} | {r['steps_per_s']:.2f} | "
+        lines.append(f"| {r['placement']} | {r['system']} | {r['steps_per_s']:.2f} | "
                      f"{r['median_step_s'] * 1e3:.1f} | {vs} | {r['steps']} |")
     return "\n".join(lines)
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
-    return [f"- training, {r['system']}: {r['vs_rpc']:.2f}x the RPC pattern's throughput "
+    return [f"- training, {r['placement']}, {r['system']}: {r['vs_rpc']:.2f}x the RPC "
+            f"pattern's throughput "
             f"(target >= 1.5x) {'MET' if r['vs_rpc'] >= 1.5 else 'missed'}"
             for r in rows if r["key"] != REFERENCE and r["vs_rpc"] is not None]
+
+
+def run_placement(keys: list[str], place: Placement, args: argparse.Namespace
+                  ) -> list[dict[str, Any]]:
+    progress(f"training throughput, {place.name}: starting "
+             f"{', '.join(ALL[k].label for k in keys)} (one PS + {training.WORKERS} workers each)")
+    pairs = start_all(keys, place, args.out / "logs")
+    try:
+        times = measure(pairs, args.blocks, args.steps)
+    finally:
+        for p in pairs.values():
+            p.close()
+    return summarise(times, pairs, place)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(ALL)}")
     p.add_argument("--blocks", type=int, default=3, help="alternating blocks per system")
     p.add_argument("--steps", type=int, default=8, help="steps per block")
+    p.add_argument("--placements", default="same,netns",
+                   help="same,netns (two network namespaces: two hosts' copy path)")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     return p.parse_args(argv)
 
@@ -124,15 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     keys = [k for k in args.systems.split(",") if k]
-    progress(f"training throughput: starting {', '.join(ALL[k].label for k in keys)} "
-             f"(one PS + {training.WORKERS} workers each)")
-    pairs = start_all(keys, args.out / "logs")
-    try:
-        times = measure(pairs, args.blocks, args.steps)
-    finally:
-        for p in pairs.values():
-            p.close()
-    rows = summarise(times, pairs)
+    rows: list[dict[str, Any]] = []
+    for name in args.placements.split(","):
+        with placement(name) as place:
+            if place is not None:
+                rows += run_placement(keys, place, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train_throughput.json").write_text(json.dumps(rows, indent=1))
     print()
