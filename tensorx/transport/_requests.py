@@ -71,12 +71,18 @@ class Requests:
     def _new_request(self, timeout: float | None, what: str,
                      dest: memoryview | StagedRange | None = None) -> tuple[int, Pending]:
         req = next(self._req_ids)
-        at = math.inf if timeout is None else self._loop.time() + timeout
-        pending = Pending(self._loop.create_future(), dest, at, what, timeout)
-        self._pending[req] = pending
+        pending = self._pending[req] = self._pending_now(timeout, what, dest)
+        return req, pending
+
+    def _pending_now(self, timeout: float | None, what: str,
+                     dest: memoryview | StagedRange | None) -> Pending:
+        """A request starting now (its deadline armed); the caller files it by its id."""
+        if timeout is None:
+            return Pending(self._loop.create_future(), dest, math.inf, what, timeout)
+        at = self._loop.time() + timeout
         if at < self._timer_at:
             self._arm(at)
-        return req, pending
+        return Pending(self._loop.create_future(), dest, at, what, timeout)
 
     async def _await(self, req: int, pending: Pending) -> Any:
         """Wait for the reply (the connection's timer enforces the timeout)."""
@@ -130,35 +136,38 @@ class Requests:
 
     async def write_one(self, src: memoryview | StagedRange, rid: int, ck: int, off: int,
                         timeout: float | None) -> None:
-        """:meth:`write` of one frame without a notification (the small op's path)."""
-        req, pending = self._new_request(timeout, "write")
+        """:meth:`write` of one frame without a notification (the small op's path: one
+        coroutine frame from the call to the answer)."""
+        req = next(self._req_ids)
+        pending = self._pending[req] = self._pending_now(timeout, "write", None)
         try:
             self._out.enqueue([_wire.write_frame(req, rid, ck, off, len(src), True), src])
-        except BaseException:
+            await pending.future
+        finally:
             self._pending.pop(req, None)
-            raise
-        await self._await(req, pending)
 
-    async def _ask(self, kind: Kind, fields: dict[str, Any], timeout: float | None, what: str,
-                   dest: memoryview | StagedRange | None = None) -> Any:
-        """Send one request frame and wait for its answer."""
-        req, pending = self._new_request(timeout, what, dest)
+    async def _ask(self, kind: Kind, fields: dict[str, Any], timeout: float | None,
+                   what: str) -> Any:
+        """Send one request frame (a map header) and wait for its answer."""
+        req, pending = self._new_request(timeout, what)
         try:
-            if kind is Kind.READ:
-                frame = _wire.read_frame(req, fields["rid"], fields["ck"], fields["off"],
-                                         fields["n"])
-            else:
-                frame = _wire.encode(kind, {"req": req, **fields})
-            self._out.enqueue([frame])
+            self._out.enqueue([_wire.encode(kind, {"req": req, **fields})])
         except BaseException:
             self._pending.pop(req, None)
             raise
         return await self._await(req, pending)
 
     async def read(self, dest: memoryview | StagedRange, rid: int, ck: int, off: int,
-                           timeout: float | None) -> None:
-        fields = {"rid": rid, "ck": ck, "off": off, "n": len(dest)}
-        await self._ask(Kind.READ, fields, timeout, "read", dest)
+                   timeout: float | None) -> None:
+        """READ ``len(dest)`` bytes at ``off`` of the peer's region into ``dest`` (one
+        coroutine frame from the call to the answer, as :meth:`write_one`)."""
+        req = next(self._req_ids)
+        pending = self._pending[req] = self._pending_now(timeout, "read", dest)
+        try:
+            self._out.enqueue([_wire.read_frame(req, rid, ck, off, len(dest))])
+            await pending.future
+        finally:
+            self._pending.pop(req, None)
 
     async def validate(self, rid: int, ck: int, timeout: float | None) -> tuple[int, str]:
         n, access, _ = await self._validate({"rid": rid, "ck": ck}, timeout)

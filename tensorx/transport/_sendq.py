@@ -128,7 +128,7 @@ class SendQueue:
     def _send_some(self, parts: list[Any]) -> list[Any]:
         """One non-blocking gathered send; returns what is left (memoryview slices)."""
         try:
-            sent = self._sock.sendmsg(parts[:IOV_MAX])
+            sent = self._sock.sendmsg(parts if len(parts) <= IOV_MAX else parts[:IOV_MAX])
         except BlockingIOError:
             return parts
         self._stats["bytes_out"] += sent

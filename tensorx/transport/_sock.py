@@ -130,7 +130,8 @@ class FrameReader:
         is an op frame's row, any other kind's map (see :func:`tensorx._wire.decode`)."""
         start = self._start
         if self._end - start < PREFIX_SIZE:
-            self._make_room(PREFIX_SIZE)
+            if self._end != start:  # (all consumed: the next feed reads from the front)
+                self._make_room(PREFIX_SIZE)
             return None
         op = _wire.decode_op(self._buf, start, self._end - start)  # one unpack, most frames
         if op is not None:

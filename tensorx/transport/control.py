@@ -97,7 +97,7 @@ class ControlChannel:
         self._stage_in = RecvStager()  # GPU payloads: the reader's staging buffers
         self._owner: OwnerService | None = None
         self._events: ChannelEvents | None = None
-        self._now: dict[Kind, Callable[[Header, int], bool]] = {}
+        self._now: dict[Kind, Callable[[Header, int], bool | None]] = {}
         self._plain: dict[Kind, Handler] = {}
         self._later: dict[Kind, Callable[[Header, int], Awaitable[None]]] = {}
         self._serving: asyncio.Task[None] | None = None  # a frame that had to wait
@@ -131,7 +131,9 @@ class ControlChannel:
             Kind.QUERY: owner.on_query, Kind.WRITE_ACK: req.on_ack, Kind.VALID: req.on_valid,
             Kind.ERROR: req.on_error, Kind.ANSWER: req.on_answer,
             Kind.REVOKE: self._on_revoke, Kind.REVOKE_ACK: self._on_revoke_ack}
-        self._now = {Kind.WRITE: owner.write_now, Kind.READ_DATA: req.read_data_now}
+        # what the readiness callback serves: one lookup per frame (False: it has to wait)
+        self._now = {**self._plain, Kind.BYE: self._on_bye, Kind.WRITE: owner.write_now,
+                     Kind.READ_DATA: req.read_data_now}
         self._later = {Kind.WRITE: self._on_write, Kind.READ_DATA: req.on_read_data,
                        Kind.NOTIFY: self._on_notify}
         self.reader.resize(BUFFER_BYTES)
@@ -252,17 +254,13 @@ class ControlChannel:
             self._read_failed(exc)
 
     def _serve_now(self, kind: Kind, header: Header, payload_len: int) -> bool:
-        if kind is Kind.BYE:
-            self._fail(BrokenError(f"{self.label}: peer closed the endpoint"), True)
-            return True
-        if kind in REQUESTS and self.out.backlog >= MAX_QUEUED_FRAMES:
-            return False
-        plain = self._plain.get(kind)
-        if plain is not None:
-            plain(header, payload_len)
-            return True
         now = self._now.get(kind)
-        return now is not None and now(header, payload_len)
+        if now is None or (kind in REQUESTS and self.out.backlog >= MAX_QUEUED_FRAMES):
+            return False
+        return now(header, payload_len) is not False
+
+    def _on_bye(self, h: Header, payload_len: int) -> None:
+        self._fail(BrokenError(f"{self.label}: peer closed the endpoint"), True)
 
     async def _serve_later(self, kind: Kind, header: Header, payload_len: int) -> None:
         """Serve a frame that has to wait, then what is already here after it, as a reader

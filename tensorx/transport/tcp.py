@@ -8,7 +8,7 @@ to when no faster lane takes it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from tensorx.transport import _staging
@@ -46,19 +46,26 @@ class TcpLane(DataLane):
         return {"transport": "tcp", "lanes": ["tcp/socket"], "why": self._why,
                 "gpu": _staging.describe()}
 
-    async def write(self, op: Op, *, timeout: float | None) -> None:
+    # write and read hand over the request's coroutine itself (as the router does): the
+    # small op's path has no frame of its own here
+    def write(self, op: Op, *, timeout: float | None) -> Coroutine[Any, Any, None]:
         src = staged_range(op.local, op.local_offset, op.nbytes, self._stage_host)
-        await self._requests.write_one(src, op.remote.region_id, op.remote.cookie,
-                                       op.remote_offset, timeout)
+        return self._requests.write_one(src, op.remote.region_id, op.remote.cookie,
+                                        op.remote_offset, timeout)
 
-    async def read(self, op: Op, *, timeout: float | None) -> None:
+    def read(self, op: Op, *, timeout: float | None) -> Coroutine[Any, Any, None]:
         dest = staged_range(op.local, op.local_offset, op.nbytes, self._stage_host)
+        if isinstance(dest, StagedRange):
+            return self._read_staged(dest, op, timeout)
+        return self._requests.read(dest, op.remote.region_id, op.remote.cookie,
+                                   op.remote_offset, timeout)
+
+    async def _read_staged(self, dest: StagedRange, op: Op, timeout: float | None) -> None:
         try:
             await self._requests.read(dest, op.remote.region_id, op.remote.cookie,
-                                          op.remote_offset, timeout)
+                                      op.remote_offset, timeout)
         except BaseException:
-            if isinstance(dest, StagedRange):  # no copy lands in our memory after we raise
-                dest.quiesce()
+            dest.quiesce()  # no copy lands in our memory after we raise
             raise
 
     async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
