@@ -141,7 +141,11 @@ class Requests:
         req = next(self._req_ids)
         pending = self._pending[req] = self._pending_now(timeout, "write", None)
         try:
-            self._out.enqueue([_wire.write_frame(req, rid, ck, off, len(src), True), src])
+            frame = _wire.write_frame(req, rid, ck, off, len(src), True)
+            if isinstance(src, StagedRange):
+                self._out.enqueue([frame, src])
+            else:
+                self._out.send_host([frame, src], len(frame) + len(src))
             await pending.future
         finally:
             self._pending.pop(req, None)
@@ -164,7 +168,8 @@ class Requests:
         req = next(self._req_ids)
         pending = self._pending[req] = self._pending_now(timeout, "read", dest)
         try:
-            self._out.enqueue([_wire.read_frame(req, rid, ck, off, len(dest))])
+            frame = _wire.read_frame(req, rid, ck, off, len(dest))
+            self._out.send_host([frame], len(frame))
             await pending.future
         finally:
             self._pending.pop(req, None)

@@ -83,6 +83,28 @@ class SendQueue:
         self._queue.append((parts, done))
         self._wakeup.set()
 
+    def send_host(self, parts: list[Any], size: int) -> None:
+        """:meth:`enqueue` of an op frame: ``size`` bytes in a few host buffers, nobody
+        waiting on it; when nothing is queued before it, it goes out right here (the
+        staging check and the bookkeeping of a partial send are skipped when all went)."""
+        if self._error is not None:
+            raise self._error
+        if not self._queue and not self._busy:
+            try:
+                with self._lost:
+                    sent = self._sock.sendmsg(parts)
+            except BlockingIOError:
+                sent = 0
+            except BrokenError as exc:
+                self._lost_cb(fresh_copy(exc))
+                raise
+            self._stats["bytes_out"] += sent
+            if sent == size:
+                return
+            parts = advance(parts, sent)
+        self._queue.append((parts, None))
+        self._wakeup.set()
+
     def send(self, kind: Kind, header: dict[str, Any],
              payload: Any = None) -> asyncio.Future[None]:
         """Queue one frame; the future completes once it has been handed to the kernel."""

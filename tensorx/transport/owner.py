@@ -61,6 +61,7 @@ class OwnerService:
         self._land = wire.land
         self._post = wire.out.post
         self._send = wire.out.enqueue
+        self._send_host = wire.out.send_host
         self._refused: set[int] = set()  # the peer's write requests with a refused frame
         self._refusals = RefusalLog(logger, wire.label)
         self._stage_host = stage_host()  # read once per connection, not per op
@@ -112,7 +113,8 @@ class OwnerService:
         if req in self._refused:
             self._refused.discard(req)
             return False
-        self._send([reply_frame(Kind.WRITE_ACK, req)])
+        ack = reply_frame(Kind.WRITE_ACK, req)
+        self._send_host([ack], len(ack))
         return True
 
     def _refuse_write(self, req: int, last: bool, exc: TensorxError) -> None:
@@ -134,8 +136,13 @@ class OwnerService:
         except TensorxError as exc:
             self._reply_error(req, exc)
             return
-        self._send([reply_frame(Kind.READ_DATA, req, n), src] if n
-                   else [reply_frame(Kind.READ_DATA, req)])
+        head = reply_frame(Kind.READ_DATA, req, n)
+        if not n:
+            self._send_host([head], len(head))
+        elif isinstance(src, StagedRange):  # GPU memory: streamed through staging
+            self._send([head, src])
+        else:
+            self._send_host([head, src], len(head) + n)
 
     def on_validate(self, h: dict[str, Any], payload_len: int) -> None:
         try:
