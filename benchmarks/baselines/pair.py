@@ -8,6 +8,7 @@ of each process (``ip netns exec NS`` for the two-namespace placement).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -27,6 +28,7 @@ START_TIMEOUT = 120.0
 # tensorx refuses to listen beyond loopback without a shared secret: one per benchmark run.
 TOKEN = secrets.token_hex(16)
 NETWORK_ONLY = "TX_BENCH_NETWORK_ONLY"  # set: systems use only what works between hosts
+UCX_TCP = "TENSORX_UCX_TCP"  # see Pair._defaults_env
 
 
 class BenchError(RuntimeError):
@@ -134,15 +136,25 @@ class Pair:
                        f"{self.placement.name}-{self.system.label}-{self.model}-{role}")
         return self.logdir / f"{slug}.log"
 
+    def _defaults_env(self) -> dict[str, str]:
+        """A system on ``transport="auto"`` measures what users get: ``make bench`` allows
+        UCX's tcp (TENSORX_UCX_TCP=1) for the UCX rows, which a default node leaves out,
+        and across hosts ``auto`` would then pick it (#15: defaults first)."""
+        opts = self.system.options
+        auto = any(a == "--transport" and b == "auto" for a, b in itertools.pairwise(opts))
+        return {UCX_TCP: "0"} if auto else {}
+
     def start(self) -> Pair:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._server = _Proc(self._cmd("server", self.placement.server_prefix, []),
-                             self._log("server"), self.placement.server_env)
+                             self._log("server"), {**self.placement.server_env,
+                                                   **self._defaults_env()})
         ready = json.loads(self._server.expect("READY", self.start_timeout))
         extra = ["--port", str(ready.get("port", 0)), "--address", ready.get("address", "")]
         self._clients = [_Proc(self._cmd("client", self.placement.client_prefix,
                                          [*extra, "--rank", str(r)]),
-                               self._log(f"client{r}"), self.placement.client_env)
+                               self._log(f"client{r}"), {**self.placement.client_env,
+                                                         **self._defaults_env()})
                          for r in range(self.clients)]
         infos = [json.loads(c.expect("READY", self.start_timeout)) for c in self._clients]
         self.info = infos[0]
