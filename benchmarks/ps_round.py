@@ -44,9 +44,10 @@ SYSTEMS = {  # tensorx rows: ParameterServer and Worker defaults but for what th
     # transport="auto", the default: on one host, host memory over the same-host CMA lane
     "tensorx-auto": System("tensorx auto (defaults, share_memory=False)", "tensorx",
                            ("--transport", "auto")),
-    # tensorx's default: on one host the worker maps the PS's arenas (the others copy)
+    # tensorx's defaults (transport="auto", share_memory=True): on one host the worker maps
+    # the PS's arenas; between hosts it copies over the lane auto picks
     "tensorx-shm": System("tensorx shm (defaults)", "tensorx",
-                          ("--transport", "tcp", "--share-memory", "on")),
+                          ("--transport", "auto", "--share-memory", "on")),
     "tensorpipe": System("TensorPipe RPC", "tensorpipe"),
     "grpc": System("gRPC", "grpc"),
     "raw": System("raw socket", "raw"),
