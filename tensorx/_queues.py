@@ -96,14 +96,20 @@ class MessageStream:
 
     async def put(self, payload: bytes) -> None:
         """Append ``payload``; waits while the stream is full. Dropped once it has ended."""
-        while self.full() and not self.ended:
+        while not self.put_nowait(payload):
             self._room.clear()
             await self._room.wait()
+
+    def put_nowait(self, payload: bytes) -> bool:
+        """:meth:`put` where it would not wait; False (nothing done) while the stream is full."""
         if self.ended:
-            return
+            return True
+        if self.full():
+            return False
         self._items.append(payload)
         self._nbytes += len(payload)
         self._arrived.set()
+        return True
 
     def end(self, exc: BaseException | None) -> None:
         """No more messages: ``exc`` is why (``None``: a clean close). Idempotent."""

@@ -81,7 +81,8 @@ class Endpoint:
         self._claimed = claimed  # our notifications go to _stream, not node.notifications
         channel.start(owner, ChannelEvents(
             deliver=self._deliver, revoked=self._revoke, ended=self._ended,
-            revoke_acked=lambda region_id: node._revoke_acked(self, region_id)))
+            revoke_acked=lambda region_id: node._revoke_acked(self, region_id),
+            deliver_now=self._deliver_now))
 
     @property
     def messages(self) -> MessageStream:
@@ -99,6 +100,16 @@ class Endpoint:
         if self._claimed:
             return self._stream.put(payload)
         return self._node.notifications.put((self, payload))
+
+    def _deliver_now(self, payload: bytes) -> bool:
+        """:meth:`_deliver` where it would not wait; False (nothing done) where it would."""
+        if self._claimed:
+            return self._stream.put_nowait(payload)
+        queue = self._node.notifications
+        if queue.full():
+            return False
+        queue.put_nowait((self, payload))
+        return True
 
     def _ended(self, exc: BaseException | None) -> None:
         """The control channel ended (the peer left or broke it, or we closed it): release

@@ -50,7 +50,8 @@ async def shake(client: ControlChannel, server: ControlChannel, client_token: by
 
 
 def start(channel: ControlChannel, deliver: Callable[[bytes], Awaitable[None]] | None = None,
-          ended: asyncio.Future[BaseException | None] | None = None) -> None:
+          ended: asyncio.Future[BaseException | None] | None = None,
+          deliver_now: Callable[[bytes], bool] | None = None) -> None:
     """Serve ``channel`` as an endpoint would: its notifications to ``deliver``, its end
     into ``ended``."""
 
@@ -63,7 +64,7 @@ def start(channel: ControlChannel, deliver: Callable[[bytes], Awaitable[None]] |
 
     owner = OwnerService(channel, ExportTable(channel.label), lambda what: {})
     channel.start(owner, ChannelEvents(deliver or ignore, lambda rid: None, lambda rid: None,
-                                       end))
+                                       end, deliver_now))
 
 
 async def test_a_handshake_exchanges_ids_caps_and_one_binding(
@@ -132,6 +133,41 @@ async def test_after_the_handshake_notifications_arrive_in_order_and_close_is_cl
     await client.aclose()  # says BYE: the server sees a clean close, not a failure
     assert await asyncio.wait_for(closed, 10) is None
     assert server.broken is not None
+
+
+async def test_a_notification_that_is_here_goes_straight_to_a_queue_with_room(
+        pair: tuple[ControlChannel, ControlChannel]) -> None:
+    """Where the owner's queue has room, a buffered notification is delivered right in the
+    readiness callback (``deliver_now``); where it is full, by the waiting ``deliver``; in
+    order either way."""
+    client, server = pair
+    await shake(client, server)
+    got: list[bytes] = []
+    how: list[str] = []
+    room = asyncio.Event()
+
+    def deliver_now(payload: bytes) -> bool:
+        if len(got) % 10 == 9 and not room.is_set():  # full now and then
+            return False
+        got.append(payload)
+        how.append("now")
+        return True
+
+    async def deliver(payload: bytes) -> None:
+        room.set()
+        await asyncio.sleep(0)
+        got.append(payload)
+        how.append("waited")
+        room.clear()
+
+    start(client)
+    start(server, deliver, deliver_now=deliver_now)
+    sent = [n.to_bytes(2, "little") * (n + 1) for n in range(50)]
+    for payload in sent:
+        await client.notify(payload, timeout=10)
+    await client.requests.query("exports", 10)  # answered after every notification before it
+    assert got == sent
+    assert "now" in how and "waited" in how
 
 
 async def test_an_aborted_peer_is_a_failure_for_the_other_side(

@@ -23,6 +23,17 @@ async def test_a_full_stream_holds_the_producer_back_and_loses_nothing() -> None
     assert [await stream.get(), await stream.get()] == [b"b", b"c"]
 
 
+async def test_put_nowait_takes_what_fits_and_refuses_the_rest_untouched() -> None:
+    stream = MessageStream("test", max_count=2, max_bytes=1 << 20)
+    assert stream.put_nowait(b"a") and stream.put_nowait(b"b")
+    assert not stream.put_nowait(b"c")  # full: nothing done, the caller waits instead
+    assert len(stream) == 2 and await stream.get() == b"a"
+    assert stream.put_nowait(b"c")
+    stream.end(None)
+    assert stream.put_nowait(b"d")  # after the end: dropped, as put drops it
+    assert [await stream.get(), await stream.get()] == [b"b", b"c"]
+
+
 async def test_bytes_bound_the_stream_too() -> None:
     stream = MessageStream("test", max_count=100, max_bytes=10)
     await stream.put(b"x" * 10)

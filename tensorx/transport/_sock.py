@@ -156,6 +156,10 @@ class FrameReader:
         """Drop ``n`` buffered bytes (at most :attr:`buffered`)."""
         self._start += n
 
+    def peek(self, n: int) -> bytes:
+        """A copy of the next ``n`` buffered bytes (at most :attr:`buffered`), left in."""
+        return bytes(self._view[self._start:self._start + n])
+
     async def read_into(self, dest: memoryview,
                         live: Callable[[], bool] = lambda: True) -> bool:
         """Fill ``dest`` exactly: buffered bytes first, then straight from the socket.

@@ -62,18 +62,25 @@ Handler = Callable[[Header, int], None]
 class ChannelEvents:
     """What a started channel tells its one owner (the endpoint), given to
     :meth:`ControlChannel.start` once: a notification to deliver (awaited: the channel
-    stops reading while it waits), a region of the peer's revoked, the peer's
-    acknowledgement of one of ours, and the end of the channel (``None``: a clean close)."""
+    stops reading while it waits; ``deliver_now``: the same where it would not wait, else
+    False and nothing done), a region of the peer's revoked, the peer's acknowledgement of
+    one of ours, and the end of the channel (``None``: a clean close)."""
 
-    __slots__ = ("deliver", "ended", "revoke_acked", "revoked")
+    __slots__ = ("deliver", "deliver_now", "ended", "revoke_acked", "revoked")
 
     def __init__(self, deliver: Callable[[bytes], Awaitable[None]],
                  revoked: Callable[[int], None], revoke_acked: Callable[[int], None],
-                 ended: Callable[[BaseException | None], None]) -> None:
+                 ended: Callable[[BaseException | None], None],
+                 deliver_now: Callable[[bytes], bool] | None = None) -> None:
         self.deliver = deliver
+        self.deliver_now = deliver_now or _never
         self.revoked = revoked
         self.revoke_acked = revoke_acked
         self.ended = ended
+
+
+def _never(payload: bytes) -> bool:
+    return False
 
 
 class ControlChannel:
@@ -133,7 +140,7 @@ class ControlChannel:
             Kind.REVOKE: self._on_revoke, Kind.REVOKE_ACK: self._on_revoke_ack}
         # what the readiness callback serves: one lookup per frame (False: it has to wait)
         self._now = {**self._plain, Kind.BYE: self._on_bye, Kind.WRITE: owner.write_now,
-                     Kind.READ_DATA: req.read_data_now}
+                     Kind.READ_DATA: req.read_data_now, Kind.NOTIFY: self._notify_now}
         self._later = {Kind.WRITE: self._on_write, Kind.READ_DATA: req.on_read_data,
                        Kind.NOTIFY: self._on_notify}
         self.reader.resize(BUFFER_BYTES)
@@ -347,6 +354,17 @@ class ControlChannel:
         imm = await self._owner.on_write(h, payload_len)
         if imm is not None:  # the write has landed: now its notification
             await self._events.deliver(imm)
+
+    def _notify_now(self, h: dict[str, Any], payload_len: int) -> bool:
+        """A notification that is all here, to a queue with room: delivered right in the
+        readiness callback (a task, a pause of the reader and an empty recv less, twice a
+        PS round); else :meth:`_on_notify` in a task."""
+        assert self._events is not None
+        if payload_len > self.reader.buffered or \
+                not self._events.deliver_now(self.reader.peek(payload_len)):
+            return False
+        self.reader.skip(payload_len)
+        return True
 
     async def _on_notify(self, h: dict[str, Any], payload_len: int) -> None:
         assert self._events is not None
