@@ -422,12 +422,19 @@ def _check_local(region: MemoryRegion, offset: int, nbytes: int | None, need: st
     if need == "r" and region.readonly:
         raise UsageError("cannot read into a read-only region")
     n = region.nbytes - offset if nbytes is None else nbytes
-    for name, value in (("offset", offset), ("nbytes", n)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise UsageError(f"{name} must be a non-negative int, got {value!r}")
+    # one cheap test on every op (a loop over the two took 0.9 us); the exact checks and
+    # their messages only when it fails
+    if type(offset) is not int or type(n) is not int or offset < 0 or n < 0:
+        _check_count("offset", offset)
+        _check_count("nbytes", n)
     if offset + n > region.nbytes:
         raise UsageError(f"local range [{offset}, {offset + n}) is outside the local region "
                          f"of {region.nbytes} B")
+
+
+def _check_count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise UsageError(f"{name} must be a non-negative int, got {value!r}")
 
 
 def _spec(spec: Sequence[Any]) -> OpSpec:
