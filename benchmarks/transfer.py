@@ -3,9 +3,11 @@
 Everything is measured in one run on this machine, between two processes on loopback:
 tensorx over each available transport and over ``auto`` (the default: on one host, host
 memory moves over the same-host CMA lane), blocking raw sockets doing the same transfers
-(``benchmarks/rawsock.py``) and a single-threaded ``memcpy`` of the same sizes (the bound of
-a one-copy lane). For UCX it also runs ``ucx_perftest`` on the same lanes, when
-that helper is present. Prints a markdown table; writes a PNG chart with ``--plot``.
+(``benchmarks/rawsock.py``), the same exchange between two asyncio loops (the floor of any
+asyncio transport: tensorx over TCP cannot be faster) and a single-threaded ``memcpy`` of
+the same sizes (the bound of a one-copy lane). For UCX it also runs ``ucx_perftest`` on
+the same lanes, when that helper is present. Prints a markdown table; writes a PNG chart
+with ``--plot``.
 
     python benchmarks/transfer.py                 # tcp, auto (+ ucx when installed)
     python benchmarks/transfer.py --sizes 64M --repeat 9
@@ -14,6 +16,7 @@ that helper is present. Prints a markdown table; writes a PNG chart with ``--plo
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import sys
@@ -26,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tensorx as tx
-from benchmarks.rawsock import RawClient
+from benchmarks.rawsock import AsyncioClient, RawClient
 from tensorx import _eventloop
 from tensorx.testing import OwnerProcess
 
@@ -104,6 +107,30 @@ def bench_raw(sizes: list[int], repeat: int) -> dict[str, object]:
         client.close()
 
 
+async def bench_asyncio(sizes: list[int], repeat: int) -> dict[str, object]:
+    """The raw socket's exchange between two asyncio loops (``rawsock.AsyncioClient``):
+    the floor of any asyncio transport, tensorx over TCP included."""
+    client = AsyncioClient(max(sizes))
+    pin(client.proc.pid)
+    client.attach()
+    try:
+        results: dict[str, object] = {}
+        for n in sizes:
+            reps = repeats_for(n, repeat)
+            results[f"write {n}"] = await _amedian(lambda n=n: client.awrite(n), reps)
+            results[f"read {n}"] = await _amedian(lambda n=n: client.aread(n), reps)
+        results["latency"] = await _amedian(lambda: client.awrite(8), 500)
+        return results
+    finally:
+        client.detach()
+        client.close()
+
+
+async def _amedian(fn: Callable[[], Awaitable[float]], n: int) -> float:
+    await fn()  # warm-up
+    return statistics.median([await fn() for _ in range(n)])
+
+
 def bench_memcpy(sizes: list[int], repeat: int) -> dict[str, object]:
     """One single-threaded copy of each size between two buffers of this process."""
     src = np.ones(max(sizes), np.uint8)
@@ -137,14 +164,23 @@ def ucx_perftest_report(size: int, rounds: int) -> str:
     return ucx_perftest.report(ucx_perftest.compare(size, rounds=rounds, iters=10))
 
 
+# Where client and server run, every system alike. Unpinned, the scheduler sometimes stacks
+# both on one core and the figures go bimodal. "one-core" is what the published figures
+# measured (before 2026-11-25 the first round's raw socket alone ran on two cores: pin()
+# narrowed this process to one CPU, which every later server inherited); on this VM a
+# wake-up across cores costs tens of microseconds, which two cores add to every system.
+PLACEMENTS = ("one-core", "two-cores")
+placement = PLACEMENTS[0]
+
+
 def pin(server_pid: int | None) -> None:
-    """Client on CPU 0, server on CPU 1, for every system alike: on a 2-core machine the
-    scheduler otherwise sometimes stacks both on one core and the figures go bimodal."""
-    if server_pid is None or len(os.sched_getaffinity(0)) < 2:
+    """Client on the first CPU we started with, server on the same one or the next
+    (:data:`placement`)."""
+    if server_pid is None or len(ALL_CPUS) < 2:
         return
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(ALL_CPUS)
     os.sched_setaffinity(0, {cpus[0]})
-    os.sched_setaffinity(server_pid, {cpus[1]})
+    os.sched_setaffinity(server_pid, {cpus[0] if placement == "one-core" else cpus[1]})
 
 
 def merge(rounds: list[dict[str, object]]) -> dict[str, object]:
@@ -223,12 +259,19 @@ def main() -> None:
                              "library's default) and uvloop; each is a row of its own")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds over all systems (medians are reported)")
+    parser.add_argument("--placement", choices=PLACEMENTS, default=PLACEMENTS[0],
+                        help="client and server of every system both on one core (as the "
+                             "published figures), or on two")
     args = parser.parse_args()
+    global placement
+    placement = args.placement
+    print(f"placement: {placement} (client and server of every system alike)", flush=True)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     runs: dict[str, list[dict[str, object]]] = {}
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}: raw sockets", flush=True)
         runs.setdefault("raw socket", []).append(bench_raw(sizes, args.repeat))
+        runs.setdefault("asyncio socket", []).append(asyncio.run(bench_asyncio(sizes, args.repeat)))
         runs.setdefault("memcpy", []).append(bench_memcpy(sizes, args.repeat))
         for transport in args.transports.split(","):
             for loop in args.loop.split(","):
