@@ -4,8 +4,9 @@ A request is ``op(1 byte) | nbytes(8 bytes)``. ``w``: the payload follows and th
 answers one byte once it is in its buffer. ``r``: the server sends nbytes from its buffer.
 
 The same exchange between two asyncio event loops (:class:`AsyncioClient`, and a server
-served from a readiness callback) is the floor of any asyncio transport: what the loop's
-wake-ups and turns cost on top of the same system calls, with nothing else in Python.
+served from a readiness callback) is, for small ops, the floor of any asyncio transport:
+what the loops' wake-ups and turns cost on top of the same system calls, with nothing else
+in Python.
 """
 
 from __future__ import annotations

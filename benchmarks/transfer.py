@@ -3,8 +3,8 @@
 Everything is measured in one run on this machine, between two processes on loopback:
 tensorx over each available transport and over ``auto`` (the default: on one host, host
 memory moves over the same-host CMA lane), blocking raw sockets doing the same transfers
-(``benchmarks/rawsock.py``), the same exchange between two asyncio loops (the floor of any
-asyncio transport: tensorx over TCP cannot be faster) and a single-threaded ``memcpy`` of
+(``benchmarks/rawsock.py``), the same exchange between two asyncio loops (for small ops,
+the floor of any asyncio transport, tensorx over TCP included) and a single-threaded ``memcpy`` of
 the same sizes (the bound of a one-copy lane). For UCX it also runs ``ucx_perftest`` on
 the same lanes, when that helper is present. Prints a markdown table; writes a PNG chart
 with ``--plot``.
@@ -109,7 +109,8 @@ def bench_raw(sizes: list[int], repeat: int) -> dict[str, object]:
 
 async def bench_asyncio(sizes: list[int], repeat: int) -> dict[str, object]:
     """The raw socket's exchange between two asyncio loops (``rawsock.AsyncioClient``):
-    the floor of any asyncio transport, tensorx over TCP included."""
+    for small ops, the floor of any asyncio transport, tensorx over TCP included (large
+    transfers it takes in as many readiness callbacks as the kernel makes pieces)."""
     client = AsyncioClient(max(sizes))
     pin(client.proc.pid)
     client.attach()
