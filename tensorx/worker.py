@@ -74,14 +74,16 @@ class Worker:
     check every pull against the checksum the shard stamped on its update.
     ``plan_options``: passed to :class:`tensorx.GraphAnalyzer` (every worker must agree).
     ``overlap``: start writing a gradient bucket (about ``bucket_bytes``) to its shard as
-    soon as autograd has finished it, during backward. ``timeout``: seconds for every wait,
-    including a sync step's wait for the slowest worker. When a shard goes away (killed,
-    restarted, cut off), :meth:`step` raises :class:`~tensorx.errors.BrokenError` naming the
-    shard and its address (:class:`~tensorx.errors.TimeoutError` if it fell silent without
-    closing the connection), unless ``reconnect`` is set: then the worker keeps trying this
-    many seconds to rejoin every shard, with exponential backoff (0.1 s doubling to 2 s, with
-    jitter); a restarted server resumes from its checkpoint, the step in flight is dropped
-    and the model takes the server's parameters.
+    soon as autograd has finished it, during backward; ``None`` (default): measure steps
+    with and without it and keep the faster (:mod:`tensorx._ps.buckets`). ``timeout``:
+    seconds for every wait, including a sync step's wait for the slowest worker. When a
+    shard goes away (killed, restarted, cut off), :meth:`step` raises
+    :class:`~tensorx.errors.BrokenError` naming the shard and its address
+    (:class:`~tensorx.errors.TimeoutError` if it fell silent without closing the
+    connection), unless ``reconnect`` is set: then the worker keeps trying this many seconds
+    to rejoin every shard, with exponential backoff (0.1 s doubling to 2 s, with jitter); a
+    restarted server resumes from its checkpoint, the step in flight is dropped and the
+    model takes the server's parameters.
     ``share_memory``: where a shard on this host offers it (sync mode), bind the model
     straight into the shard's parameter arena and this worker's gradient slot, mapped from
     /dev/shm, so that no step copies anything (CPU models; see :attr:`mapped`).
@@ -92,7 +94,7 @@ class Worker:
     def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
                  num_workers: int = 1, *, token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 60.0, verify: bool = False,
-                 plan_options: dict[str, Any] | None = None, overlap: bool = True,
+                 plan_options: dict[str, Any] | None = None, overlap: bool | None = None,
                  bucket_bytes: int = 1 << 20, reconnect: float | None = None,
                  share_memory: bool = True, node_options: dict[str, Any] | None = None) -> None:
         self.model = model
@@ -326,6 +328,7 @@ class Worker:
         """Write every gradient bucket not yet written into our slots, then notify."""
         if self._pusher is None:
             raise UsageError("the worker is not started; use 'async with Worker(...)'")
+        self._pusher.measure(time.perf_counter())
         copied = self.binding.ensure_bound()
         if copied:
             self._pusher.invalidate()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tensorx._ps import choose
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, merge_adjacent, together
 from tensorx.errors import UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
@@ -106,6 +107,39 @@ async def test_what_step_writes_follows_each_steps_early_writes() -> None:
     assert left == merge_adjacent(buckets, [i for i, b in enumerate(buckets) if b not in early])
 
 
+@pytest.mark.parametrize("faster", ["on", "off"])
+async def test_overlap_by_default_is_measured_and_the_faster_kept(
+        faster: str, caplog: pytest.LogCaptureFixture) -> None:
+    """overlap=None: steps are timed from one push to the next with and without early
+    writes, alternately; the faster way is kept (one INFO line) until the next probe."""
+    model = mlp()
+    buckets = make_buckets(GraphAnalyzer(model).plan(), bucket_bytes=4096)
+    async def write(bucket: Bucket) -> None:
+        pass
+
+    pusher = BucketPusher(buckets, model, write, asyncio.get_running_loop(), overlap=None)
+    now, seen = 0.0, []
+    with caplog.at_level(logging.INFO, logger="tensorx._ps.buckets"):
+        for _ in range(choose.SKIP + 2 * choose.PROBE + 1):
+            before = pusher.early  # buckets started during backward, so far
+            model(torch.randn(3, 64)).sum().backward()
+            seen.append(pusher.early > before)
+            now += 0.030 if seen[-1] == (faster == "on") else 0.045
+            pusher.measure(now)
+            await pusher.settle()
+    probe = seen[choose.SKIP + 1:]
+    assert probe.count(True) == probe.count(False) == choose.PROBE
+    for _ in range(3):
+        before = pusher.early
+        model(torch.randn(3, 64)).sum().backward()
+        assert (pusher.early > before) == (faster == "on")
+        pusher.measure(now)
+        await pusher.settle()
+    want = "during backward" if faster == "on" else "at step()"
+    assert [r.getMessage() for r in caplog.records if "overlap:" in r.getMessage()][-1] \
+        .endswith(want)
+
+
 async def test_one_awaitable_is_awaited_in_place_many_together() -> None:
     """together(): gather's results and first error; one awaitable runs in this task."""
     async def task_of() -> asyncio.Task[object] | None:
@@ -150,8 +184,8 @@ def server_thread(**kw: object) -> Iterator[ParameterServer]:
 
 
 @pytest.mark.parametrize("link", links())
-@pytest.mark.parametrize("overlap", [True, False])
-def test_remote_optimizer_equals_local_training(overlap: bool, link: str) -> None:
+@pytest.mark.parametrize("overlap", [True, False, None])
+def test_remote_optimizer_equals_local_training(overlap: bool | None, link: str) -> None:
     """Two backward passes per step (accumulation), an unused parameter, small buckets
     pushed from autograd's hooks on the caller's thread: same result as torch.optim."""
     def sgd(p: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -176,7 +210,7 @@ def test_remote_optimizer_equals_local_training(overlap: bool, link: str) -> Non
             assert_link(remote.worker, link)
             pusher = remote.worker._pusher
             assert pusher is not None
-            assert (pusher.early > 0) == overlap
+            assert (pusher.early > 0) == (overlap is not False)  # None: on until measured
     want = WithUnused()
     train(want, sgd(list(want.parameters())))
     for (name, g), w in zip(model.named_parameters(), want.parameters(), strict=True):

@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help="worker rank (training)")
     p.add_argument("--workers", type=int, default=1, help="gpu-*: number of workers")
     p.add_argument("--device", default="cpu", help="gpu-*: cuda:0, or cpu (self-test)")
-    p.add_argument("--overlap", choices=("on", "off"), default="on", help="tensorx training")
+    p.add_argument("--overlap", choices=("on", "off", "auto"), default="auto",
+                   help="tensorx training (auto: the default, measured)")
     p.add_argument("--share-memory", choices=("on", "off"), default="off",
                    help="tensorx: map the PS arenas when on the same host (off: copy path)")
     return p.parse_args(argv)

@@ -7,6 +7,7 @@ it computes. Two systems:
 * ``tensorx``: :class:`tensorx.ps.ParameterServer` (sync, SGD, default options) and, per
   worker, the blocking :class:`tensorx.worker.RemoteOptimizer` in an ordinary PyTorch loop
   (``--overlap`` on or off: gradient buckets written during backward, or all at ``step``;
+  auto, the default: measured;
   ``--share-memory on``: the workers map the PS's arenas, nothing is copied at all).
 * ``rpc``: the PyTorch tutorial's batch-update parameter server on ``torch.distributed.rpc``
   (TensorPipe): each worker calls ``rpc_sync(update_and_fetch, grads)``; the PS sums, applies
@@ -76,7 +77,7 @@ def tensorx_client(args: argparse.Namespace) -> None:
     model = build_model()
     with RemoteOptimizer(model, args.address, rank=args.rank, num_workers=WORKERS,
                          transport=args.transport, timeout=TIMEOUT,
-                         overlap=args.overlap == "on",
+                         overlap={"on": True, "off": False}.get(args.overlap),
                          share_memory=args.share_memory == "on") as opt:
         run_backward = backward(model, args.rank)
 

@@ -13,6 +13,13 @@ A bucket written early no longer sees what the trainer does to its gradient betw
 :data:`WATCH_STEPS` steps each early bucket is fingerprinted as it leaves and again at
 ``step``; a bucket that changed is written again, overlap is turned off for good (the
 edit is evidently part of the loop) and one WARNING says why and what keeps the overlap.
+
+Whether overlap pays depends on the host: where the cores that compute the backward also
+move the bytes (kernel TCP on a small host), sending during backward only slows the
+backward (two namespaces on this project's 2-core VM, wide MLP: 1.35x the RPC PS with it,
+1.56x without). ``overlap=None`` (the worker's default) measures: the time from one step's
+push to the next, with and without, as a shard chooses its pipelined round
+(:class:`tensorx._ps.choose.EarlyChooser`), and keeps the faster; one INFO line says which.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from tensorx import _cuda
+from tensorx._ps.choose import EarlyChooser
 
 __all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent", "together",
            "windowed"]
@@ -50,6 +58,10 @@ class Bucket:
     # only dense entries (and alignment padding) lie between this bucket and the one
     # before it in the same shard: the two may travel as one write
     joins_previous: bool = False
+
+
+OVERLAP_LABELS = ("gradients sent during backward", "all sent at step()", "during backward",
+                  "at step()", "steps")
 
 
 def make_buckets(plan: Any, bucket_bytes: int) -> list[Bucket]:
@@ -95,9 +107,13 @@ class BucketPusher:
     """Tracks which parameters autograd finished and writes complete buckets early."""
 
     def __init__(self, buckets: list[Bucket], model: torch.nn.Module, write: Write,
-                 loop: asyncio.AbstractEventLoop, overlap: bool,
+                 loop: asyncio.AbstractEventLoop, overlap: bool | None,
                  fingerprint: Fingerprint | None = None, who: str = "worker") -> None:
         self.buckets = buckets
+        self._model = model
+        self.choice = EarlyChooser(overlap, OVERLAP_LABELS)  # None: measured
+        self._on = False
+        self._since: float | None = None  # when the last push began (the period measured)
         self._fingerprint = fingerprint
         self._sent_as: dict[int, int] = {}  # bucket -> fingerprint when it left
         self._watch = WATCH_STEPS if fingerprint is not None else 0
@@ -118,12 +134,30 @@ class BucketPusher:
         # gradients on a GPU: a bucket leaves only once the kernels that wrote it finished
         self._device = next((p.device for p in model.parameters() if p.is_cuda), None)
         self.early = 0  # buckets written before step(): instrumentation
-        if overlap and len(buckets) > 0:
-            for name, p in model.named_parameters():
+        self._switch(self.choice.early())
+
+    def _switch(self, on: bool) -> None:
+        """Send buckets during the coming backward passes, or leave them all for step()."""
+        self._on = on and len(self.buckets) > 0
+        if self._on and not self._hooks:
+            for name, p in self._model.named_parameters():
                 if name in self._of:
                     hook = p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         self._hook(name))
                     self._hooks.append(hook)
+        elif not self._on:
+            self.close()
+
+    def measure(self, now: float) -> None:
+        """A push begins at ``now``: the time since the last one is a step done with or
+        without overlap; choose the way of the next (see the module docstring)."""
+        if self._since is not None and self.choice.forced is None:
+            before = self.choice.decided
+            self.choice.observe(self._on, now - self._since)
+            if self.choice.decided != before:
+                logger.info("%s: overlap: %s", self._who, self.choice.decided)
+            self._switch(self.choice.early())
+        self._since = now
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def done(_: torch.Tensor) -> None:
@@ -215,7 +249,8 @@ class BucketPusher:
                 "overlap=False silences this", self._who,
                 ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
             self._watch = 0
-            self.close()
+            self.choice.forced = False
+            self._switch(False)
         return edited
 
     def reset(self) -> None:

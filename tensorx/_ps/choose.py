@@ -25,10 +25,17 @@ RECHECK = 500  # rounds between two probes
 
 class EarlyChooser:
     """Decides, round by round, whether parts are applied as they land (``early()``), from
-    the durations it is told (``observe``). ``forced``: always that answer."""
+    the durations it is told (``observe``). ``forced``: always that answer. ``labels``:
+    the two ways and their short names, for :attr:`decided` (a worker's gradient overlap
+    is chosen the same way, see :mod:`tensorx._ps.buckets`)."""
 
-    def __init__(self, forced: bool | None = None) -> None:
+    LABELS = ("parts applied as they land", "once all have landed", "as they land",
+              "once all have landed", "rounds")
+
+    def __init__(self, forced: bool | None = None,
+                 labels: tuple[str, str, str, str, str] | None = None) -> None:
         self.forced = forced
+        self.labels = labels or self.LABELS
         self.choice = True      # until measured
         self.rounds = 0         # eligible rounds observed
         self._samples: dict[bool, list[float]] = {True: [], False: []}
@@ -55,8 +62,8 @@ class EarlyChooser:
             return
         on, off = (statistics.median(self._samples[k]) for k in (True, False))
         self.choice = on < off
-        self.decided = (f"parts applied as they land: {on * 1e3:.1f} ms, once all have "
-                        f"landed: {off * 1e3:.1f} ms (medians of {PROBE} rounds each): "
-                        f"{'as they land' if self.choice else 'once all have landed'}")
+        yes, no, yes_short, no_short, unit = self.labels
+        self.decided = (f"{yes}: {on * 1e3:.1f} ms, {no}: {off * 1e3:.1f} ms (medians of "
+                        f"{PROBE} {unit} each): {yes_short if self.choice else no_short}")
         self._samples = {True: [], False: []}
         self._next_probe = self.rounds + RECHECK
