@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
+import os
 import threading
 from typing import Any
 
@@ -231,3 +233,33 @@ async def test_a_ps_rounds_2_mb_copies_on_the_loop_without_a_thread_hop(
         assert np.array_equal(region.view(np.uint8), pattern(n, 3))
         assert (await server.notifications.get())[1] == b"done"
     assert threads == [threading.current_thread()] * 2
+
+
+@pytest.mark.parametrize("churn", [0, 20_000])
+def test_a_probe_is_still_read_back_after_its_connection_ended(churn: int) -> None:
+    """A peer may still be checking our probe when we close the connection right after
+    connecting: it must read the token back, not freed memory (which gave a WARNING about
+    pid namespaces and no same-host lane)."""
+    factory = cma.CmaFactory("node-a", enabled=True)
+    binding = bytes(range(32))
+    offer = factory.offer(binding)
+    factory.forget(binding)
+    del binding
+    gc.collect()
+    reused = [ctypes.create_string_buffer(b"\xff" * 16, 16) for _ in range(churn)]
+    pid, why, loud = cma.check(True, offer, cma.token(bytes(range(32)), "node-a"))
+    assert (pid, why, loud) == (os.getpid(), "", False), why
+    assert len(reused) == churn
+
+
+def test_a_peer_that_exited_is_no_reason_for_a_warning() -> None:
+    """A probe of a process that has exited: no lane, said quietly (not a permission
+    problem to warn about)."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    offer = {**cma.Probe(b"b" * 32, "node-b").caps(), "pid": gone.pid}
+    pid, why, loud = cma.check(True, offer, offer["token"])
+    assert pid is None and not loud and "exited" in why

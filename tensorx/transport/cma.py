@@ -33,6 +33,7 @@ off with ``Node(same_host=False)`` or ``TENSORX_SAME_HOST=0``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import errno
@@ -72,6 +73,9 @@ POOL_ABOVE = 4 << 20
 PIECE = 8 << 20  # bytes per syscall: a cancelled or closed op stops at the next piece
 MAX_IOV = 1024  # UIO_MAXIOV
 MAX_CACHED = 4096  # owner-given addresses kept per lane
+# probes kept readable after their connection ended: a peer that connected and closed at
+# once may still be checking ours (it read freed memory: a WARNING, no lane)
+RETIRED = 64
 HOW = ("cma (process_vm_writev/readv: one copy, same host; peer death seen by the control "
        "channel)")
 
@@ -176,7 +180,9 @@ def _error(code: int, segment: Segment, skip: int) -> BrokenError:
     start = segment[1] + skip
     where = f"remote [{start:#x}, {segment[1] + segment[2]:#x})"
     if code in (errno.ESRCH, errno.EPERM):
-        return BrokenError(f"cma: the peer process is gone ({os.strerror(code)})")
+        exc = BrokenError(f"cma: the peer process is gone ({os.strerror(code)})")
+        exc.__cause__ = OSError(code, os.strerror(code))
+        return exc
     if code == errno.EFAULT:  # the owner holds revoked memory until we acknowledged
         return BrokenError(f"cma: {where} is not mapped in the peer (a bug or a dying peer)")
     exc = BrokenError(f"cma: copy of {where} failed: {os.strerror(code)}")
@@ -229,6 +235,8 @@ def check(ours: bool, theirs: Any, expected: bytes) -> tuple[int | None, str, bo
     try:
         copy(pid, [(ctypes.addressof(got), probe, 16)], False, lambda: None)
     except BrokenError as exc:
+        if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESRCH:
+            return None, "none (the peer's process has exited)", False
         return None, (f"none (process_vm_readv of the peer's memory failed: {exc}; "
                       "yama ptrace_scope, another user or a container?)"), True
     if got.raw != expected or token != expected:
@@ -252,6 +260,7 @@ class CmaFactory(LaneFactory):
         self._node_id = node_id
         self._enabled = enabled
         self._probes: dict[bytes, Probe] = {}  # per connection, while it lives
+        self._retired: collections.deque[Probe] = collections.deque(maxlen=RETIRED)
         self._pool: Executor | None = None
 
     def offer(self, binding: bytes) -> Any:
@@ -261,7 +270,9 @@ class CmaFactory(LaneFactory):
         return probe.caps()
 
     def forget(self, binding: bytes) -> None:
-        self._probes.pop(binding, None)
+        probe = self._probes.pop(binding, None)
+        if probe is not None:
+            self._retired.append(probe)  # see RETIRED
 
     def reaches(self, offer: Any) -> bool:
         return offered(self._enabled, offer)
