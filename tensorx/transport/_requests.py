@@ -70,19 +70,14 @@ class Requests:
 
     def _new_request(self, timeout: float | None, what: str,
                      dest: memoryview | StagedRange | None = None) -> tuple[int, Pending]:
+        """A request starting now, filed by its id (its deadline armed)."""
         req = next(self._req_ids)
-        pending = self._pending[req] = self._pending_now(timeout, what, dest)
-        return req, pending
-
-    def _pending_now(self, timeout: float | None, what: str,
-                     dest: memoryview | StagedRange | None) -> Pending:
-        """A request starting now (its deadline armed); the caller files it by its id."""
-        if timeout is None:
-            return Pending(self._loop.create_future(), dest, math.inf, what, timeout)
-        at = self._loop.time() + timeout
+        at = math.inf if timeout is None else self._loop.time() + timeout
         if at < self._timer_at:
             self._arm(at)
-        return Pending(self._loop.create_future(), dest, at, what, timeout)
+        pending = self._pending[req] = Pending(self._loop.create_future(), dest, at, what,
+                                               timeout)
+        return req, pending
 
     async def _await(self, req: int, pending: Pending) -> Any:
         """Wait for the reply (the connection's timer enforces the timeout)."""
@@ -138,14 +133,13 @@ class Requests:
                         timeout: float | None) -> None:
         """:meth:`write` of one frame without a notification (the small op's path: one
         coroutine frame from the call to the answer)."""
-        req = next(self._req_ids)
-        pending = self._pending[req] = self._pending_now(timeout, "write", None)
+        req, pending = self._new_request(timeout, "write")
         try:
             frame = _wire.write_frame(req, rid, ck, off, len(src), True)
             if isinstance(src, StagedRange):
                 self._out.enqueue([frame, src])
             else:
-                self._out.send_host([frame, src], len(frame) + len(src))
+                self._out.send_host([frame, src])
             await pending.future
         finally:
             self._pending.pop(req, None)
@@ -165,11 +159,9 @@ class Requests:
                    timeout: float | None) -> None:
         """READ ``len(dest)`` bytes at ``off`` of the peer's region into ``dest`` (one
         coroutine frame from the call to the answer, as :meth:`write_one`)."""
-        req = next(self._req_ids)
-        pending = self._pending[req] = self._pending_now(timeout, "read", dest)
+        req, pending = self._new_request(timeout, "read", dest)
         try:
-            frame = _wire.read_frame(req, rid, ck, off, len(dest))
-            self._out.send_host([frame], len(frame))
+            self._out.send_host([_wire.read_frame(req, rid, ck, off, len(dest))])
             await pending.future
         finally:
             self._pending.pop(req, None)

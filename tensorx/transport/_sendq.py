@@ -67,9 +67,19 @@ class SendQueue:
     def enqueue(self, parts: list[Any], done: asyncio.Future[None] | None = None) -> None:
         """Send ``parts`` after everything queued before them; ``done`` completes once
         they have been handed to the kernel. Raises the channel's error once it failed."""
+        self._put(parts, done, not _staging.has_staged(parts))
+
+    def send_host(self, parts: list[Any]) -> None:
+        """:meth:`enqueue` of an op frame in host buffers, nobody waiting on it (no staging
+        scan: the caller knows)."""
+        self._put(parts, None, True)
+
+    def _put(self, parts: list[Any], done: asyncio.Future[None] | None, now: bool) -> None:
+        """Queue ``parts``; ``now``: host buffers only, which go out right here when
+        nothing is queued before them."""
         if self._error is not None:
             raise self._error
-        if not self._queue and not self._busy and not _staging.has_staged(parts):
+        if now and not self._queue and not self._busy:
             try:
                 with self._lost:
                     parts = self._send_some(parts)
@@ -81,28 +91,6 @@ class SendQueue:
                     done.set_result(None)
                 return
         self._queue.append((parts, done))
-        self._wakeup.set()
-
-    def send_host(self, parts: list[Any], size: int) -> None:
-        """:meth:`enqueue` of an op frame: ``size`` bytes in a few host buffers, nobody
-        waiting on it; when nothing is queued before it, it goes out right here (the
-        staging check and the bookkeeping of a partial send are skipped when all went)."""
-        if self._error is not None:
-            raise self._error
-        if not self._queue and not self._busy:
-            try:
-                with self._lost:
-                    sent = self._sock.sendmsg(parts)
-            except BlockingIOError:
-                sent = 0
-            except BrokenError as exc:
-                self._lost_cb(fresh_copy(exc))
-                raise
-            self._stats["bytes_out"] += sent
-            if sent == size:
-                return
-            parts = advance(parts, sent)
-        self._queue.append((parts, None))
         self._wakeup.set()
 
     def send(self, kind: Kind, header: dict[str, Any],

@@ -113,8 +113,7 @@ class OwnerService:
         if req in self._refused:
             self._refused.discard(req)
             return False
-        ack = reply_frame(Kind.WRITE_ACK, req)
-        self._send_host([ack], len(ack))
+        self._send_host([reply_frame(Kind.WRITE_ACK, req)])
         return True
 
     def _refuse_write(self, req: int, last: bool, exc: TensorxError) -> None:
@@ -138,11 +137,11 @@ class OwnerService:
             return
         head = reply_frame(Kind.READ_DATA, req, n)
         if not n:
-            self._send_host([head], len(head))
+            self._send_host([head])
         elif isinstance(src, StagedRange):  # GPU memory: streamed through staging
             self._send([head, src])
         else:
-            self._send_host([head, src], len(head) + n)
+            self._send_host([head, src])
 
     def on_validate(self, h: dict[str, Any], payload_len: int) -> None:
         try:
