@@ -82,23 +82,38 @@ def read_header(region: MemoryRegion, entry: DynamicEntry) -> SparseHeader:
 def read_headers(region: MemoryRegion, entries: Sequence[DynamicEntry]) -> list[SparseHeader]:
     """:func:`read_header` of every entry of ``entries``: the fields decoded and checked
     for all of them at once (a DLRM-shaped shard decoded 26 slots one by one per push)."""
-    if not entries:
-        return []
-    slots = np.frombuffer(region.buffer(), dtype="<u8")
-    at = np.array([e.header_offset // 8 for e in entries])
-    rows, nbytes, version, capacity, offset = (slots[at + k] for k in range(5))
-    budget = np.array([e.budget_rows for e in entries], dtype=np.uint64)
-    row_bytes = np.array([e.row_bytes for e in entries], dtype=np.uint64)
-    small = rows <= budget  # and so no product below can overflow
-    want = (rows * 8 + (ALIGN - 1)) // ALIGN * ALIGN + rows * row_bytes
-    bad = ~small | (nbytes != want) | (offset % ALIGN != 0) | (offset >= 1 << 62)
-    if bad.any():
-        entry = entries[int(np.flatnonzero(bad)[0])]
-        read_header(region, entry)  # raises, naming the entry and its header
-        raise RegionError(f"{entry.name}: header does not fit its plan entry")
+    rows, nbytes, version, capacity, offset = HeaderSlots(entries).fields(region)
     return [SparseHeader(*fields) for fields in
             zip(rows.tolist(), nbytes.tolist(), version.tolist(), capacity.tolist(),
                 offset.tolist(), strict=True)]
+
+
+class HeaderSlots:
+    """The header slots of some entries, decoded and checked together (what a receiver
+    does at every push: the entries' arrays are made once)."""
+
+    def __init__(self, entries: Sequence[DynamicEntry]) -> None:
+        self.entries = list(entries)
+        self._at = np.array([e.header_offset // 8 for e in entries], dtype=np.int64) + \
+            np.arange(5)[:, None]
+        self._budget = np.array([e.budget_rows for e in entries], dtype=np.uint64)
+        self._row_bytes = np.array([e.row_bytes for e in entries], dtype=np.uint64)
+
+    def fields(self, region: MemoryRegion) -> Any:
+        """uint64 ``[5, entries]``: rows, nbytes, version, capacity, offset (a copy: the
+        peer may write the slots meanwhile); RegionError naming the first bad slot."""
+        if not self.entries:
+            return np.zeros((5, 0), dtype=np.uint64)
+        fields = np.frombuffer(region.buffer(), dtype="<u8")[self._at]
+        rows, nbytes, _, _, offset = fields
+        small = rows <= self._budget  # and so no product below can overflow
+        want = (rows * 8 + (ALIGN - 1)) // ALIGN * ALIGN + rows * self._row_bytes
+        bad = ~small | (nbytes != want) | (offset % ALIGN != 0) | (offset >= 1 << 62)
+        if bad.any():
+            entry = self.entries[int(np.flatnonzero(bad)[0])]
+            read_header(region, entry)  # raises, naming the entry and its header
+            raise RegionError(f"{entry.name}: header does not fit its plan entry")
+        return fields
 
 
 def payload_views(region: MemoryRegion, entry: DynamicEntry, rows: int,

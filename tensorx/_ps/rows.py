@@ -16,16 +16,60 @@ Pure: no I/O.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["RowGroup", "Rows", "SparseRows", "no_invariant_checks", "row_groups"]
+__all__ = ["PushedRows", "RowBatch", "RowGroup", "Rows", "SparseRows", "no_invariant_checks",
+           "row_groups"]
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (row ids int64 [n], values [n, *row_shape])
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """Rows a rank pushed of several tables of one dtype and row shape, table after table:
+    ``names[k]``'s row ids (in its table) are ``ids[at[k]:at[k + 1]]``, its rows the same
+    rows of ``values``. One tensor each, as the shard gathered them from the received bytes."""
+
+    names: tuple[str, ...]
+    at: tuple[int, ...]  # len(names) + 1 bounds
+    ids: torch.Tensor
+    values: torch.Tensor
+
+
+class PushedRows(Mapping[str, Rows]):
+    """A rank's rows of one push by table name (tables it sent none of: absent), held as
+    :class:`RowBatch` es: :meth:`SparseRows.put` packs them whole, and a table's own
+    (ids, rows) views are made only when somebody asks for one."""
+
+    def __init__(self, batches: Sequence[RowBatch] = ()) -> None:
+        self.batches = list(batches)
+        self._tables: dict[str, Rows] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return sum(int(b.ids.numel()) for b in self.batches)
+
+    def _views(self) -> dict[str, Rows]:
+        if self._tables is None:
+            self._tables = {name: (b.ids[lo:hi], b.values[lo:hi]) for b in self.batches
+                            for name, lo, hi in zip(b.names, b.at, b.at[1:], strict=False)}
+        return self._tables
+
+    def __getitem__(self, name: str) -> Rows:
+        return self._views()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for b in self.batches for name in b.names)
+
+    def __len__(self) -> int:
+        return sum(len(b.names) for b in self.batches)
 
 
 def no_invariant_checks() -> contextlib.AbstractContextManager[Any]:
@@ -45,6 +89,10 @@ class SparseRows:
         self._gathered: dict[int, torch.Tensor | None] | None = None
         self.groups = row_groups(self._specs)
         self._packed: dict[int, list[Rows | None]] = {}  # rank -> its rows per group
+        self._pushed: dict[int, PushedRows] = {}  # rank -> its push, tables not split yet
+        # table name -> (its group, its first row in the group's view)
+        self._where = {self._specs[i].name: (k, start) for k, g in enumerate(self.groups)
+                       for i, start in g.starts.items()}
         self._finite: dict[int, bool] = {}  # rank -> are its rows finite
 
     def __contains__(self, i: object) -> bool:
@@ -86,11 +134,44 @@ class SparseRows:
         packed and checked at once: while the shard waits for the other ranks' pushes, not
         after the last one."""
         self.drop(rank)
-        self._rows[rank] = {self._index[name]: r for name, r in rows.items() if r[0].numel()}
+        packed = self._pack_batches(rows) if isinstance(rows, PushedRows) else None
+        if packed is None:
+            self._rows[rank] = {self._index[name]: r for name, r in rows.items()
+                                if r[0].numel()}
+        else:
+            self._pushed[rank] = rows  # type: ignore[assignment]
+            self._packed[rank] = packed
         self._finite[rank] = self._all_finite(rank)
+
+    def _pack_batches(self, pushed: PushedRows) -> list[Rows | None] | None:
+        """The rows per group, straight from ``pushed``'s batches when each batch is the
+        pushed tables of one group in row order (one add for all their ids); else None."""
+        out: list[Rows | None] = [None] * len(self.groups)
+        for b in pushed.batches:
+            where = [self._where.get(name) for name in b.names]
+            group = where[0][0] if where[0] is not None else -1
+            starts = [w[1] for w in where if w is not None and w[0] == group]
+            if len(starts) != len(where) or out[group] is not None or \
+                    any(a >= c for a, c in itertools.pairwise(starts)):
+                return None
+            shift = np.repeat(np.array(starts, dtype=np.int64), np.diff(b.at))
+            out[group] = (b.ids + torch.from_numpy(shift).to(b.ids.device), b.values)
+        return out
+
+    def _tables(self, rank: int) -> dict[int, Rows]:
+        """``rank``'s rows by table index (a push kept whole split into views now)."""
+        got = self._rows.get(rank)
+        if got is None:
+            pushed = self._pushed.get(rank)
+            if pushed is None:
+                return {}
+            got = self._rows[rank] = {self._index[name]: r for name, r in pushed.items()
+                                      if r[0].numel()}
+        return got
 
     def drop(self, rank: int) -> None:
         self._rows.pop(rank, None)
+        self._pushed.pop(rank, None)
         self._packed.pop(rank, None)
         self._finite.pop(rank, None)
 
@@ -115,7 +196,7 @@ class SparseRows:
         group's row (see :class:`RowGroup`): sorted if each table's ids are."""
         got = self._packed.get(rank)
         if got is None:
-            mine = self._rows.get(rank, {})
+            mine = self._tables(rank)
             got = self._packed[rank] = [g.pack(mine) for g in self.groups]
         return got
 
@@ -140,7 +221,7 @@ class SparseRows:
         the one :meth:`gather` made."""
         if self._gathered is not None:
             return self._gathered.get(i)
-        parts = [self._rows[r][i] for r in ranks if i in self._rows.get(r, {})]
+        parts = [rows[i] for rows in map(self._tables, ranks) if i in rows]
         if not parts:
             return None
         with torch.no_grad():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -266,7 +266,7 @@ class ShardState:
         self._gathered = False
         self.rows.ungather()
 
-    def put_rows(self, rank: int, rows: dict[str, Rows]) -> None:
+    def put_rows(self, rank: int, rows: Mapping[str, Rows]) -> None:
         """``rank``'s sparse rows of its latest push, whole (see :mod:`tensorx._ps.rows`)."""
         self.rows.put(rank, rows)
 

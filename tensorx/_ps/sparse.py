@@ -12,15 +12,18 @@ Only the touched rows cross the network, and the shard's work scales with them.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from tensorx._analyzer.sparse import ALIGN, budget_bytes, read_headers
+from tensorx._analyzer.sparse import ALIGN, HeaderSlots, budget_bytes
 from tensorx._ps.device import fence
 from tensorx._ps.rowpull import RowInbox, RowOutbox
+from tensorx._ps.rows import PushedRows, RowBatch
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -116,11 +119,16 @@ class SparseReceiver:
         self.entries = [d for d in plan.dynamic_entries if d.shard == shard]
         offsets = {e.name: e.offset for e in plan.shard_entries(shard) if e.kind == "dynamic"}
         self._offsets = offsets
-        self._budget = {e.name: budget_bytes([e]) for e in self.entries}  # packed, aligned
+        self._budget = np.array([budget_bytes([e]) for e in self.entries])  # packed, aligned
+        self._num_rows = np.array([e.num_rows for e in self.entries])
+        self._kinds = _kinds(self.entries, offsets)
+        self._slots = HeaderSlots(self.entries)
         size = plan.header_bytes(shard)
         self.headers = [MemoryRegion.allocate(size) for _ in range(num_workers)]
         self._staging: dict[tuple[int, str], RegionDescriptor] = {}
         self._recv: MemoryRegion | None = None
+        self._recv_bytes = torch.empty(0, dtype=torch.uint8)
+        self._views: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self.answers = RowOutbox(self.entries, device)  # the rows each answer writes
 
     def renew(self, rank: int) -> None:
@@ -141,57 +149,100 @@ class SparseReceiver:
                 raise ProtocolError(f"staging announcement for unknown tensor {name!r}")
             self._staging[(rank, name)] = RegionDescriptor.from_bytes(raw)
 
-    async def receive(self, ep: Any, rank: int,
-                      timeout: float | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    async def receive(self, ep: Any, rank: int, timeout: float | None) -> PushedRows:
         """Every sparse gradient of ``rank``: table name -> (row ids, rows), on the shard's
         device. One read per staging region of the worker (one per shard, whatever the
         number of tables); raises, handing over nothing, if any read or check fails."""
-        parts = self._parts(rank)
+        fields = self._slots.fields(self.headers[rank]).astype(np.int64)
+        parts = self._parts(rank, fields)
         if not parts:
-            return {}
-        recv = self._buffer(sum(p.size for p in parts))
+            return PushedRows()
+        recv, data = self._buffer(sum(p.size for p in parts))
         at, reads = 0, []
+        base = np.zeros(len(self.entries), dtype=np.int64)  # table -> its bytes' shift
         for part in parts:
             reads.append(ep.read(recv, part.desc, offset=at, remote_offset=part.lo,
                                  nbytes=part.hi - part.lo, timeout=timeout))
+            base[part.tables] = at - part.lo
             at += part.size
         for result in await asyncio.gather(*reads, return_exceptions=True):
             if isinstance(result, BaseException):
                 raise result
-        # one copy of it all: the next push's rows are read into the same buffer
-        data = recv.view(torch.uint8, (at,), 0).clone()
+        # the rows are gathered out of the buffer (the next push is read into it)
+        pushed = PushedRows([self._gather(rank, data, kind, fields, base)
+                             for kind in self._kinds if fields[0][kind.tables].any()])
         fence(self.device)
-        got, at, typed = {}, 0, _Typed(data)
-        for part in parts:
-            for entry, header in part.tables:
-                got[entry.name] = typed.payload(entry, header, at + header.offset - part.lo)
-            at += part.size
-        _check_rows(rank, got, self.entries)
-        return got
+        return pushed
 
-    def _parts(self, rank: int) -> list[_Part]:
+    def _parts(self, rank: int, fields: Any) -> list[_Part]:
         """``rank``'s staged tables, by the staging region they lie in."""
+        rows, nbytes, offset = fields[0], fields[1], fields[4]
         parts: dict[int, _Part] = {}
-        for entry, header in zip(self.entries, read_headers(self.headers[rank], self.entries),
-                                 strict=True):
-            if header.rows == 0:
-                continue
-            desc = self._staging.get((rank, entry.name))
+        for k in np.flatnonzero(rows).tolist():
+            desc = self._staging.get((rank, self.entries[k].name))
             if desc is None:
-                raise ProtocolError(f"rank {rank} sent rows of {entry.name} without staging")
-            parts.setdefault(desc.region_id, _Part(desc)).tables.append((entry, header))
+                raise ProtocolError(f"rank {rank} sent rows of {self.entries[k].name} "
+                                    "without staging")
+            parts.setdefault(desc.region_id, _Part(desc)).tables.append(k)
         for part in parts.values():
-            part.check(rank, self._budget)
+            part.check(rank, offset[part.tables], nbytes[part.tables], self._budget)
         return list(parts.values())
 
-    def _buffer(self, nbytes: int) -> MemoryRegion:
+    def _gather(self, rank: int, data: torch.Tensor, kind: _Kind, fields: Any,
+                base: Any) -> RowBatch:
+        """The rows of ``kind``'s tables out of the received bytes ``data`` (a table's
+        payload at ``base + offset``): one gather for all their ids, one for all their
+        rows, and every id checked against its table's size."""
+        tables = kind.tables[fields[0][kind.tables] > 0]
+        counts = fields[0][tables]
+        at = base[tables] + fields[4][tables]  # each payload's first byte in data
+        first = np.cumsum(counts) - counts  # each table's first row in the batch
+        total = int(counts.sum())
+        pos = np.repeat(at // 8 - first, counts) + np.arange(total)
+        ids = self._typed(data, torch.int64, 8).index_select(
+            0, torch.from_numpy(pos).to(data.device)).view(-1)
+        limits = torch.from_numpy(np.repeat(self._num_rows[tables], counts)).to(data.device)
+        bad = (ids < 0) | (ids >= limits)
+        if bool(bad.any()):
+            k = int(np.searchsorted(first, int(bad.nonzero()[0, 0]), side="right")) - 1
+            raise RegionError(f"rank {rank}: {self.entries[tables[k]].name} row index out "
+                              "of range")
+        if not kind.row_bytes:  # rows of no element: nothing to read
+            return RowBatch(tuple(self.entries[k].name for k in tables.tolist()),
+                            (*first.tolist(), total), ids,
+                            torch.empty((total, *kind.row_shape), dtype=kind.dtype))
+        chunk, per_row = kind.chunk, kind.row_bytes // kind.chunk
+        values_at = at + (counts * 8 + (ALIGN - 1)) // ALIGN * ALIGN  # values_offset()
+        rows = np.repeat(values_at // chunk - first * per_row, counts) + \
+            np.arange(total) * per_row
+        if per_row > 1:
+            rows = (rows[:, None] + np.arange(per_row)).ravel()
+        values = self._typed(data, kind.dtype, chunk).index_select(
+            0, torch.from_numpy(rows).to(data.device))
+        return RowBatch(tuple(self.entries[k].name for k in tables.tolist()),
+                        (*first.tolist(), total), ids, values.view(total, *kind.row_shape))
+
+    def _typed(self, data: torch.Tensor, dtype: torch.dtype, chunk: int) -> torch.Tensor:
+        """``data`` (the receive buffer) as rows of ``chunk`` bytes of ``dtype`` (made once
+        per buffer)."""
+        key = (dtype, chunk)
+        got = self._views.get(key)
+        if got is None:
+            got = self._views[key] = data[:data.numel() // chunk * chunk].view(dtype).view(
+                -1, chunk // dtype.itemsize)
+        return got
+
+    def _buffer(self, nbytes: int) -> tuple[MemoryRegion, torch.Tensor]:
+        """The receive buffer, at least ``nbytes``, and its bytes as a tensor."""
         region = self._recv
         if region is None or region.nbytes < nbytes:
             if region is not None:
                 region.close()
             region = self._recv = MemoryRegion.allocate(max(nbytes, 1 << 16),
                                                         device=self.device)
-        return region
+            self._recv_bytes = region.view(torch.uint8)
+            self._views = {}
+        return region, self._recv_bytes
 
     def rows_plan(self, rank: int, state: Any, changed: dict[int, Any]) -> tuple[int, int]:
         """For an answer to ``rank`` of the rows ``changed`` (see
@@ -220,7 +271,7 @@ class _Part:
     """The tables a worker staged in one of its staging regions, and the span they take."""
 
     desc: RegionDescriptor
-    tables: list[tuple[Any, Any]] = field(default_factory=list)  # (entry, header)
+    tables: list[int] = field(default_factory=list)  # indices of the receiver's entries
     lo: int = 0
     hi: int = 0
 
@@ -229,50 +280,38 @@ class _Part:
         """Its bytes in the receive buffer (aligned: the next part's ids view int64)."""
         return -(-(self.hi - self.lo) // ALIGN) * ALIGN
 
-    def check(self, rank: int, budget: Mapping[str, int]) -> None:
-        """Set the span; RegionError if it is more than its tables can take when packed
-        (``budget``: each table's most, by name), before anything is allocated or read."""
-        self.lo = min(h.offset for _, h in self.tables)
-        self.hi = max(h.offset + h.nbytes for _, h in self.tables)
-        if self.hi - self.lo > sum(budget[e.name] for e, _ in self.tables):
+    def check(self, rank: int, offset: Any, nbytes: Any, budget: Any) -> None:
+        """Set the span of payloads at ``offset`` of ``nbytes``; RegionError if it is more
+        than its tables can take when packed (``budget``: each table's most), before
+        anything is allocated or read."""
+        self.lo = int(offset.min())
+        self.hi = int((offset + nbytes).max())
+        if self.hi - self.lo > int(budget[self.tables].sum()):
             raise RegionError(f"rank {rank}: staged rows span {self.hi - self.lo} B, more "
                               "than their tables can take")
 
 
-class _Typed:
-    """The received bytes viewed once per dtype: a table's ids and rows are then one slice
-    each (the bytes are 64-aligned; five view ops per table were a tenth of a push)."""
+@dataclass(frozen=True)
+class _Kind:
+    """The tables of one dtype and row shape (indices of the receiver's entries, in arena
+    order): their rows are gathered together, in chunks of ``chunk`` bytes (payloads are
+    ``ALIGN``-aligned, so a row may start on any multiple of it, not of its size)."""
 
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
-        self.views: dict[str, torch.Tensor] = {"int64": data.view(torch.int64)}
-
-    def view(self, dtype: str) -> torch.Tensor:
-        got = self.views.get(dtype)
-        if got is None:
-            got = self.views[dtype] = self.data.view(getattr(torch, dtype))
-        return got
-
-    def payload(self, entry: Any, header: Any, at: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row ids, rows) of the payload at byte ``at``; views."""
-        rows = header.rows
-        ids = self.views["int64"][at // 8:at // 8 + rows]
-        values = self.view(entry.dtype)
-        size = values.element_size()
-        start = (at + entry.values_offset(rows)) // size
-        return ids, values[start:start + (header.nbytes - entry.values_offset(rows)) // size
-                           ].view(rows, *entry.row_shape)
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+    row_bytes: int
+    chunk: int
+    tables: Any  # numpy int64 array
 
 
-def _check_rows(rank: int, got: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                entries: list[Any]) -> None:
-    """RegionError unless every row id lies in its table (one pass over all of them)."""
-    sizes = {e.name: e.num_rows for e in entries}
-    ids = torch.cat([i for i, _ in got.values()])
-    counts = torch.tensor([int(i.numel()) for i, _ in got.values()], device=ids.device)
-    limits = torch.tensor([sizes[n] for n in got], device=ids.device).repeat_interleave(counts)
-    bad = (ids < 0) | (ids >= limits)
-    if bool(bad.any()):
-        first = int(bad.nonzero()[0, 0])
-        name = list(got)[int((counts.cumsum(0) > first).nonzero()[0, 0])]
-        raise RegionError(f"rank {rank}: {name} row index out of range")
+def _kinds(entries: list[Any], offsets: Mapping[str, int]) -> list[_Kind]:
+    by: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for k, e in enumerate(entries):
+        by.setdefault((e.dtype, tuple(e.row_shape)), []).append(k)
+    out = []
+    for (dtype, row_shape), members in by.items():
+        members.sort(key=lambda k: offsets[entries[k].name])
+        row_bytes = entries[members[0]].row_bytes
+        out.append(_Kind(getattr(torch, dtype), row_shape, row_bytes,
+                         math.gcd(row_bytes, ALIGN), np.array(members, dtype=np.int64)))
+    return out

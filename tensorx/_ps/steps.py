@@ -43,7 +43,7 @@ class Steps(ShardCore):
             self._sparse.announce(peer.rank, msg["staging"], msg["inbox"])
             rows = await self._sparse.receive(ep, peer.rank, self.timeout)
             self.state.put_rows(peer.rank, rows)
-            self.stats["sparse_rows"] += sum(len(ids) for ids, _ in rows.values())
+            self.stats["sparse_rows"] += rows.num_rows
         await self._act(self.scheduler.push(peer.rank))
         if self.mode == "sync" and peer.rank in self.scheduler.pending:
             await self._tell_waiting([peer])

@@ -1,0 +1,161 @@
+"""A shard's receipt of a push's sparse rows: the rows gathered out of the bytes read are the
+rows the worker staged, table by table, whatever their dtypes, row sizes and staging regions;
+an id outside its table is refused naming it; and the rows handed over whole pack as a
+per-table dict of the same rows packs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tensorx._analyzer.sparse import SparseStaging
+from tensorx._ps.rows import PushedRows, SparseRows
+from tensorx._ps.shard import ShardLayout
+from tensorx._ps.sparse import SparseReceiver
+from tensorx.errors import RegionError
+from tensorx.graph_analyzer import GraphAnalyzer
+from tensorx.memregion import MemoryRegion, RegionDescriptor
+
+# name -> (rows, row width, dtype): two float32 tables of 16-float rows (one kind), 3-float
+# rows (12 B: rows start on any 4-byte boundary of the payload), float64 rows
+TABLES = {"a": (300, 16, torch.float32), "b": (200, 16, torch.float32),
+          "c": (100, 3, torch.float32), "d": (50, 8, torch.float64)}
+
+
+class Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        for name, (n, dim, dtype) in TABLES.items():
+            self.add_module(name, nn.Embedding(n, dim, sparse=True, dtype=dtype))
+
+
+class Copying:
+    """An endpoint whose reads copy out of the regions it was given."""
+
+    def __init__(self, regions: list[MemoryRegion]) -> None:
+        self.regions = {r.region_id: r for r in regions}
+        self.reads = 0
+
+    async def read(self, local: MemoryRegion, desc: RegionDescriptor, offset: int = 0,
+                   remote_offset: int = 0, nbytes: int = 0,
+                   timeout: float | None = None) -> None:
+        self.reads += 1
+        src = self.regions[desc.region_id].buffer()
+        local.buffer()[offset:offset + nbytes] = src[remote_offset:remote_offset + nbytes]
+
+
+def grads(seed: int, skip: str = "") -> dict[str, torch.Tensor]:
+    """Uncoalesced sparse gradients (ids repeat), as autograd makes them; ``skip``: none."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (n, dim, dtype) in TABLES.items():
+        count = 0 if name == skip else 60
+        ids = torch.randint(0, n, (count,), generator=gen)
+        values = torch.randn(count, dim, generator=gen).to(dtype)
+        out[f"{name}.weight"] = torch.sparse_coo_tensor(ids[None], values, (n, dim),
+                                                        check_invariants=True)
+    return out
+
+
+def setup(seed: int, skip: str = "") -> tuple[Any, SparseStaging, SparseReceiver,
+                                                dict[str, torch.Tensor]]:
+    plan = GraphAnalyzer(Tables()).plan()
+    staging, receiver = SparseStaging(plan), SparseReceiver(plan, 0, 1)
+    staged = grads(seed, skip)
+    staging.stage(0, staged)
+    receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+    return plan, staging, receiver, staged
+
+
+async def test_the_rows_received_are_the_rows_staged() -> None:
+    _, staging, receiver, staged = setup(1, skip="b")
+    try:
+        desc = staging.region(0).descriptor().to_bytes()
+        receiver.announce(0, dict.fromkeys(staged, desc))
+        ep = Copying([staging.region(0)])
+        got = await receiver.receive(ep, 0, None)
+        assert ep.reads == 1
+        assert sorted(got) == ["a.weight", "c.weight", "d.weight"]  # b sent no rows
+        for name, grad in staged.items():
+            if name == "b.weight":
+                continue
+            want = grad.coalesce()
+            ids, values = got[name]
+            assert torch.equal(ids, want.indices()[0]), name
+            assert values.dtype == want.dtype and torch.equal(values, want.values()), name
+        assert got.num_rows == sum(int(got[n][0].numel()) for n in got)
+    finally:
+        receiver.close()
+        staging.close()
+
+
+async def test_tables_staged_in_two_regions_are_read_from_each() -> None:
+    """A worker may name a staging region per table: each region's span is read once, and
+    each table's rows come from its own region (a copy of the staging here, with the other
+    copy's bytes spoiled where this one's tables are not)."""
+    _, staging, receiver, staged = setup(2)
+    headers = staging.stage(0, staged).headers
+    first, second = (MemoryRegion.allocate(staging.region(0).nbytes) for _ in range(2))
+    try:
+        owner = {n: (first, second)[i % 2] for i, n in enumerate(staged)}
+        for copy in (first, second):
+            copy.buffer()[:] = staging.region(0).buffer()
+            for name, h in headers.items():
+                if owner[name] is not copy:  # ids -1 and NaN rows: refused if read
+                    copy.buffer()[h.offset:h.offset + h.nbytes] = b"\xff" * h.nbytes
+        announce = {n: owner[n].descriptor().to_bytes() for n in staged}
+        receiver.announce(0, announce)
+        ep = Copying([first, second])
+        got = await receiver.receive(ep, 0, None)
+        assert ep.reads == 2
+        for name, grad in staged.items():
+            want = grad.coalesce()
+            assert torch.equal(got[name][0], want.indices()[0]), name
+            assert torch.equal(got[name][1], want.values()), name
+    finally:
+        receiver.close()
+        staging.close()
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 100])
+async def test_an_id_outside_its_table_is_refused_naming_it(bad: int) -> None:
+    plan, staging, receiver, staged = setup(3)
+    try:
+        header = staging.stage(0, staged).headers["c.weight"]
+        at = header.offset // 8 + header.rows - 1  # c's last id
+        staging.region(0).view(torch.int64)[at] = bad  # c has 100 rows
+        receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+        receiver.announce(0, dict.fromkeys(staged, staging.region(0).descriptor().to_bytes()))
+        with pytest.raises(RegionError, match=r"rank 0: c\.weight row index out of range"):
+            await receiver.receive(Copying([staging.region(0)]), 0, None)
+    finally:
+        receiver.close()
+        staging.close()
+
+
+async def test_pushed_rows_pack_as_the_same_rows_by_table_do() -> None:
+    plan, staging, receiver, staged = setup(4)
+    try:
+        receiver.announce(0, dict.fromkeys(staged, staging.region(0).descriptor().to_bytes()))
+        got = await receiver.receive(Copying([staging.region(0)]), 0, None)
+        assert isinstance(got, PushedRows)
+        specs = ShardLayout.from_plan(plan, 0).param_specs()
+        whole, by_table = SparseRows(specs), SparseRows(specs)
+        whole.put(0, got)
+        by_table.put(0, {n: (ids.clone(), values.clone()) for n, (ids, values) in got.items()})
+        for ours, theirs in zip(whole.packed(0), by_table.packed(0), strict=True):
+            assert ours is not None and theirs is not None
+            assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+        for i in whole:
+            ours, theirs = whole.grad([0], i), by_table.grad([0], i)
+            assert ours is not None and theirs is not None
+            assert torch.equal(ours.indices(), theirs.indices())
+            assert torch.equal(ours.values(), theirs.values())
+    finally:
+        receiver.close()
+        staging.close()
