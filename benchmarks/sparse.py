@@ -152,12 +152,15 @@ def apply_rate(rows: int = 1_000_000, dim: int = 64, touched: int = 4096, worker
 
 def _move_rows(table: Any, count: int, gen: Any) -> float:
     """Seconds to read ``count`` random rows of ``table`` and write them back (one gather,
-    one scatter: what any row update costs in memory traffic, the arithmetic left out)."""
+    one scatter, with the primitives the shard's update uses: what any row update costs in
+    memory traffic, the arithmetic left out)."""
     import torch
+
+    from tensorx._ps.rows import put_rows, take_rows
 
     ids = torch.randperm(table.shape[0], generator=gen)[:count].sort().values
     t0 = time.perf_counter()
-    table.index_copy_(0, ids, table.index_select(0, ids))
+    put_rows(table, ids, take_rows(table, ids))
     return time.perf_counter() - t0
 
 

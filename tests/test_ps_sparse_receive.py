@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tensorx._analyzer.sparse import SparseStaging
-from tensorx._ps.rows import PushedRows, SparseRows
+from tensorx._ps.rows import PushedRows, SparseRows, put_rows, take_rows
 from tensorx._ps.shard import ShardLayout
 from tensorx._ps.sparse import SparseReceiver
 from tensorx.errors import RegionError
@@ -159,3 +159,24 @@ async def test_pushed_rows_pack_as_the_same_rows_by_table_do() -> None:
     finally:
         receiver.close()
         staging.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_rows_taken_and_put_are_index_select_and_index_copy(dtype: torch.dtype) -> None:
+    """The row copies of an update and of answers (numpy's where it has the dtype, torch's
+    elsewhere) give what index_select / index_copy_ give, into ``out`` too, and on a
+    strided view of a table."""
+    gen = torch.Generator().manual_seed(5)
+    base = (torch.randn(64, 12, generator=gen) * 100).to(dtype)
+    ids = torch.randperm(64, generator=gen)[:20]
+    for step in (1, 2):
+        table = base[:, ::step]
+        got = take_rows(table, ids)
+        assert torch.equal(got, table.index_select(0, ids)) and got.dtype == dtype
+        out = torch.empty_like(got)
+        assert take_rows(table, ids, out=out) is out and torch.equal(out, got)
+        rows = (torch.randn(got.shape, generator=gen) * 100).to(dtype)
+        ours, theirs = base.clone(), base.clone()
+        put_rows(ours[:, ::step], ids, rows)
+        theirs[:, ::step].index_copy_(0, ids, rows)
+        assert torch.equal(ours, theirs)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tensorx._ps.rows import put_rows, take_rows
 from tensorx.errors import ProtocolError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -152,8 +153,7 @@ class RowOutbox:
                                                   strict=True):
                 if count:
                     assert i is not None
-                    torch.index_select(table, 0, i.to(table.device),
-                                       out=_rows_view(u8, off, count, spec))
+                    take_rows(table, i, out=_rows_view(u8, off, count, spec))
         return (out, self._inbox[rank], 0, 0, at.nbytes)
 
     def _buffer(self, rank: int, nbytes: int) -> MemoryRegion:
@@ -222,8 +222,7 @@ class RowInbox:
         with torch.no_grad():
             for table, spec, mine, off in zip(tables, self.tables, ids, at.rows, strict=True):
                 if mine.numel():
-                    table.index_copy_(0, mine.to(table.device),
-                                      _rows_view(u8, off, mine.numel(), spec))
+                    put_rows(table, mine, _rows_view(u8, off, mine.numel(), spec))
 
     def close(self) -> None:
         if self.region is not None:

@@ -26,9 +26,40 @@ import numpy as np
 import torch
 
 __all__ = ["PushedRows", "RowBatch", "RowGroup", "Rows", "SparseRows", "no_invariant_checks",
-           "row_groups"]
+           "put_rows", "row_groups", "take_rows"]
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (row ids int64 [n], values [n, *row_shape])
+
+
+# dtypes numpy copies rows of: its fancy indexing copies a row at a time, where torch's
+# index_copy_ took 2x as long (8192 rows of 64 floats: 0.19 vs 0.40 ms; index_select 1.4x)
+_NUMPY = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool}
+
+
+def _numpy_rows(table: torch.Tensor) -> bool:
+    return table.device.type == "cpu" and table.dtype in _NUMPY and table.dim() > 0
+
+
+def take_rows(table: torch.Tensor, ids: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``ids`` of ``table`` (a copy; into ``out`` if given): ``index_select``."""
+    if _numpy_rows(table) and (out is None or (out.is_contiguous() and
+                               out.dtype == table.dtype and out.device.type == "cpu")):
+        got = np.take(table.detach().numpy(), ids.cpu().numpy(), axis=0,
+                      out=None if out is None else out.detach().numpy())
+        return torch.from_numpy(got) if out is None else out
+    if out is None:
+        return table.index_select(0, ids.to(table.device))
+    return torch.index_select(table, 0, ids.to(table.device), out=out)
+
+
+def put_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """``table[ids] = rows`` in place (``ids`` distinct): ``index_copy_``."""
+    if _numpy_rows(table) and rows.device.type == "cpu" and rows.dtype == table.dtype:
+        table.detach().numpy()[ids.cpu().numpy()] = rows.detach().numpy()
+    else:
+        table.index_copy_(0, ids.to(table.device), rows)
 
 
 @dataclass(frozen=True)

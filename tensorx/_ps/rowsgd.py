@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from tensorx._ps.rows import RowGroup, SparseRows, no_invariant_checks
+from tensorx._ps.rows import RowGroup, SparseRows, no_invariant_checks, put_rows, take_rows
 
 __all__ = ["RowSGD", "why_not"]
 
@@ -91,10 +91,7 @@ class RowSGD:
                     continue
                 assert group is not None
                 keys, grad = got
-                view = rg.view(region)
-                rows = view.index_select(0, keys)
-                rows.add_(grad, alpha=-float(group["lr"]))
-                view.index_copy_(0, keys, rows)
+                _update(rg.view(region), keys, grad, float(group["lr"]))
                 changed.update(rg.split(keys))
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers
         return changed
@@ -109,15 +106,21 @@ class RowSGD:
         return self._same[key]
 
 
+def _update(table: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+    """Rows ``ids`` (distinct) of ``table`` minus ``lr`` times ``grad``: gathered, one
+    ``add_``, scattered back."""
+    rows = take_rows(table, ids)
+    rows.add_(grad, alpha=-lr)
+    put_rows(table, ids, rows)
+
+
 def _probe(dtype: torch.dtype, row_shape: tuple[int, ...], lr: float) -> bool:
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(PROBE_ROWS, *row_shape, generator=gen).to(dtype)
     grad = torch.randn(PROBE_ROWS // 2, *row_shape, generator=gen).to(dtype)
     ids = torch.arange(0, PROBE_ROWS, 2)
     ours = table.clone()
-    rows = ours.index_select(0, ids)
-    rows.add_(grad, alpha=-lr)
-    ours.index_copy_(0, ids, rows)
+    _update(ours, ids, grad, lr)
     theirs = table.clone()
     with no_invariant_checks():
         theirs.add_(torch.sparse_coo_tensor(ids[None], grad, table.shape, is_coalesced=True),
