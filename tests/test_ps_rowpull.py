@@ -100,3 +100,48 @@ def test_a_payload_that_does_not_add_up_is_refused() -> None:
     with pytest.raises(ProtocolError, match="out of range"):
         inbox.accept(msg, worker)
     assert all(torch.equal(b, w) for b, w in zip(before, worker, strict=True))
+
+
+RUN = [Entry("c", 40, (16,), "float32", 40), Entry("d", 30, (16,), "float32", 40),
+       Entry("e", 20, (3,), "float32", 40), Entry("f", 10, (16,), "float32", 40),
+       Entry("g", 25, (16,), "float32", 40)]
+
+
+def arena_tables(seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """RUN's tables as views of one arena, back to back (as a shard's and a worker's are),
+    but for ``e`` (3-float rows: a run ends there) and a gap between ``f`` and ``g``."""
+    sizes = [e.num_rows * int(torch.tensor(e.row_shape).prod()) for e in RUN]
+    arena = torch.randn(sum(sizes) + 16, generator=torch.Generator().manual_seed(seed))
+    out, at = [], 0
+    for entry, size in zip(RUN, sizes, strict=True):
+        at += 16 if entry.name == "g" else 0
+        out.append(arena[at:at + size].view(entry.num_rows, *entry.row_shape))
+        at += size
+    return arena, out
+
+
+def test_tables_back_to_back_move_as_one_the_same_rows() -> None:
+    """Tables that lie back to back in one arena are gathered and scattered a run at a
+    time: the same rows land where one copy per table puts them."""
+    gen = torch.Generator().manual_seed(7)
+    ids = [torch.randperm(e.num_rows, generator=gen)[:k].sort().values
+           for e, k in zip(RUN, [5, 0, 4, 3, 6], strict=True)]
+    ids[1] = None  # type: ignore[call-overload]
+    _, server = arena_tables(1)
+    _, worker = arena_tables(2)
+    separate = [t.clone() for t in worker]
+    outbox, inbox = RowOutbox(RUN), RowInbox(RUN)
+    outbox.announce(0, inbox.announce(Exports()))
+    msg = deliver(outbox, inbox, ids, server)
+    assert msg["rows"]  # the rows came in the inbox
+    inbox.accept(msg, worker)
+    outbox2, inbox2 = RowOutbox(RUN), RowInbox(RUN)
+    outbox2.announce(0, inbox2.announce(Exports()))
+    inbox2.accept(deliver(outbox2, inbox2, ids, [t.clone() for t in server]), separate)
+    for name, ours, theirs, mine, rows in zip("cdefg", worker, separate, server, ids,
+                                              strict=True):
+        assert torch.equal(ours, theirs), name
+        if rows is not None:
+            assert torch.equal(ours[rows], mine[rows]), name
+    assert [(first, end) for first, end, _, _ in inbox._runs[next(iter(inbox._runs))]] == \
+        [(0, 2), (2, 3), (3, 4), (4, 5)]

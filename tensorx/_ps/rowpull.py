@@ -20,10 +20,11 @@ each part starting at a multiple of :data:`ALIGN`. Pure: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tensorx._ps.rows import put_rows, take_rows
@@ -105,6 +106,7 @@ class RowOutbox:
         self._out: dict[int, MemoryRegion] = {}
         self._limit = limit([t.row_bytes for t in self.tables],
                             [t.num_rows for t in self.tables])
+        self._runs: dict[Any, Any] = {}  # see _runs()
 
     def announce(self, rank: int, raw: bytes) -> None:
         """``rank`` lends a new inbox (``raw``: its descriptor; b"": the one it lent)."""
@@ -146,14 +148,14 @@ class RowOutbox:
         u8[:COUNT * len(counts)].view(torch.int64).copy_(
             torch.tensor(counts, dtype=torch.int64))
         present = [i for i in ids if i is not None and i.numel()]
+        flat = u8[at.ids:at.ids + 8 * sum(counts)].view(torch.int64)
         if present:
-            torch.cat(present, out=u8[at.ids:at.ids + 8 * sum(counts)].view(torch.int64))
+            torch.cat(present, out=flat)
         with torch.no_grad():
-            for table, spec, i, count, off in zip(tables, self.tables, ids, counts, at.rows,
-                                                  strict=True):
-                if count:
-                    assert i is not None
-                    take_rows(table, i, out=_rows_view(u8, off, count, spec))
+            for first, block, keys, rows in _runs(tables, self.tables, counts, flat,
+                                                  self._runs):
+                take_rows(block, keys, out=_rows_view(u8, at.rows[first], rows,
+                                                      self.tables[first]))
         return (out, self._inbox[rank], 0, 0, at.nbytes)
 
     def _buffer(self, rank: int, nbytes: int) -> MemoryRegion:
@@ -182,6 +184,7 @@ class RowInbox:
         self.want = min(self.limit, layout([e.capacity_rows for e in entries],
                                            [t.row_bytes for t in self.tables]).nbytes)
         self.region: MemoryRegion | None = None
+        self._runs: dict[Any, Any] = {}  # see _runs()
 
     def announce(self, node: Any) -> bytes:
         """The descriptor to name in the next push: b"" when the shard has ours already."""
@@ -218,16 +221,69 @@ class RowInbox:
             raise ProtocolError(f"rows answer of {nbytes} B holds {at.nbytes} B of rows")
         flat = u8[at.ids:at.ids + 8 * sum(counts)].view(torch.int64)
         _check_ids(flat, counts, self.tables)  # all of them, before any row lands
-        ids = torch.split(flat, counts)
         with torch.no_grad():
-            for table, spec, mine, off in zip(tables, self.tables, ids, at.rows, strict=True):
-                if mine.numel():
-                    put_rows(table, mine, _rows_view(u8, off, mine.numel(), spec))
+            for first, block, keys, rows in _runs(tables, self.tables, counts, flat,
+                                                  self._runs):
+                put_rows(block, keys, _rows_view(u8, at.rows[first], rows, self.tables[first]))
 
     def close(self) -> None:
         if self.region is not None:
             self.region.close()
             self.region = None
+
+
+def _runs(tables: Sequence[torch.Tensor], specs: Sequence[TableSpec], counts: Sequence[int],
+          flat: torch.Tensor, memo: dict[Any, Any]) -> Iterator[tuple[int, torch.Tensor,
+                                                                  torch.Tensor, int]]:
+    """The copies of a payload's rows, a run of tables at a time: (first table, the run's
+    tables as one tensor of rows, the payload's ids of them as its row numbers, how many).
+
+    Tables next to each other in plan order that lie back to back in one piece of memory
+    (the arena), of one dtype and row shape with rows a multiple of :data:`ALIGN` bytes
+    (so their rows are back to back in the payload too) are one run: one gather or
+    scatter for all of them, not one per table (26 of a DLRM-shaped shard's). The runs
+    of some tables are found once (``memo``, by where the tables lie)."""
+    key = tuple(t.data_ptr() for t in tables)
+    spans = memo.get(key)
+    if spans is None:
+        memo.clear()  # the tables moved: the old runs are of no use
+        spans = memo[key] = _spans(tables, specs)
+    at = 0
+    for first, end, total, starts in spans:
+        rows = sum(counts[first:end])
+        if rows:
+            keys, block = flat[at:at + rows], tables[first]
+            if starts is not None:  # the run's tables as one, their ids as its row numbers
+                keys = keys + torch.from_numpy(np.repeat(starts, counts[first:end])).to(
+                    keys.device)
+                block = torch.as_strided(block, (total, *block.shape[1:]), block.stride())
+            yield first, block, keys, rows
+        at += rows
+
+
+def _spans(tables: Sequence[torch.Tensor], specs: Sequence[TableSpec]) -> list[Any]:
+    """(first table, end, the run's rows, each table's first row in the run or None for a
+    run of one) per run of :func:`_runs` (no tensor: a memo must not keep memory alive)."""
+    out: list[Any] = []
+    k = 0
+    while k < len(tables):
+        end = k + 1
+        while end < len(tables) and _follows(tables[end - 1], tables[end], specs[k],
+                                             specs[end]):
+            end += 1
+        sizes = [int(t.shape[0]) for t in tables[k:end]]
+        out.append((k, end, sum(sizes), np.cumsum([0, *sizes[:-1]]) if end > k + 1 else None))
+        k = end
+    return out
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor, spec_a: TableSpec, spec_b: TableSpec) -> bool:
+    """Does table ``b`` start where table ``a`` ends, both of one run (see :func:`_runs`)?"""
+    return (spec_a.dtype == spec_b.dtype and spec_a.row_shape == spec_b.row_shape
+            and spec_a.row_bytes % ALIGN == 0 and a.is_contiguous() and b.is_contiguous()
+            and a.device == b.device and a.dim() > 0
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
 
 
 def _check_ids(ids: torch.Tensor, counts: Sequence[int], tables: Sequence[TableSpec]) -> None:

@@ -45,6 +45,7 @@ class SparseSender:
         self.entries = list(binding.plan.dynamic_entries)
         self._params = dict(model.named_parameters())
         self._exported: dict[int, int] = {}  # shard -> staging region id we last announced
+        self._tables: dict[int, list[torch.Tensor]] = {}  # shard -> its tables' views
         device = str(next(iter(binding.regions.values())).device) if binding.regions else "cpu"
         self.inboxes = {s: RowInbox([e for e in self.entries if e.shard == s], device)
                         for s in {e.shard for e in self.entries}}
@@ -54,6 +55,7 @@ class SparseSender:
         binding's regions, and announce them."""
         self.binding = binding
         self._exported.clear()
+        self._tables.clear()
 
     def forget_exports(self) -> None:
         """A new server knows none of our staging regions: announce them all again."""
@@ -71,11 +73,14 @@ class SparseSender:
         """``shard``'s answer landed: scatter the rows it wrote into our inbox."""
         inbox = self.inboxes.get(shard)
         if inbox is not None and (msg["rows"] or msg["rows_want"]):
-            tables = [self.binding.tensor_view(e.name, "params") for e in self.entries
-                      if e.shard == shard]
+            tables = self._tables.get(shard)
+            if tables is None:  # made once per binding (see rebind())
+                tables = self._tables[shard] = [self.binding.tensor_view(e.name, "params")
+                                                for e in self.entries if e.shard == shard]
             inbox.accept(msg, tables)
 
     def close(self) -> None:
+        self._tables.clear()
         for inbox in self.inboxes.values():
             inbox.close()
 
@@ -130,6 +135,7 @@ class SparseReceiver:
         self._recv_bytes = torch.empty(0, dtype=torch.uint8)
         self._views: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self.answers = RowOutbox(self.entries, device)  # the rows each answer writes
+        self._views_of: tuple[Any, list[torch.Tensor]] = (None, [])  # rows_op()'s tables
 
     def renew(self, rank: int) -> None:
         """``rank`` left: fresh header memory, and forget its staging regions (a new
@@ -254,13 +260,17 @@ class SparseReceiver:
                 changed: dict[int, Any]) -> tuple[Any, ...]:
         """The write of the rows ``changed`` of the arena ``region`` into ``rank``'s inbox
         (after :meth:`rows_plan` said it fits)."""
-        tables = state.rows.views(region, [state.rows.index(e.name) for e in self.entries])
-        return self.answers.op(rank, tables, self._ids(state, changed))
+        key = (region.region_id, id(state))
+        if self._views_of[0] != key:  # the tables' views, made once per arena
+            self._views_of = (key, state.rows.views(
+                region, [state.rows.index(e.name) for e in self.entries]))
+        return self.answers.op(rank, self._views_of[1], self._ids(state, changed))
 
     def _ids(self, state: Any, changed: dict[int, Any]) -> list[Any]:
         return [changed.get(state.rows.index(e.name)) for e in self.entries]
 
     def close(self) -> None:
+        self._views_of = (None, [])
         self.answers.close()
         for region in [*self.headers, *([self._recv] if self._recv else [])]:
             region.close()
