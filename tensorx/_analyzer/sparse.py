@@ -18,6 +18,7 @@ descriptor.
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorx._analyzer.layout import HEADER_BYTES, DynamicEntry, Layout, align_up
+from tensorx._analyzer.layout import HEADER_BYTES, INDEX_BYTES, DynamicEntry, Layout, align_up
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
 
@@ -145,6 +146,8 @@ class SparseStaging:
                          for s, entries in self._entries.items() if entries}
         self._versions = {s: np.zeros(len(e), dtype=np.uint64)
                           for s, e in self._entries.items()}
+        self._limits = {s: _Limits(e, self._regions[s].is_cuda)
+                        for s, e in self._entries.items() if e}
 
     def _first_size(self, shard: int) -> int:
         return sum(align_up(e.payload_bytes(e.capacity_rows), ALIGN)
@@ -160,54 +163,32 @@ class SparseStaging:
 
     def stage(self, shard: int, grads: Mapping[str, torch.Tensor]) -> StagedSparse:
         """Stage the sparse gradients ``grads`` (by name; every table of ``shard``) packed
-        into the shard's staging region, and fill their header slots."""
+        into the shard's staging region, and fill their header slots. A table past its
+        row budget raises RegionError before anything is written."""
         entries = self._entries.get(shard) or []
         if not entries or set(grads) != {e.name for e in entries}:
             raise UsageError(f"staging shard {shard} takes the gradients of "
                              f"{sorted(e.name for e in entries)}, got {sorted(grads)}")
-        coalesced = [grads[e.name].coalesce() for e in entries]
-        ids = [g.indices()[0] for g in coalesced]
-        values = [g.values() for g in coalesced]
-        counts = [int(i.numel()) for i in ids]
-        offsets, end = self._offsets(entries, counts)
+        tensors = [grads[e.name] for e in entries]
+        rows = _Packed.of(tensors, self._limits[shard].dtype) or _PerTable.of(tensors)
+        offsets, nbytes, end = self._limits[shard].place(entries, rows.counts)
         grown = self._ensure_capacity(shard, entries, end)
         region = self._regions[shard]
-        typed = {torch.int64: region.view(torch.int64)}  # the region once per dtype
-        for entry, i, v, off, rows in zip(entries, ids, values, offsets, counts, strict=True):
-            typed[torch.int64][off // 8:off // 8 + rows].copy_(i)  # offsets are 64-aligned
-            view = typed.get(v.dtype)
-            if view is None:
-                view = typed[v.dtype] = region.view(v.dtype)
-            start = (off + entry.values_offset(rows)) // v.element_size()
-            view[start:start + v.numel()].view_as(v).copy_(v)
-        fields = self._write_headers(shard, entries, counts, offsets, region.nbytes)
+        rows.write(region, offsets, offsets + _align(rows.counts * INDEX_BYTES))
+        fields = self._write_headers(shard, rows.counts, nbytes, offsets, region.nbytes)
         return StagedSparse(shard, tuple(e.name for e in entries), fields, region, grown)
 
-    def _write_headers(self, shard: int, entries: Sequence[DynamicEntry], rows: Sequence[int],
-                       offsets: Sequence[int], capacity: int) -> Any:
-        """Fill the header slots of ``entries`` (one vector store per field); the fields."""
+    def _write_headers(self, shard: int, rows: Any, nbytes: Any, offsets: Any,
+                       capacity: int) -> Any:
+        """Fill the shard's header slots (one vector store per field); the fields."""
         slots = self._headers[shard].view("<u8")  # the header is little-endian
-        at = np.array([e.header_offset // 8 for e in entries])
         versions = self._versions[shard]
         versions += 1
-        fields = np.array([rows, [e.payload_bytes(n) for e, n in zip(entries, rows, strict=True)],
-                           versions, [capacity] * len(entries), offsets], dtype="<u8")
+        fields = np.array([rows, nbytes, versions, np.full_like(versions, capacity), offsets],
+                          dtype="<u8")
         for k, values in enumerate(fields):
-            slots[at + k] = values
+            slots[self._limits[shard].slots + k] = values
         return fields
-
-    @staticmethod
-    def _offsets(entries: Sequence[DynamicEntry], rows: Sequence[int]) -> tuple[list[int], int]:
-        offsets, at = [], 0
-        for entry, n in zip(entries, rows, strict=True):
-            if n > entry.budget_rows:
-                raise RegionError(
-                    f"{entry.name}: sparse gradient has {n} rows but staging allows at most "
-                    f"{entry.budget_rows} ({entry.payload_bytes(entry.budget_rows)} B); raise "
-                    "sparse_max_rows or sparse_budget_bytes when planning")
-            offsets.append(at)
-            at = align_up(at + entry.payload_bytes(n), ALIGN)
-        return offsets, at
 
     def _ensure_capacity(self, shard: int, entries: Sequence[DynamicEntry], need: int) -> bool:
         region = self._regions[shard]
@@ -221,3 +202,117 @@ class SparseStaging:
     def close(self) -> None:
         for region in [*self._headers.values(), *self._regions.values()]:
             region.close()
+
+
+class _Limits:
+    """A shard's tables as arrays (row budgets, row bytes, header slots as u64 indices), and
+    the dtype of their rows when they can be staged packed (one dtype and row shape, and
+    a staging region in host memory)."""
+
+    def __init__(self, entries: Sequence[DynamicEntry], on_device: bool) -> None:
+        self.budget = np.array([e.budget_rows for e in entries], dtype=np.int64)
+        self.row = np.array([e.row_bytes for e in entries], dtype=np.int64)
+        self.slots = np.array([e.header_offset // 8 for e in entries], dtype=np.int64)
+        kinds = {(e.dtype, e.row_shape) for e in entries}
+        dtype = getattr(torch, kinds.pop()[0]) if len(kinds) == 1 else None
+        self.dtype = dtype if dtype in _NUMPY and not on_device else None  # packed staging
+
+    def place(self, entries: Sequence[DynamicEntry], rows: Any) -> tuple[Any, Any, int]:
+        """(offsets, nbytes) of each table's payload packed one after another at ``ALIGN``,
+        and where the last ends; RegionError naming the first table past its budget."""
+        over = np.flatnonzero(rows > self.budget)
+        if over.size:
+            entry, n = entries[int(over[0])], int(rows[over[0]])
+            raise RegionError(
+                f"{entry.name}: sparse gradient has {n} rows but staging allows at most "
+                f"{entry.budget_rows} ({entry.payload_bytes(entry.budget_rows)} B); raise "
+                "sparse_max_rows or sparse_budget_bytes when planning")
+        nbytes = _align(rows * INDEX_BYTES) + rows * self.row  # DynamicEntry.payload_bytes
+        ends = np.cumsum(_align(nbytes))
+        return ends - _align(nbytes), nbytes, int(ends[-1])
+
+
+def _align(n: Any) -> Any:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _PerTable:
+    """Each table's gradient coalesced on its own (``coalesce()``), where they cannot be
+    packed: tables of mixed dtypes or row shapes, rows other than float32/64, or rows or
+    staging on a device."""
+
+    def __init__(self, ids: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.ids, self.values = ids, values
+        self.counts = np.array([i.numel() for i in ids], dtype=np.int64)
+
+    @classmethod
+    def of(cls, grads: Sequence[torch.Tensor]) -> _PerTable:
+        coalesced = [g.coalesce() for g in grads]
+        return cls([g.indices()[0] for g in coalesced], [g.values() for g in coalesced])
+
+    def write(self, region: MemoryRegion, offsets: Any, values_at: Any) -> None:
+        typed = {torch.int64: region.view(torch.int64)}  # the region once per dtype
+        for i, v, off, at in zip(self.ids, self.values, offsets.tolist(), values_at.tolist(),
+                                 strict=True):
+            typed[torch.int64][off // 8:off // 8 + i.numel()].copy_(i)  # offsets are aligned
+            view = typed.get(v.dtype)
+            if view is None:
+                view = typed[v.dtype] = region.view(v.dtype)
+            start = at // v.element_size()
+            view[start:start + v.numel()].view_as(v).copy_(v)
+
+
+class _Packed:
+    """Every table's gradient coalesced at once, when they share a dtype and row shape and
+    live in host memory (the normal case): one sort over all the tables' ids (tagged with
+    their table's number, so that they sort table by table) and one embedding_bag that
+    sums the duplicates, instead of a ``coalesce()`` and a dozen small ops per table (26
+    of them were most of a DLRM-shaped worker's staging).
+
+    The sums are ``coalesce()``'s but for their order and the sign of a zero: duplicates
+    are added in the order autograd made them (``coalesce()`` adds them in the order its
+    unstable sort leaves, which rounds differently where a row has three or more), from
+    +0.0 (so a row whose every contribution is -0.0 sums to +0.0)."""
+
+    def __init__(self, ids: Any, values: torch.Tensor, counts: Any) -> None:
+        self.ids, self.values, self.counts = ids, values, counts
+
+    @staticmethod
+    def of(grads: Sequence[torch.Tensor], dtype: torch.dtype | None) -> _Packed | None:
+        """The tables coalesced together; None if they do not all hold ``dtype`` rows in
+        host memory (``dtype`` None: the plan's tables differ in dtype or row shape)."""
+        if dtype is None or {(g.dtype, g.is_cpu, g.sparse_dim()) for g in grads} \
+                != {(dtype, True, 1)}:
+            return None
+        ids = torch.cat([g._indices() for g in grads], 1).numpy()[0]
+        keys = ids | np.repeat(np.arange(len(grads), dtype=np.int64) << _TABLE_SHIFT,
+                               [g._nnz() for g in grads])
+        order = np.argsort(keys, kind="stable")  # stable: duplicates in autograd's order
+        keys = keys[order]
+        starts = np.flatnonzero(np.diff(keys, prepend=-1))  # of each run of equal keys
+        values = torch.cat([g._values() for g in grads])
+        summed = torch.nn.functional.embedding_bag(
+            torch.from_numpy(order), values.view(len(order), math.prod(values.shape[1:])),
+            torch.from_numpy(starts), mode="sum")
+        unique = keys[starts]
+        counts = np.bincount(unique >> _TABLE_SHIFT, minlength=len(grads))
+        return _Packed(unique & _ID_MASK, summed.reshape(-1, *values.shape[1:]), counts)
+
+    def write(self, region: MemoryRegion, offsets: Any, values_at: Any) -> None:
+        """Each table's ids at its offset and its rows at ``values_at`` (numpy slices: one
+        fancy-indexed store of all the rows took five times as long)."""
+        ids, values = region.view("<i8"), region.view(_NUMPY[self.values.dtype])
+        row = math.prod(self.values.shape[1:])
+        flat = self.values.numpy().reshape(-1)
+        first = 0
+        for off, at, n in zip((offsets // INDEX_BYTES).tolist(),
+                              (values_at // flat.itemsize).tolist(), self.counts.tolist(),
+                              strict=True):
+            ids[off:off + n] = self.ids[first:first + n]
+            values[at:at + n * row] = flat[first * row:(first + n) * row]
+            first += n
+
+
+_TABLE_SHIFT = 40  # a table's ids are tagged with its number above them: none has 2**40 rows
+_ID_MASK = (1 << _TABLE_SHIFT) - 1
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}  # what embedding_bag sums
