@@ -244,3 +244,48 @@ async def test_sync_sparse_on_a_gpu_server(opt: OptFactory, make: Callable[[], n
     for g, w in zip(models[0].parameters(), want, strict=True):
         torch.testing.assert_close(g.detach(), w, rtol=1e-5, atol=1e-6)
     assert any(sparse for step in seen for _, sparse, _ in step)
+
+
+class ManyTables(nn.Module):
+    """Four bags of one row width (16 floats: rows of 64 bytes), as a DLRM's tables: a
+    shard's tables back to back, staged packed and answered a run at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(ROWS // (k + 1), 16, mode="mean", sparse=True)
+                                  for k in range(4))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(sum(b(ids % b.num_embeddings) for b in self.bags) / 4)  # type: ignore[no-any-return]
+
+
+def many_tables() -> nn.Module:
+    torch.manual_seed(0)
+    return ManyTables()
+
+
+@pytest.mark.parametrize("lane", lanes())
+@pytest.mark.parametrize("opt", [SGD, ADAGRAD], ids=["sgd", "adagrad"])
+async def test_tables_back_to_back_train_as_one_process_over_each_lane(opt: OptFactory,
+                                                                        lane: str) -> None:
+    """Tables of one dtype and row width lying back to back (the DLRM shape): staged packed,
+    received a dtype at a time, their answers' rows gathered and scattered a run at a time,
+    over the transport (share_memory=False): the parameters equal one process's."""
+    models = [many_tables(), many_tables()]
+    transport = node_transport(lane)
+    async with servers(1, 2, transport, mode="sync", optimizer=opt) as (ps,), \
+            workers(models, [ps.address], transport, share_memory=False, timeout=60) as ws:
+        for ids, target in data():
+            for r, (w, m) in enumerate(zip(ws, models, strict=True)):
+                w.zero_grad()
+                loss_of(m, half(ids, r), half(target, r)).backward()
+            await asyncio.gather(*(w.step() for w in ws))
+        for w in ws:
+            assert_link(w, lane)
+            runs = [run for spans in w._sparse.inboxes[0]._runs.values() for run in spans]
+            assert any(end - first == 4 for first, end, _, _ in runs)  # one run of all four
+    want = single(many_tables, opt)
+    for got in models:
+        for g, w in zip(got.parameters(), want, strict=True):
+            torch.testing.assert_close(g.detach(), w, rtol=1e-5, atol=1e-6)
