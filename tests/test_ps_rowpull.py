@@ -145,3 +145,32 @@ def test_tables_back_to_back_move_as_one_the_same_rows() -> None:
             assert torch.equal(ours[rows], mine[rows]), name
     assert [(first, end) for first, end, _, _ in inbox._runs[next(iter(inbox._runs))]] == \
         [(0, 2), (2, 3), (3, 4), (4, 5)]
+
+
+def test_an_answer_of_the_same_rows_is_copied_not_gathered_again() -> None:
+    """The workers of an update get the same rows: the second answer made with the same
+    objects standing for them copies the first's payload (a change of the tables after
+    the first gather does not show), and other objects gather afresh (it does)."""
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.randperm(e.num_rows, generator=gen)[:k].sort().values
+           for e, k in zip(ENTRIES, [6, 4], strict=True)]
+    server = tables(1)
+    outbox = RowOutbox(ENTRIES)
+    inboxes = {r: RowInbox(ENTRIES) for r in (0, 1, 2)}
+    for r, inbox in inboxes.items():
+        outbox.announce(r, inbox.announce(Exports()))
+    memo, arena = object(), object()
+    first = outbox.op(0, server, ids, same=(memo, arena))
+    want = bytes(first[0].buffer()[:first[4]])
+    with torch.no_grad():
+        for t in server:
+            t.add_(1.0)  # (an update would have made new objects: see below)
+    copied = outbox.op(1, server, ids, same=(memo, arena))
+    assert copied[0] is not first[0] and bytes(copied[0].buffer()[:copied[4]]) == want
+    later = object()
+    fresh = outbox.op(2, server, ids, same=(later, arena))
+    now = bytes(fresh[0].buffer()[:fresh[4]])
+    assert now != want
+    outbox.forget(2)  # the source of the last gather left: rank 1 gathers for itself
+    again = outbox.op(1, server, ids, same=(later, arena))
+    assert bytes(again[0].buffer()[:again[4]]) == now

@@ -264,7 +264,8 @@ class SparseReceiver:
         if self._views_of[0] != key:  # the tables' views, made once per arena
             self._views_of = (key, state.rows.views(
                 region, [state.rows.index(e.name) for e in self.entries]))
-        return self.answers.op(rank, self._views_of[1], self._ids(state, changed))
+        return self.answers.op(rank, self._views_of[1], self._ids(state, changed),
+                               same=(changed, region))
 
     def _ids(self, state: Any, changed: dict[int, Any]) -> list[Any]:
         return [changed.get(state.rows.index(e.name)) for e in self.entries]
