@@ -89,26 +89,35 @@ def read_headers(region: MemoryRegion, entries: Sequence[DynamicEntry]) -> list[
                 offset.tolist(), strict=True)]
 
 
+def values_offsets(rows: Any) -> Any:
+    """:meth:`DynamicEntry.values_offset` of an array of row counts."""
+    return _align(rows * INDEX_BYTES)
+
+
 class HeaderSlots:
-    """The header slots of some entries, decoded and checked together (what a receiver
-    does at every push: the entries' arrays are made once)."""
+    """Some entries' header slots (as u64 indices), row budgets and row bytes as arrays,
+    made once: their headers are decoded and checked together (a receiver, at every push)
+    and their payloads sized together (a sender)."""
 
     def __init__(self, entries: Sequence[DynamicEntry]) -> None:
         self.entries = list(entries)
-        self._at = np.array([e.header_offset // 8 for e in entries], dtype=np.int64) + \
-            np.arange(5)[:, None]
-        self._budget = np.array([e.budget_rows for e in entries], dtype=np.uint64)
-        self._row_bytes = np.array([e.row_bytes for e in entries], dtype=np.uint64)
+        self.slots = np.array([e.header_offset // 8 for e in entries], dtype=np.int64)
+        self.budget = np.array([e.budget_rows for e in entries], dtype=np.int64)
+        self.row = np.array([e.row_bytes for e in entries], dtype=np.int64)
+
+    def payload_bytes(self, rows: Any) -> Any:
+        """:meth:`DynamicEntry.payload_bytes` of each entry for ``rows`` (int64) rows."""
+        return values_offsets(rows) + rows * self.row
 
     def fields(self, region: MemoryRegion) -> Any:
         """uint64 ``[5, entries]``: rows, nbytes, version, capacity, offset (a copy: the
         peer may write the slots meanwhile); RegionError naming the first bad slot."""
         if not self.entries:
             return np.zeros((5, 0), dtype=np.uint64)
-        fields = np.frombuffer(region.buffer(), dtype="<u8")[self._at]
+        fields = np.frombuffer(region.buffer(), dtype="<u8")[self.slots + np.arange(5)[:, None]]
         rows, nbytes, _, _, offset = fields
-        small = rows <= self._budget  # and so no product below can overflow
-        want = (rows * 8 + (ALIGN - 1)) // ALIGN * ALIGN + rows * self._row_bytes
+        small = rows <= self.budget.astype(np.uint64)  # and so the sizes below fit an int64
+        want = self.payload_bytes(np.where(small, rows, 0).astype(np.int64)).astype(np.uint64)
         bad = ~small | (nbytes != want) | (offset % ALIGN != 0) | (offset >= 1 << 62)
         if bad.any():
             entry = self.entries[int(np.flatnonzero(bad)[0])]
@@ -174,7 +183,7 @@ class SparseStaging:
         offsets, nbytes, end = self._limits[shard].place(entries, rows.counts)
         grown = self._ensure_capacity(shard, entries, end)
         region = self._regions[shard]
-        rows.write(region, offsets, offsets + _align(rows.counts * INDEX_BYTES))
+        rows.write(region, offsets, offsets + values_offsets(rows.counts))
         fields = self._write_headers(shard, rows.counts, nbytes, offsets, region.nbytes)
         return StagedSparse(shard, tuple(e.name for e in entries), fields, region, grown)
 
@@ -204,15 +213,13 @@ class SparseStaging:
             region.close()
 
 
-class _Limits:
-    """A shard's tables as arrays (row budgets, row bytes, header slots as u64 indices), and
-    the dtype of their rows when they can be staged packed (one dtype and row shape, and
-    a staging region in host memory)."""
+class _Limits(HeaderSlots):
+    """A shard's tables as arrays (see :class:`HeaderSlots`), and the dtype of their rows
+    when they can be staged packed (one dtype and row shape, and a staging region in host
+    memory)."""
 
     def __init__(self, entries: Sequence[DynamicEntry], on_device: bool) -> None:
-        self.budget = np.array([e.budget_rows for e in entries], dtype=np.int64)
-        self.row = np.array([e.row_bytes for e in entries], dtype=np.int64)
-        self.slots = np.array([e.header_offset // 8 for e in entries], dtype=np.int64)
+        super().__init__(entries)
         kinds = {(e.dtype, e.row_shape) for e in entries}
         dtype = getattr(torch, kinds.pop()[0]) if len(kinds) == 1 else None
         self.dtype = dtype if dtype in _NUMPY and not on_device else None  # packed staging
@@ -227,13 +234,13 @@ class _Limits:
                 f"{entry.name}: sparse gradient has {n} rows but staging allows at most "
                 f"{entry.budget_rows} ({entry.payload_bytes(entry.budget_rows)} B); raise "
                 "sparse_max_rows or sparse_budget_bytes when planning")
-        nbytes = _align(rows * INDEX_BYTES) + rows * self.row  # DynamicEntry.payload_bytes
+        nbytes = self.payload_bytes(rows)
         ends = np.cumsum(_align(nbytes))
         return ends - _align(nbytes), nbytes, int(ends[-1])
 
 
 def _align(n: Any) -> Any:
-    return -(-n // ALIGN) * ALIGN
+    return (n + (ALIGN - 1)) // ALIGN * ALIGN
 
 
 class _PerTable:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorx._ps.rows import put_rows, take_rows
+from tensorx._ps.rows import first_out_of_range, put_rows, take_rows
 from tensorx.errors import ProtocolError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -308,10 +308,6 @@ def _follows(a: torch.Tensor, b: torch.Tensor, spec_a: TableSpec, spec_b: TableS
 
 def _check_ids(ids: torch.Tensor, counts: Sequence[int], tables: Sequence[TableSpec]) -> None:
     """ProtocolError unless every id lies in its table (one pass over all of them)."""
-    sizes = torch.tensor([t.num_rows for t in tables], device=ids.device)
-    limits = sizes.repeat_interleave(torch.tensor(counts, device=ids.device))
-    bad = (ids < 0) | (ids >= limits)
-    if bool(bad.any()):
-        at = int(bad.nonzero()[0, 0])
-        table = int(torch.tensor(counts).cumsum(0).gt(at).nonzero()[0, 0])
+    table = first_out_of_range(ids, counts, [t.num_rows for t in tables])
+    if table is not None:
         raise ProtocolError(f"rows answer: a row of {tables[table].name} out of range")

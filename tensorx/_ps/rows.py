@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["PushedRows", "RowBatch", "RowGroup", "Rows", "SparseRows", "no_invariant_checks",
-           "put_rows", "row_groups", "take_rows"]
+__all__ = ["PushedRows", "RowBatch", "RowGroup", "Rows", "SparseRows", "first_out_of_range",
+           "no_invariant_checks", "put_rows", "row_groups", "take_rows"]
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (row ids int64 [n], values [n, *row_shape])
 
@@ -60,6 +60,16 @@ def put_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None
         table.detach().numpy()[ids.cpu().numpy()] = rows.detach().numpy()
     else:
         table.index_copy_(0, ids.to(table.device), rows)
+
+
+def first_out_of_range(ids: torch.Tensor, counts: Any, sizes: Any) -> int | None:
+    """Which table (its index) holds the first of ``ids`` (table after table, ``counts[k]``
+    of table ``k``) outside ``0 .. sizes[k] - 1``; None when every id lies in its table."""
+    limits = np.repeat(np.asarray(sizes, dtype=np.int64), counts)
+    bad = (ids < 0) | (ids >= torch.from_numpy(limits).to(ids.device))
+    if not bool(bad.any()):
+        return None
+    return int(np.searchsorted(np.cumsum(counts), int(bad.nonzero()[0, 0]), side="right"))
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorx._analyzer.sparse import ALIGN, HeaderSlots, budget_bytes
+from tensorx._analyzer.sparse import ALIGN, HeaderSlots, budget_bytes, values_offsets
 from tensorx._ps.device import fence
 from tensorx._ps.rowpull import RowInbox, RowOutbox
-from tensorx._ps.rows import PushedRows, RowBatch
+from tensorx._ps.rows import PushedRows, RowBatch, first_out_of_range
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -207,26 +207,23 @@ class SparseReceiver:
         pos = np.repeat(at // 8 - first, counts) + np.arange(total)
         ids = self._typed(data, torch.int64, 8).index_select(
             0, torch.from_numpy(pos).to(data.device)).view(-1)
-        limits = torch.from_numpy(np.repeat(self._num_rows[tables], counts)).to(data.device)
-        bad = (ids < 0) | (ids >= limits)
-        if bool(bad.any()):
-            k = int(np.searchsorted(first, int(bad.nonzero()[0, 0]), side="right")) - 1
-            raise RegionError(f"rank {rank}: {self.entries[tables[k]].name} row index out "
+        bad = first_out_of_range(ids, counts, self._num_rows[tables])
+        if bad is not None:
+            raise RegionError(f"rank {rank}: {self.entries[tables[bad]].name} row index out "
                               "of range")
+        shape = (total, *kind.row_shape)
         if not kind.row_bytes:  # rows of no element: nothing to read
-            return RowBatch(tuple(self.entries[k].name for k in tables.tolist()),
-                            (*first.tolist(), total), ids,
-                            torch.empty((total, *kind.row_shape), dtype=kind.dtype))
-        chunk, per_row = kind.chunk, kind.row_bytes // kind.chunk
-        values_at = at + (counts * 8 + (ALIGN - 1)) // ALIGN * ALIGN  # values_offset()
-        rows = np.repeat(values_at // chunk - first * per_row, counts) + \
-            np.arange(total) * per_row
-        if per_row > 1:
-            rows = (rows[:, None] + np.arange(per_row)).ravel()
-        values = self._typed(data, kind.dtype, chunk).index_select(
-            0, torch.from_numpy(rows).to(data.device))
+            values = torch.empty(shape, dtype=kind.dtype, device=data.device)
+        else:
+            per_row = kind.row_bytes // kind.chunk
+            rows = np.repeat((at + values_offsets(counts)) // kind.chunk - first * per_row,
+                             counts) + np.arange(total) * per_row
+            if per_row > 1:
+                rows = (rows[:, None] + np.arange(per_row)).ravel()
+            values = self._typed(data, kind.dtype, kind.chunk).index_select(
+                0, torch.from_numpy(rows).to(data.device)).view(shape)
         return RowBatch(tuple(self.entries[k].name for k in tables.tolist()),
-                        (*first.tolist(), total), ids, values.view(total, *kind.row_shape))
+                        (*first.tolist(), total), ids, values)
 
     def _typed(self, data: torch.Tensor, dtype: torch.dtype, chunk: int) -> torch.Tensor:
         """``data`` (the receive buffer) as rows of ``chunk`` bytes of ``dtype`` (made once
