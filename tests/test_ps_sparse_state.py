@@ -310,3 +310,30 @@ def test_grad_hook_and_clipping_see_sparse_rows() -> None:
     ids, values = rows_of(5)["emb.weight"]
     want_emb = before["emb.weight"].clone().index_add_(0, ids, values, alpha=-0.25)
     torch.testing.assert_close(params(state)["emb.weight"], want_emb, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_rows_values_add_up_in_rank_order_from_zero(dtype: torch.dtype) -> None:
+    """Each row id's rows are added one after the other, from zero, in the order of the
+    ranks and, within a rank, in the order pushed (big - big + 1 + 0.5 is 1.5, and
+    1 + 0.5 - big + big is 0: the small ones are lost next to big); a row of -0.0 alone sums
+    to +0.0. The same bits whichever sum runs (float32/64 rows in host memory: a numpy sort
+    and an ``embedding_bag``; other dtypes: ``index_add_``)."""
+    from tensorx._ps.rows import _sum_rows
+
+    big = 2.0 ** 60
+    row = torch.ones(2, 3, dtype=dtype)
+    parts = [(torch.tensor([4, 1]), torch.stack([row * big, row * -0.0])),
+             (torch.tensor([4, 2]), torch.stack([row * -big, row * 3])),
+             (torch.tensor([1, 4, 4]), torch.stack([row * -0.0, row, row * 0.5]))]
+    sums = []
+    for order in (parts, parts[::-1]):
+        ids, values = _sum_rows(order)
+        assert ids.tolist() == [1, 2, 4]
+        want = torch.zeros(3, 2, 3, dtype=dtype)
+        for part_ids, part_values in order:  # the definition: rank by rank, from zero
+            want.index_add_(0, torch.searchsorted(ids, part_ids), part_values)
+        assert torch.equal(values.view(torch.uint8), want.view(torch.uint8))
+        assert values[0].eq(0).all() and not values[0].signbit().any()
+        sums.append(values[2])
+    assert torch.equal(sums[0], row * 1.5) and torch.equal(sums[1], row * 0)

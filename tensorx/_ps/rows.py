@@ -286,12 +286,14 @@ def _sum_rows(parts: Sequence[Rows], copy: bool = True) -> Rows:
     """The rows of ``parts`` summed by row id: (sorted unique ids, values), as
     ``coalesce()`` gives them. One part of sorted unique ids (what a worker stages) is
     taken as it is (its values copied unless ``copy`` is False: the gradient may be changed
-    in place, the rows a rank pushed may not); else one sort and one scatter-add, in rank
-    order."""
+    in place, the rows a rank pushed may not); else each id's rows added from zero in rank
+    order (:func:`_sum_rows_bag` where it can, else one sort and one scatter-add)."""
     if len(parts) == 1:
         ids, values = parts[0]
         if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
             return ids, values.clone() if copy else values
+    if _bag_sums(parts):
+        return _sum_rows_bag(parts)
     unique, inverse = _unique(torch.cat([p[0] for p in parts]))
     first = parts[0][1]
     summed = first.new_zeros((int(unique.numel()), *first.shape[1:]))
@@ -300,6 +302,33 @@ def _sum_rows(parts: Sequence[Rows], copy: bool = True) -> Rows:
         summed.index_add_(0, inverse[at:at + ids.numel()], values)
         at += ids.numel()
     return unique, summed
+
+
+def _bag_sums(parts: Sequence[Rows]) -> bool:
+    """Can :func:`_sum_rows_bag` sum ``parts``: float32/64 rows in host memory."""
+    dtype = parts[0][1].dtype
+    return dtype in (torch.float32, torch.float64) and all(
+        ids.device.type == "cpu" and values.device.type == "cpu" and values.dtype == dtype
+        and values.dim() > 0 for ids, values in parts) and any(ids.numel() for ids, _ in parts)
+
+
+def _sum_rows_bag(parts: Sequence[Rows]) -> Rows:
+    """:func:`_sum_rows` by one stable numpy sort of the ids and one ``embedding_bag`` sum
+    over the rows in that order: each row id's rows added one after the other from zero,
+    in rank order, as the ``index_add_`` of rank after rank adds them (the same bits), in
+    about half the time (the DLRM's two pushes of ~3500 rows: 0.10 vs 0.22-0.35 ms)."""
+    keys = np.concatenate([ids.numpy() for ids, _ in parts])
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    first = np.empty(ordered.size, dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    shape = parts[0][1].shape[1:]
+    flat = torch.cat([values.reshape(values.shape[0], -1) for _, values in parts])
+    summed = torch.nn.functional.embedding_bag(torch.from_numpy(order), flat,
+                                               torch.from_numpy(starts), mode="sum")
+    return torch.from_numpy(ordered[starts]), summed.view(-1, *shape)
 
 
 def _unique(keys: torch.Tensor) -> Rows:
