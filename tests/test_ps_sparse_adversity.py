@@ -20,6 +20,7 @@ from tensorx._analyzer.sparse import payload_views
 from tensorx._ps.shard import ShardLayout, ShardState
 from tensorx._ps.sparse import SparseReceiver
 from tensorx.errors import RegionError, UsageError
+from tensorx.graph_analyzer import GraphAnalyzer
 
 from .models import sparse_embedding
 from .test_ps_sparse_receive import Copying, setup
@@ -168,3 +169,25 @@ async def test_row_ids_out_of_order_and_repeated_are_summed_as_torch_sums_them(
         state.close()
         receiver.close()
         staging.close()
+
+
+def test_an_update_leaves_the_rows_handed_to_it_as_they_were() -> None:
+    """Two ranks, one of which pushed no rows of a table: the mean is the other rank's
+    rows halved, in a tensor of the update's own (the rows a rank pushed stayed as they
+    were: they were halved in place, and a second update of them was a quarter)."""
+    plan = GraphAnalyzer(sparse_embedding()).plan()
+    state = ShardState(ShardLayout.from_plan(plan, 0), 2, lambda p: torch.optim.SGD(p, lr=1.0))
+    try:
+        ids, values = torch.tensor([3, 5, 9]), torch.ones(3, 16)
+        state.put_rows(0, {"emb.weight": (ids, values)})
+        state.put_rows(1, {})
+        table = dict(state.named_parameters())["emb.weight"]
+        steps = []
+        for _ in range(2):
+            before = table[ids].clone()
+            state.apply([0, 1])
+            steps.append(before - table[ids])
+        assert torch.equal(values, torch.ones(3, 16))
+        assert torch.equal(steps[0], torch.full((3, 16), 0.5)) and torch.equal(*steps)
+    finally:
+        state.close()

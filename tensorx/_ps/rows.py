@@ -252,8 +252,9 @@ class SparseRows:
                 continue
             with torch.no_grad():
                 ids, values = _sum_rows(parts, copy=False)
-                if len(ranks) > 1:
-                    values.div_(len(ranks))
+                if len(ranks) > 1:  # never in place in the rows a rank pushed
+                    values = values.div(len(ranks)) if values is parts[0][1] \
+                        else values.div_(len(ranks))
             out.append((ids, values))
         return out
 
