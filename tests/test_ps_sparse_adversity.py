@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import torch
 
+import tensorx as tx
 from tensorx._analyzer.sparse import payload_views
 from tensorx._ps.shard import ShardLayout, ShardState
 from tensorx._ps.sparse import SparseReceiver
 from tensorx.errors import RegionError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
+from tensorx.memregion import MemoryRegion
 
 from .models import sparse_embedding
 from .test_ps_sparse_receive import Copying, setup
@@ -114,6 +116,43 @@ async def test_a_forged_header_is_refused_before_anything_is_read(fields: dict[s
             await receiver.receive(ep, 0, None)
         assert ep.reads == 0
     finally:
+        receiver.close()
+        staging.close()
+
+
+class Counting:
+    """A real endpoint, counting the reads it is asked for."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep, self.reads = ep, 0
+
+    async def read(self, *args: Any, **kw: Any) -> None:
+        self.reads += 1
+        await self.ep.read(*args, **kw)
+
+
+async def test_a_staging_region_smaller_than_its_headers_say_is_refused_naming_the_table(
+        ) -> None:
+    """The worker exports a staging region that ends inside its last table's payload (the
+    headers are right): RegionError naming that table, before anything is read."""
+    plan, staging, receiver, staged = setup(6)
+    headers = staging.stage(0, staged).headers
+    receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+    last = max(headers, key=lambda n: headers[n].offset)
+    end = headers[last].offset + headers[last].nbytes
+    short = MemoryRegion.allocate(end - 64)
+    short.buffer()[:] = staging.region(0).buffer()[:short.nbytes]
+    try:
+        async with tx.Node(transport="tcp") as worker, \
+                tx.Node(listen=None, transport="tcp") as shard:
+            desc = worker.export(short, access="r").to_bytes()
+            receiver.announce(0, dict.fromkeys(staged, desc))
+            ep = Counting(await shard.connect(worker.address))
+            with pytest.raises(RegionError, match=rf"rank 0: {last}\b.*staging region"):
+                await receiver.receive(ep, 0, 10)
+            assert ep.reads == 0
+    finally:
+        short.close()
         receiver.close()
         staging.close()
 

@@ -191,7 +191,8 @@ class SparseReceiver:
                                     "without staging")
             parts.setdefault(desc.region_id, _Part(desc)).tables.append(k)
         for part in parts.values():
-            part.check(rank, offset[part.tables], nbytes[part.tables], self._budget)
+            part.check(rank, offset[part.tables], nbytes[part.tables], self._budget,
+                       self.entries)
         return list(parts.values())
 
     def _gather(self, rank: int, data: torch.Tensor, kind: _Kind, fields: Any,
@@ -288,15 +289,20 @@ class _Part:
         """Its bytes in the receive buffer (aligned: the next part's ids view int64)."""
         return -(-(self.hi - self.lo) // ALIGN) * ALIGN
 
-    def check(self, rank: int, offset: Any, nbytes: Any, budget: Any) -> None:
+    def check(self, rank: int, offset: Any, nbytes: Any, budget: Any, entries: Any) -> None:
         """Set the span of payloads at ``offset`` of ``nbytes``; RegionError if it is more
-        than its tables can take when packed (``budget``: each table's most), before
-        anything is allocated or read."""
-        self.lo = int(offset.min())
-        self.hi = int((offset + nbytes).max())
+        than its tables can take when packed (``budget``: each table's most) or a payload
+        ends past the staging region (naming its table: the read's refusal names none),
+        before anything is allocated or read."""
+        ends = offset + nbytes
+        self.lo, self.hi = int(offset.min()), int(ends.max())
         if self.hi - self.lo > int(budget[self.tables].sum()):
             raise RegionError(f"rank {rank}: staged rows span {self.hi - self.lo} B, more "
                               "than their tables can take")
+        past = np.flatnonzero(ends > self.desc.nbytes)
+        if past.size:
+            raise RegionError(f"rank {rank}: {entries[self.tables[int(past[0])]].name} rows "
+                              f"end past their staging region of {self.desc.nbytes} B")
 
 
 @dataclass(frozen=True)
