@@ -20,7 +20,7 @@ import tensorx as tx
 from tensorx._analyzer.sparse import payload_views
 from tensorx._ps.shard import ShardLayout, ShardState
 from tensorx._ps.sparse import SparseReceiver
-from tensorx.errors import RegionError, UsageError
+from tensorx.errors import ProtocolError, RegionError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion
 
@@ -230,3 +230,26 @@ def test_an_update_leaves_the_rows_handed_to_it_as_they_were() -> None:
         assert torch.equal(steps[0], torch.full((3, 16), 0.5)) and torch.equal(*steps)
     finally:
         state.close()
+
+
+async def test_a_staging_announcement_naming_no_table_is_refused_whole() -> None:
+    """A push names a table that does not exist (a long name of control characters)
+    beside a real one: ProtocolError whose text is printable and short (it is logged and
+    sent back), and the receiver keeps the staging it had (the real table's new
+    descriptor, of a region of garbage, is not taken)."""
+    plan, staging, receiver, staged = setup(9)
+    garbage = MemoryRegion.allocate(staging.region(0).nbytes)
+    try:
+        garbage.buffer()[:] = b"\xff" * garbage.nbytes  # ids -1: refused if read
+        receiver.announce(0, dict.fromkeys(staged, staging.region(0).descriptor().to_bytes()))
+        evil = "\x1b[2J\n" + "\u202e" * 10_000
+        with pytest.raises(ProtocolError, match="unknown tensor") as refused:
+            receiver.announce(0, {"a.weight": garbage.descriptor().to_bytes(), evil: b""})
+        text = str(refused.value)
+        assert len(text) < 500 and text.isprintable() and text.isascii(), text[:100]
+        got = await receiver.receive(Copying([staging.region(0), garbage]), 0, None)
+        assert torch.equal(got["a.weight"][0], staged["a.weight"].coalesce().indices()[0])
+    finally:
+        garbage.close()
+        receiver.close()
+        staging.close()

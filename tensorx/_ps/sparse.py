@@ -24,6 +24,7 @@ from tensorx._analyzer.sparse import ALIGN, HeaderSlots, budget_bytes, values_of
 from tensorx._ps.device import fence
 from tensorx._ps.rowpull import RowInbox, RowOutbox
 from tensorx._ps.rows import PushedRows, RowBatch, first_out_of_range
+from tensorx._text import printable
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -148,12 +149,17 @@ class SparseReceiver:
         self.answers.forget(rank)
 
     def announce(self, rank: int, staging: Mapping[Any, Any], inbox: bytes = b"") -> None:
-        self.answers.announce(rank, inbox)
+        """``rank``'s new staging regions (table name -> descriptor) and inbox; taken whole
+        or not at all (ProtocolError)."""
         names = {d.name for d in self.entries}
+        new = {}
         for name, raw in staging.items():
             if name not in names or not isinstance(raw, bytes):
-                raise ProtocolError(f"staging announcement for unknown tensor {name!r}")
-            self._staging[(rank, name)] = RegionDescriptor.from_bytes(raw)
+                raise ProtocolError("staging announcement for unknown tensor "
+                                    f"{printable(name, 100)}")
+            new[(rank, name)] = RegionDescriptor.from_bytes(raw)
+        self.answers.announce(rank, inbox)
+        self._staging.update(new)
 
     async def receive(self, ep: Any, rank: int, timeout: float | None) -> PushedRows:
         """Every sparse gradient of ``rank``: table name -> (row ids, rows), on the shard's
