@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import tensorx as tx
-from tensorx._analyzer.sparse import payload_views
+from tensorx._analyzer.sparse import SparseStaging, payload_views
 from tensorx._ps.shard import ShardLayout, ShardState
 from tensorx._ps.sparse import SparseReceiver
 from tensorx.errors import ProtocolError, RegionError, UsageError
@@ -252,4 +253,30 @@ async def test_a_staging_announcement_naming_no_table_is_refused_whole() -> None
     finally:
         garbage.close()
         receiver.close()
+        staging.close()
+
+
+@pytest.mark.parametrize("width", [16, 3], ids=["packed", "per-table"])
+@pytest.mark.parametrize("wrong", ["dtype", "row-shape"])
+def test_staging_a_gradient_unlike_its_table_is_refused_naming_it(wrong: str,
+                                                                  width: int) -> None:
+    """A gradient of another dtype or row shape than its plan entry's would be staged
+    past its payload, over the next table's: UsageError naming it, nothing written (tables
+    alike are staged packed, others one by one)."""
+    tables = nn.ModuleDict({"a": nn.Embedding(300, 16, sparse=True),
+                            "c": nn.Embedding(100, width, sparse=True)})
+    staging = SparseStaging(GraphAnalyzer(tables).plan())
+    try:
+        given = {}
+        for name, (n, dim) in {"a.weight": (300, 16), "c.weight": (100, width)}.items():
+            values = torch.ones(4, dim)
+            if name == "c.weight":
+                values = values.double() if wrong == "dtype" else values.repeat(1, 2)
+            given[name] = torch.sparse_coo_tensor(torch.tensor([[1, 2, 3, 1]]), values,
+                                                  (n, *values.shape[1:]), check_invariants=True)
+        before = bytes(staging.region(0).buffer())
+        with pytest.raises(UsageError, match=r"c\.weight"):
+            staging.stage(0, given)
+        assert bytes(staging.region(0).buffer()) == before
+    finally:
         staging.close()

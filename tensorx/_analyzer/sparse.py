@@ -179,8 +179,10 @@ class SparseStaging:
             raise UsageError(f"staging shard {shard} takes the gradients of "
                              f"{sorted(e.name for e in entries)}, got {sorted(grads)}")
         tensors = [grads[e.name] for e in entries]
-        rows = _Packed.of(tensors, self._limits[shard].dtype) or _PerTable.of(tensors)
-        offsets, nbytes, end = self._limits[shard].place(entries, rows.counts)
+        limits = self._limits[shard]
+        rows = _Packed.of(tensors, limits.dtype, limits.row_shape) or \
+            _PerTable.of(tensors, entries)
+        offsets, nbytes, end = limits.place(entries, rows.counts)
         grown = self._ensure_capacity(shard, entries, end)
         region = self._regions[shard]
         rows.write(region, offsets, offsets + values_offsets(rows.counts))
@@ -214,15 +216,16 @@ class SparseStaging:
 
 
 class _Limits(HeaderSlots):
-    """A shard's tables as arrays (see :class:`HeaderSlots`), and the dtype of their rows
-    when they can be staged packed (one dtype and row shape, and a staging region in host
-    memory)."""
+    """A shard's tables as arrays (see :class:`HeaderSlots`), and the dtype and shape of
+    their rows when they can be staged packed (one dtype and row shape, and a staging
+    region in host memory)."""
 
     def __init__(self, entries: Sequence[DynamicEntry], on_device: bool) -> None:
         super().__init__(entries)
-        kinds = {(e.dtype, e.row_shape) for e in entries}
-        dtype = getattr(torch, kinds.pop()[0]) if len(kinds) == 1 else None
+        kinds = {(e.dtype, tuple(e.row_shape)) for e in entries}
+        dtype = getattr(torch, next(iter(kinds))[0]) if len(kinds) == 1 else None
         self.dtype = dtype if dtype in _NUMPY and not on_device else None  # packed staging
+        self.row_shape: tuple[int, ...] = next(iter(kinds))[1] if self.dtype else ()
 
     def place(self, entries: Sequence[DynamicEntry], rows: Any) -> tuple[Any, Any, int]:
         """(offsets, nbytes) of each table's payload packed one after another at ``ALIGN``,
@@ -253,7 +256,14 @@ class _PerTable:
         self.counts = np.array([i.numel() for i in ids], dtype=np.int64)
 
     @classmethod
-    def of(cls, grads: Sequence[torch.Tensor]) -> _PerTable:
+    def of(cls, grads: Sequence[torch.Tensor], entries: Sequence[DynamicEntry]) -> _PerTable:
+        """UsageError naming the first gradient unlike its table (staged, its rows would
+        run past its payload), before anything is written."""
+        for g, e in zip(grads, entries, strict=True):
+            if g.dtype != getattr(torch, e.dtype) or tuple(g.shape[1:]) != tuple(e.row_shape):
+                raise UsageError(f"{e.name}: a sparse gradient of {g.dtype} rows of "
+                                 f"{tuple(g.shape[1:])}, not the table's {e.dtype} rows of "
+                                 f"{tuple(e.row_shape)}")
         coalesced = [g.coalesce() for g in grads]
         return cls([g.indices()[0] for g in coalesced], [g.values() for g in coalesced])
 
@@ -285,11 +295,19 @@ class _Packed:
         self.ids, self.values, self.counts = ids, values, counts
 
     @staticmethod
-    def of(grads: Sequence[torch.Tensor], dtype: torch.dtype | None) -> _Packed | None:
-        """The tables coalesced together; None if they do not all hold ``dtype`` rows in
-        host memory (``dtype`` None: the plan's tables differ in dtype or row shape)."""
+    def of(grads: Sequence[torch.Tensor], dtype: torch.dtype | None,
+           row_shape: tuple[int, ...]) -> _Packed | None:
+        """The tables coalesced together; None if they do not all hold ``dtype`` rows of
+        ``row_shape`` in host memory (``dtype`` None: the plan's tables differ in dtype or
+        row shape; :class:`_PerTable` names a gradient unlike its table)."""
         if dtype is None or {(g.dtype, g.is_cpu, g.sparse_dim()) for g in grads} \
                 != {(dtype, True, 1)}:
+            return None
+        try:  # one check of every table's row shape (cat refuses rows of unlike shapes)
+            values = torch.cat([g._values() for g in grads])
+        except RuntimeError:
+            return None
+        if values.shape[1:] != row_shape:
             return None
         ids = torch.cat([g._indices() for g in grads], 1).numpy()[0]
         keys = ids | np.repeat(np.arange(len(grads), dtype=np.int64) << _TABLE_SHIFT,
@@ -297,7 +315,6 @@ class _Packed:
         order = np.argsort(keys, kind="stable")  # stable: duplicates in autograd's order
         keys = keys[order]
         starts = np.flatnonzero(np.diff(keys, prepend=-1))  # of each run of equal keys
-        values = torch.cat([g._values() for g in grads])
         summed = torch.nn.functional.embedding_bag(
             torch.from_numpy(order), values.view(len(order), math.prod(values.shape[1:])),
             torch.from_numpy(starts), mode="sum")
