@@ -12,6 +12,7 @@ and :func:`sweep` (run on every allocation) unlinks it. Errors leave as ``tensor
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
@@ -125,34 +126,102 @@ def attach(name: str, nbytes: int, private: bool = False) -> mmap.mmap:
 
 
 PAGEMAP_PRESENT = 1 << 63
+PAGEMAP_SWAP = 1 << 62
 PAGEMAP_FILE = 1 << 61  # a file (or shared) page: not one we copied on write
+
+# PAGEMAP_SCAN (Linux >= 6.7): the kernel walks the range and hands back only the runs of
+# pages that match, where reading /proc/self/pagemap copies out 8 bytes for every page and
+# leaves the matching to us (132 MB mapped: 0.8 vs 1.1-1.5 ms per scan)
+_PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
+_IS_FILE, _IS_PRESENT, _IS_SWAPPED = 1 << 2, 1 << 3, 1 << 4
+
+
+class _ScanArg(ctypes.Structure):  # struct pm_scan_arg (include/uapi/linux/fs.h)
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
+        "category_inverted", "category_mask", "category_anyof_mask", "return_mask")]
+
+
+class _PageRegion(ctypes.Structure):  # struct page_region
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64),
+                ("categories", ctypes.c_uint64)]
+
+
+_SCAN_VEC = 64
+_scan_ok: bool | None = None  # None: not tried yet in this process
 
 
 def drop_own_writes(mm: mmap.mmap, address: int, nbytes: int) -> int:
     """Of a ``private=True`` mapping at ``address``, forget the pages this process wrote
     (``MADV_DONTNEED``: the next access sees the file again). Returns how many there were,
-    found in /proc/self/pagemap (one 8-byte entry per page, no page is touched); -1 when
-    pagemap cannot be read, and then every page is dropped."""
+    found without touching a page (PAGEMAP_SCAN where the kernel has it, else
+    /proc/self/pagemap); -1 when neither can be read, and then every page is dropped."""
     if not nbytes:
         return 0
     page = mmap.PAGESIZE
     first, count = address // page, -(-(address % page + nbytes) // page)
+    runs = _own_runs_scan(first * page, (first + count) * page)
+    if runs is None:
+        runs = _own_runs_pagemap(first, count)
+    if runs is None:
+        mm.madvise(mmap.MADV_DONTNEED)
+        return -1
+    base = first * page - address  # the mapping starts page-aligned: 0
+    for start, stop in runs:
+        mm.madvise(mmap.MADV_DONTNEED, base + start * page, (stop - start) * page)
+    return sum(stop - start for start, stop in runs)
+
+
+def _own_runs_scan(start: int, end: int) -> list[tuple[int, int]] | None:
+    """Runs [start, stop) of pages (numbered from ``start``) that are ours: present or
+    swapped out, and no page of the file. None where PAGEMAP_SCAN is not to be had."""
+    global _scan_ok
+    if _scan_ok is False:
+        return None
+    page = mmap.PAGESIZE
+    vec = (_PageRegion * _SCAN_VEC)()
+    arg = _ScanArg(size=ctypes.sizeof(_ScanArg), start=start, end=end,
+                   vec=ctypes.addressof(vec), vec_len=_SCAN_VEC,
+                   category_inverted=_IS_FILE, category_mask=_IS_FILE,
+                   category_anyof_mask=_IS_PRESENT | _IS_SWAPPED, return_mask=_IS_FILE)
+    runs: list[tuple[int, int]] = []
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        while arg.start < end:
+            try:
+                found = fcntl.ioctl(fd, _PAGEMAP_SCAN, arg)
+            except OSError:  # ENOTTY/EINVAL: an older kernel
+                _scan_ok = False
+                return None
+            runs += [((r.start - start) // page, (r.end - start) // page)
+                     for r in vec[:found]]
+            if found < _SCAN_VEC or arg.walk_end <= arg.start:
+                break
+            arg.start = arg.walk_end  # the vector was full: go on where the walk stopped
+    finally:
+        os.close(fd)
+    _scan_ok = True
+    return runs
+
+
+def _own_runs_pagemap(first: int, count: int) -> list[tuple[int, int]] | None:
+    """The same runs from /proc/self/pagemap (one 8-byte entry per page); None where it
+    cannot be read."""
     try:
         with open("/proc/self/pagemap", "rb", buffering=0) as f:
             f.seek(first * 8)
             raw = f.read(count * 8)
     except OSError:
-        raw = b""
+        return None
     if len(raw) != count * 8:
-        mm.madvise(mmap.MADV_DONTNEED)
-        return -1
+        return None
     entries = np.frombuffer(raw, dtype=np.uint64)
-    own = (entries & np.uint64(PAGEMAP_PRESENT | PAGEMAP_FILE)) == np.uint64(PAGEMAP_PRESENT)
-    pages = np.flatnonzero(own)
-    base = first * page - address  # the mapping starts page-aligned: 0
-    for start, stop in _runs(pages):
-        mm.madvise(mmap.MADV_DONTNEED, base + start * page, (stop - start) * page)
-    return int(pages.size)
+    mapped = (entries & np.uint64(PAGEMAP_PRESENT | PAGEMAP_SWAP)) != 0
+    own = mapped & ((entries & np.uint64(PAGEMAP_FILE)) == 0)
+    return _runs(np.flatnonzero(own))
 
 
 def _runs(pages: Any) -> list[tuple[int, int]]:

@@ -404,8 +404,9 @@ class Worker:
 
     async def pull(self) -> None:
         """Wait until every shard has written its answer to our push into our arenas. A
-        mapped arena drops our edits in place first, while the shards work (a scan of its
-        pages: 5 ms at 1.3 GB, once done after the answer came)."""
+        mapped arena drops our edits in place first, while the shards work (a walk of its
+        page tables: 0.5-0.8 ms at 132 MB, 7-11 ms at 1.3 GB on this project's VM; once done
+        after the answer came)."""
         if self._shared is not None:
             for s in range(self.num_shards):
                 if self._shared.mapped[s]:

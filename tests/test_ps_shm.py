@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import multiprocessing as mp
 import os
 import secrets
@@ -364,5 +365,42 @@ def test_a_private_attach_sees_the_owner_and_keeps_its_own_writes_until_dropped(
             mine.close()
         with pytest.raises(UsageError, match="private=True"):
             owner.drop_own_writes()
+    finally:
+        owner.close()
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["pagemap-scan", "pagemap-read"])
+def test_own_writes_in_many_runs_are_all_found_and_dropped(
+        scan: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More runs of written pages than one PAGEMAP_SCAN call returns (64): the scan goes on
+    where the kernel's walk stopped, and finds the same runs /proc/self/pagemap shows; on a
+    kernel without the scan (forced here) the pagemap read drops the same pages."""
+    from tensorx import _shm
+
+    if not scan:
+        monkeypatch.setattr(_shm, "_scan_ok", False)
+
+    page, pages = mmap.PAGESIZE, 400
+    owner = MemoryRegion.allocate(pages * page, shared=True)
+    try:
+        assert owner.shared_name is not None
+        owner.view(torch.uint8).fill_(1)
+        mine = MemoryRegion.attach(owner.shared_name, owner.nbytes, private=True)
+        try:
+            ours = mine.view(torch.uint8)
+            assert bool((ours == 1).all())  # every page mapped from the file
+            written = list(range(0, pages, 3))  # 134 runs, the last page among them
+            for p in written:
+                ours[p * page + 7] = 9
+            want = [(p, p + 1) for p in written]
+            scanned = _shm._own_runs_scan(mine.address, mine.address + mine.nbytes)
+            read = _shm._own_runs_pagemap(mine.address // page, pages)
+            assert read is None or read == want
+            assert scanned == want if scan and _shm._scan_ok else scanned is None
+            assert mine.drop_own_writes() in (len(written), -1)
+            assert bool((ours == 1).all())
+            assert mine.drop_own_writes() in (0, -1)
+        finally:
+            mine.close()
     finally:
         owner.close()
