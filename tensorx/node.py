@@ -337,7 +337,7 @@ class Node:
         a late write lands in the old memory, never in memory reused for something else."""
         exported = self._exports.remove(region)
         holders = set()
-        for ep in self._endpoints:
+        for ep in list(self._endpoints):  # a peer found gone as it is told leaves the dict
             ep._unexported(region.region_id)
             if ep.bypassed and not ep.closed:
                 holders.add(ep)

@@ -139,3 +139,29 @@ async def test_prometheus_exporter_serves_endpoint_counters() -> None:
             server.server_close()
         assert f'tensorx_endpoint_ops_total{{node="{b.id}",op="write",peer="{a.id}"' in body
         assert "tensorx_endpoint_latency_seconds_bucket" in body
+
+
+async def test_closing_regions_after_a_peer_died_unnoticed_revokes_them_at_the_others(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A peer is killed and this node has not noticed yet (its loop has not run since):
+    closing exported regions still revokes them at every other peer, and logs no error (a
+    revocation is best effort; to the dead peer's socket the second one fails with EPIPE)."""
+    from tensorx.testing import OwnerProcess
+
+    caplog.set_level(logging.WARNING)
+    async with tx.Node(transport="tcp") as node, OwnerProcess("tcp") as dead, \
+            OwnerProcess("tcp") as alive:
+        regions = [tx.MemoryRegion.register(np.zeros(4096, np.uint8)) for _ in range(3)]
+        descs = [node.export(r) for r in regions]
+        await dead.connect(node.address)
+        ep = await alive.connect(node.address)
+        await wait_until(lambda: len(node.endpoints) == 2, what="both peers connected")
+        for desc in descs:
+            assert (await alive.transfer(ep, "write", desc))["ok"]
+        dead.kill()  # blocking: the process is gone before this loop runs again
+        for region in regions:
+            region.close()
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        for desc in descs:
+            got = await alive.transfer(ep, "write", desc)
+            assert not got["ok"] and got["error"] == "RegionError", got

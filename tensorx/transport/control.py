@@ -17,6 +17,7 @@ that holds it (``_staging.py``); the bytes on the wire are the same.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -204,13 +205,20 @@ class ControlChannel:
     # -- what we send -------------------------------------------------------------------
     def revoke(self, region_id: int) -> None:
         """Tell the peer (best effort, without waiting) that a region of ours is gone."""
-        if self._error is None:
-            self.out.post(Kind.REVOKE, {"rid": region_id})
+        self._best_effort(Kind.REVOKE, {"rid": region_id})
 
     def revoke_ack(self, region_id: int) -> None:
         """Tell the owner that none of our ops on its region is in flight any more."""
+        self._best_effort(Kind.REVOKE_ACK, {"rid": region_id})
+
+    def _best_effort(self, kind: Kind, header: dict[str, Any]) -> None:
+        """Send a frame nobody waits for, unless the channel failed. A send that finds the
+        peer gone (EPIPE: it died and our loop has not read its end yet) fails the channel
+        and is dropped: the peer needs telling no more, and the caller (a region's close,
+        telling every peer in turn) goes on to the others."""
         if self._error is None:
-            self.out.post(Kind.REVOKE_ACK, {"rid": region_id})
+            with contextlib.suppress(TensorxError):
+                self.out.post(kind, header)
 
     async def notify(self, payload: bytes, timeout: float | None) -> None:
         if len(payload) > _wire.MAX_NOTIFY:
