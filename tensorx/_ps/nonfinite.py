@@ -6,38 +6,45 @@ one sum per slot (per tensor when the arena mixes dtypes), accumulated in at lea
 a sum is finite only if every term is, so nothing non-finite passes; a finite gradient so
 large that its sum overflows is flagged too, and such a step would not be worth applying.
 It reads each slot once, with no allocation (see ``benchmarks/ps_round.py`` for its cost
-next to a round's).
+next to a round's). Only a slot found not finite is read a second time, tensor by tensor
+(and a sparse push table by table), for the names of the tensors concerned.
 
-``on_nonfinite`` says what then, with one WARNING naming the rank and its step, and the
-``nonfinite`` counter in :attr:`ParameterServer.stats` (and Prometheus):
+``on_nonfinite`` says what then, with one WARNING naming the rank, its step and those
+tensors (their names in ``model.named_parameters()``: the first :data:`SHOWN`, then how
+many more), and the ``nonfinite`` counter in :attr:`ParameterServer.stats` (and Prometheus):
 
 * ``"skip"`` (default): no update for this step. Sync: the whole barrier is skipped (as
   ``torch.cuda.amp.GradScaler`` skips a step with an overflow) and every worker gets the
   parameters unchanged; async/bounded: that push applies nothing and its sender gets the
   current parameters.
 * ``"refuse"``: the offending push is refused: that worker's step raises
-  :class:`~tensorx.errors.UsageError` naming its rank and it is disconnected (in sync mode
-  the barrier then treats it as a departed worker, see ``on_worker_loss``); the other ranks'
-  gradients are averaged and applied as usual.
+  :class:`~tensorx.errors.UsageError` naming its rank and those tensors, and it is
+  disconnected (in sync mode the barrier then treats it as a departed worker, see
+  ``on_worker_loss``); the other ranks' gradients are averaged and applied as usual.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
 from tensorx._ps.schedule import Decision
 from tensorx._ps.shard_layout import views
+from tensorx._text import printable
 from tensorx.errors import UsageError
 
-__all__ = ["POLICIES", "NonFiniteGuard", "all_finite", "finite"]
+__all__ = ["POLICIES", "SHOWN", "NonFiniteGuard", "all_finite", "finite", "listed",
+           "nonfinite_names"]
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("skip", "refuse")
+SHOWN = 3  # tensors named in a WARNING or a refusal; then how many more
+NAME_LIMIT = 100  # characters of one name there (a plan's names are the model's, but still)
 
 
 def finite(state: Any, rank: int) -> bool:
@@ -72,6 +79,44 @@ def _to_check(layout: Any, region: Any, rows: bool) -> list[torch.Tensor]:
     return [v for v in views(layout, region) if v.is_floating_point()]
 
 
+def nonfinite_names(state: Any, rank: int,
+                    spans: Sequence[tuple[int, int]] | None = None) -> list[str]:
+    """The tensors of ``rank``'s gradient that hold NaN or Inf, by name, in model order:
+    the second pass, one sum per tensor (per sparse table), made only once :func:`finite`
+    has found something. With ``spans`` ((offset, nbytes) in the arena), only the dense
+    tensors' bytes within them are read (the rest of the slot may not hold this push)."""
+    region = state.slot_region(rank)
+    tables = set(state.rows.nonfinite(rank)) if state.rows else set()
+    dense = [s for s in state.layout.param_specs() if not s.sparse]
+    bad = {s.name for s in dense if not all_finite(_within(region, s, spans))}
+    return [s.name for s in state.layout.param_specs() if s.name in tables or s.name in bad]
+
+
+def _within(region: Any, spec: Any, spans: Sequence[tuple[int, int]] | None
+            ) -> list[torch.Tensor]:
+    """Dense tensor ``spec`` of ``region`` (floating point only), cut to ``spans``."""
+    if not spec.dtype.is_floating_point:
+        return []
+    size = spec.dtype.itemsize
+    start, end = spec.offset, spec.offset + spec.numel * size
+    out = []
+    for at, n in [(start, end - start)] if spans is None else spans:
+        lo, hi = max(start, at), min(end, at + n)
+        lo += -(lo - start) % size  # on an element of the tensor
+        if hi - lo >= size:
+            out.append(region.view(spec.dtype, ((hi - lo) // size,), lo))
+    return out
+
+
+def listed(names: Sequence[str]) -> str:
+    """`` in a, b, c (and 2 more)`` for a message ("": no name; then a sum overflowed)."""
+    if not names:
+        return ""
+    shown = ", ".join(printable(n, NAME_LIMIT) for n in names[:SHOWN])
+    more = len(names) - SHOWN
+    return f" in {shown}" + (f" (and {more} more)" if more > 0 else "")
+
+
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Is every value of every tensor finite? (One sum each, see the module docstring.)"""
     with torch.no_grad():
@@ -92,28 +137,30 @@ class NonFiniteGuard:
         self.policy = policy
         self.count = 0
 
-    def check(self, state: Any, ranks: list[int], steps: dict[int, int]) -> list[int]:
-        """The ranks among ``ranks`` whose gradient is not finite (logged and counted)."""
-        bad = [r for r in ranks if not finite(state, r)]
-        for r in bad:
-            self.flag(r, steps.get(r, -1))
+    def check(self, state: Any, ranks: list[int], steps: dict[int, int]
+              ) -> dict[int, list[str]]:
+        """The ranks among ``ranks`` whose gradient is not finite, each with the tensors
+        concerned (logged and counted)."""
+        bad = {r: nonfinite_names(state, r) for r in ranks if not finite(state, r)}
+        for r, names in bad.items():
+            self.flag(r, steps.get(r, -1), names)
         return bad
 
-    def flag(self, rank: int, step: int) -> None:
-        """Count and log ``rank``'s non-finite gradient of ``step``."""
+    def flag(self, rank: int, step: int, names: Sequence[str]) -> None:
+        """Count and log ``rank``'s non-finite gradient of ``step`` (in tensors ``names``)."""
         self.count += 1
-        logger.warning("ps shard %d: rank %d pushed a gradient with NaN or Inf (its step "
-                       "%d); %s (on_nonfinite=%r)", self.shard, rank, step,
+        logger.warning("ps shard %d: rank %d pushed a gradient with NaN or Inf%s (its step "
+                       "%d); %s (on_nonfinite=%r)", self.shard, rank, listed(names), step,
                        "not applied, no update for this step" if self.policy == "skip"
                        else "push refused, the worker is disconnected", self.policy)
 
-    def decide(self, decision: Decision, bad: list[int]) -> Decision:
+    def decide(self, decision: Decision, bad: Collection[int]) -> Decision:
         """What remains of ``decision`` once ``bad`` ranks' gradients are left out."""
         if self.policy == "skip":
             return Decision(apply=[], release=decision.release)
         return Decision(apply=[r for r in decision.apply if r not in bad],
                         release=[r for r in decision.release if r not in bad])
 
-    def error(self, rank: int, step: int) -> UsageError:
-        return UsageError(f"rank {rank}'s gradient of step {step} holds NaN or Inf; push "
-                          "refused (on_nonfinite='refuse')")
+    def error(self, rank: int, step: int, names: Sequence[str]) -> UsageError:
+        return UsageError(f"rank {rank}'s gradient of step {step} holds NaN or Inf"
+                          f"{listed(names)}; push refused (on_nonfinite='refuse')")

@@ -22,7 +22,7 @@ import torch
 from tensorx._ps import round as rounds
 from tensorx._ps.answer import Peer
 from tensorx._ps.core import ShardCore
-from tensorx._ps.nonfinite import all_finite
+from tensorx._ps.nonfinite import all_finite, nonfinite_names
 from tensorx._ps.round import PartBackups, Round
 from tensorx._ps.schedule import Decision
 from tensorx.endpoint import Endpoint
@@ -256,8 +256,9 @@ class Pipelined(ShardCore):
         await self._rollback()
         by_rank = {p.rank: p for p in self._peers.values()}
         steps = {r: p.step for r, p in by_rank.items()}
+        names = await self._nonfinite_names(rnd, bad)
         for r in bad:
-            self.nonfinite.flag(r, steps.get(r, -1))
+            self.nonfinite.flag(r, steps.get(r, -1), names[r])
         self.stats["nonfinite"] = self.nonfinite.count
         if self.nonfinite.policy == "skip":
             rnd.skip = True  # no update: answered once every part has landed
@@ -267,9 +268,19 @@ class Pipelined(ShardCore):
         for r in bad:
             rnd.landed.pop(r, None)
             if r in by_rank:
-                await self._refuse(by_rank[r].ep, self.nonfinite.error(r, steps[r]))
+                await self._refuse(by_rank[r].ep, self.nonfinite.error(r, steps[r], names[r]))
         if not rnd.ranks:
             rnd.skip = True
+
+    async def _nonfinite_names(self, rnd: Round, bad: list[int]) -> dict[int, list[str]]:
+        """Each ``bad`` rank's tensors that hold NaN or Inf among the parts of its push that
+        have landed (the others may hold its last push's), read in the apply thread."""
+        state = self.state
+        assert state is not None
+        spans = {r: [state.part_bytes(k) for k in sorted(rnd.landed.get(r, ()))] for r in bad}
+        names: dict[int, list[str]] = await self._in_thread(
+            lambda: {r: nonfinite_names(state, r, s) for r, s in spans.items()})
+        return names
 
     async def _round_failed(self, exc: OptimizerError) -> None:
         await self._rollback()

@@ -113,6 +113,15 @@ class PushedRows(Mapping[str, Rows]):
         return sum(len(b.names) for b in self.batches)
 
 
+def _sums_finite(values: torch.Tensor) -> bool:
+    """Is the sum of ``values`` finite (so is every value: see :mod:`.nonfinite`)?"""
+    if not values.is_floating_point():
+        return True
+    acc = torch.float64 if values.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        return bool(torch.isfinite(values.sum(dtype=acc)))
+
+
 def no_invariant_checks() -> contextlib.AbstractContextManager[Any]:
     """Say that sparse tensors go unchecked (our row ids are checked on arrival): torch's
     sparse optimizers build sparse tensors and otherwise warn that checks are implicitly off."""
@@ -222,15 +231,13 @@ class SparseRows:
         return self._all_finite(rank) if got is None else got
 
     def _all_finite(self, rank: int) -> bool:
-        with torch.no_grad():
-            for part in self.packed(rank):
-                values = None if part is None else part[1]
-                if values is None or not values.is_floating_point():
-                    continue
-                acc = torch.float64 if values.dtype == torch.float64 else torch.float32
-                if not torch.isfinite(values.sum(dtype=acc)):
-                    return False
-        return True
+        return all(part is None or _sums_finite(part[1]) for part in self.packed(rank))
+
+    def nonfinite(self, rank: int) -> list[str]:
+        """The tables whose rows ``rank`` pushed hold NaN or Inf: a second pass, table by
+        table, for their names, once :meth:`finite` (a sum per group) has found some."""
+        return [self._specs[i].name for i, (_, values) in self._tables(rank).items()
+                if not _sums_finite(values)]
 
     def packed(self, rank: int) -> list[Rows | None]:
         """``rank``'s rows per group of :attr:`groups` (None: none in it), keyed by their

@@ -136,10 +136,10 @@ class Steps(ShardCore):
             return decision
         self.stats["nonfinite"] = self.nonfinite.count
         if self.nonfinite.policy == "refuse":
-            for rank in bad:
+            for rank, names in bad.items():
                 if rank in by_rank:
                     await self._refuse(by_rank[rank].ep,
-                                       self.nonfinite.error(rank, steps[rank]))
+                                       self.nonfinite.error(rank, steps[rank], names))
         return self.nonfinite.decide(decision, bad)
 
     async def _send_params(self, peer: Peer,
