@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     blocks = ["--blocks", "2"] if args.quick else []
     rows = ps_round.main(["--out", str(args.out), *blocks])
     train = train_throughput.main(["--out", str(args.out), *blocks])
-    rows_sparse = sparse.main(["--out", str(args.out), "--blocks", "2"])
+    rows_sparse = sparse.main(["--out", str(args.out), *blocks])
     report = "\n".join([
         f"Machine: {machine()}.", "",
         "### One PS round (push all gradients, SGD on the PS, pull all parameters)", "",

@@ -6,9 +6,10 @@ default options (``transport="auto"``) and over tcp, against a ``torch.distribut
 scales with the same batches (``dlrm``: 132 MB of tables; ``dlrm-x10``: 1.3 GB): a system
 whose step moves rows keeps its step time as the tables grow, one that moves tables does not.
 Placements: one host, and two network namespaces joined by a veth pair (where permitted).
-All systems of a model are started, then measured in alternating blocks; a step's time is the
-slower worker's. Prints a markdown table with the ratios and issue 17's targets; results go
-to ``OUT/sparse.json``.
+All systems of a model are started, run unmeasured warm-up steps, then are measured in
+alternating blocks (4 x 20 steps each by default: a step's time swings 11-22 ms here, so
+fewer steps give a median that moves by 20%); a step's time is the slower worker's. Prints
+a markdown table with the ratios and issue 17's targets; results go to ``OUT/sparse.json``.
 
     python benchmarks/sparse.py
     python benchmarks/sparse.py --models dlrm --placements same --blocks 2
@@ -63,6 +64,8 @@ def measure(keys: list[str], model: str, place: Placement, args: argparse.Namesp
             pairs.pop(k).kill()
     times: dict[str, list[float]] = {k: [] for k in pairs}
     try:
+        for p in pairs.values():  # past the first steps' page faults and tensorx's probing
+            p.run(args.warmup)
         order = list(pairs)
         for b in range(args.blocks):
             for k in order if b % 2 == 0 else order[::-1]:
@@ -171,8 +174,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--large-systems", default=LARGE_SYSTEMS,
                    help="the systems run for dlrm-x10 (of --systems); 'all': every one")
     p.add_argument("--placements", default="same,netns", help="same,netns")
-    p.add_argument("--blocks", type=int, default=3, help="alternating blocks per system")
-    p.add_argument("--steps", type=int, default=5, help="steps per block")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks per system")
+    p.add_argument("--steps", type=int, default=20, help="steps per block")
+    p.add_argument("--warmup", type=int, default=12,
+                   help="steps each system runs unmeasured first (beyond the 2 every "
+                        "baseline runs before READY): a worker's first look-ups fault its "
+                        "tables' pages in, and tensorx probes its choices over 2 + 2 x 4 "
+                        "steps; a long training run sees neither")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     return p.parse_args(argv)
 
