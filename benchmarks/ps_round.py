@@ -5,8 +5,10 @@ parameter back. Models: ResNet-50 (161 tensors, 25.6M parameters), BERT-base (19
 109M) and many-small (2000 tensors of 256 floats). Every system runs as its own server and
 client processes (``benchmarks/baselines/``); all of a model's systems are started, then
 measured in alternating blocks (A B C .. then .. C B A) so that the machine's noise hits them
-alike. Placements: same host (loopback) and two network namespaces joined by a veth pair
-(skipped with a message where namespaces cannot be made). "tensorx shm" is tensorx as
+alike, each after unmeasured warm-up rounds of its own (past tensorx's probing of its
+choices over its first rounds: ``benchmarks/baselines/pair.py``). Placements: same host
+(loopback) and two network namespaces joined by a veth pair (skipped with a message where
+namespaces cannot be made). "tensorx shm" is tensorx as
 shipped (``share_memory=True``): on one host the worker maps the PS's arenas, in two
 namespaces (two "hosts") it must not, and its row says which it did; every other tensorx
 row measures the copy path (``--share-memory off``).
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import netns
 from benchmarks.baselines import common
-from benchmarks.baselines.pair import SAME_HOST, Pair, Placement, System
+from benchmarks.baselines.pair import SAME_HOST, Pair, Placement, System, warm_up
 
 SYSTEMS = {  # tensorx rows: ParameterServer and Worker defaults but for what the label says
     "tensorx-ucx": System("tensorx ucx (defaults, share_memory=False)", "tensorx",
@@ -108,6 +110,7 @@ def rounds_per_block(pair: Pair, block_s: float) -> int:
 
 
 def measure(pairs: dict[str, Pair], blocks: int, block_s: float) -> dict[str, list[float]]:
+    warm_up(pairs)
     counts = {k: rounds_per_block(p, block_s) for k, p in pairs.items()}
     times: dict[str, list[float]] = {k: [] for k in pairs}
     order = list(pairs)

@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.baselines import sparse_train
-from benchmarks.baselines.pair import Pair, Placement, System
+from benchmarks.baselines.pair import WARMUP_ROUNDS, Pair, Placement, System, warm_up
 from benchmarks.ps_round import placement
 
 SYSTEMS = {
@@ -64,8 +64,7 @@ def measure(keys: list[str], model: str, place: Placement, args: argparse.Namesp
             pairs.pop(k).kill()
     times: dict[str, list[float]] = {k: [] for k in pairs}
     try:
-        for p in pairs.values():  # past the first steps' page faults and tensorx's probing
-            p.run(args.warmup)
+        warm_up(pairs, args.warmup)  # past tensorx's probing and the first look-ups' faults
         order = list(pairs)
         for b in range(args.blocks):
             for k in order if b % 2 == 0 else order[::-1]:
@@ -176,11 +175,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--placements", default="same,netns", help="same,netns")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks per system")
     p.add_argument("--steps", type=int, default=20, help="steps per block")
-    p.add_argument("--warmup", type=int, default=12,
-                   help="steps each system runs unmeasured first (beyond the 2 every "
-                        "baseline runs before READY): a worker's first look-ups fault its "
-                        "tables' pages in, and tensorx probes its choices over 2 + 2 x 4 "
-                        "steps; a long training run sees neither")
+    p.add_argument("--warmup", type=int, default=WARMUP_ROUNDS,
+                   help="unmeasured steps per system first, one system after the other "
+                        "(see benchmarks/baselines/pair.py: tensorx probes its choices "
+                        "over its first steps; a worker's first look-ups fault its tables' "
+                        "pages in)")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     return p.parse_args(argv)
 

@@ -12,8 +12,10 @@ A communication-heavy model (a wide MLP, 20M parameters, small batches; see
 
 On one host, and across two network namespaces joined by a veth pair (two hosts' copy path:
 nothing is mapped there; skipped where namespaces cannot be made). All systems of a
-placement are started, then measured in alternating blocks of steps; a step's time is the
-slower worker's. Prints a markdown table; results go to ``OUT/train_throughput.json``.
+placement are started, run unmeasured warm-up steps one after the other (past tensorx's
+probing of its choices: ``benchmarks/baselines/pair.py``), then are measured in alternating
+blocks of steps; a step's time is the slower worker's. Prints a markdown table; results go
+to ``OUT/train_throughput.json``.
 
     python benchmarks/train_throughput.py
     python benchmarks/train_throughput.py --systems tensorx-tcp-overlap,rpc --blocks 6
@@ -34,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.baselines import training
-from benchmarks.baselines.pair import Pair, Placement, System
+from benchmarks.baselines.pair import Pair, Placement, System, warm_up
 from benchmarks.ps_round import placement
 
 SYSTEMS = {
@@ -78,6 +80,7 @@ def start_all(keys: list[str], place: Placement, logdir: Path) -> dict[str, Pair
 
 
 def measure(pairs: dict[str, Pair], blocks: int, steps: int) -> dict[str, list[float]]:
+    warm_up(pairs)
     times: dict[str, list[float]] = {k: [] for k in pairs}
     order = list(pairs)
     for b in range(blocks):

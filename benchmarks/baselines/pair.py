@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from tensorx._ps.choose import PROBE, SKIP
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 START_TIMEOUT = 120.0
@@ -186,3 +188,19 @@ class Pair:
             client.stop()
         if server is not None:
             server.stop()
+
+
+# Unmeasured rounds each system runs before its measured blocks (beyond the 2 every
+# baseline client runs before READY): a tensorx shard and worker probe their choices (a
+# pipelined round's early apply, a worker's gradient overlap) over their first rounds,
+# 2 + 2 x 4 of them (tensorx._ps.choose), then keep the faster way for the next 500; a
+# long training run pays that once, so the measured rounds start after it.
+WARMUP_ROUNDS = SKIP + 2 * PROBE + 2
+
+
+def warm_up(pairs: dict[str, Pair], rounds: int = WARMUP_ROUNDS) -> None:
+    """``rounds`` unmeasured rounds of each pair, one pair after the other: each probes
+    alone, as its measured blocks run (started together, they would probe under each
+    other's start-up load and might keep the wrong way)."""
+    for pair in pairs.values():
+        pair.run(rounds)
