@@ -104,9 +104,12 @@ def start_all(keys: list[str], model: str, placement: Placement, logdir: Path
     return pairs
 
 
+MIN_ROUNDS = 2  # per block: a median of 3 rounds (BERT-base at 0.4 s, block_s 0.6) swung 40%
+
+
 def rounds_per_block(pair: Pair, block_s: float) -> int:
     probe = pair.run(1)[0]
-    return max(1, min(50, round(block_s / max(probe, 1e-6))))
+    return max(MIN_ROUNDS, min(50, round(block_s / max(probe, 1e-6))))
 
 
 def measure(pairs: dict[str, Pair], blocks: int, block_s: float) -> dict[str, list[float]]:
