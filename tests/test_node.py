@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 
 import numpy as np
@@ -165,3 +166,35 @@ async def test_closing_regions_after_a_peer_died_unnoticed_revokes_them_at_the_o
         for desc in descs:
             got = await alive.transfer(ep, "write", desc)
             assert not got["ok"] and got["error"] == "RegionError", got
+
+
+
+@pytest.mark.parametrize("op", ["write_many", "reads", "queries"])
+async def test_an_op_that_finds_its_peer_dead_leaves_no_unretrieved_error(
+        op: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The peer is killed and our loop has not noticed: of two frames sent back to back
+    (a write of two frames, two reads or queries at once), the first goes out and the
+    second finds the socket gone (EPIPE), which fails the channel and every request in
+    flight, its own included. The op raises BrokenError, and its request's failed future is
+    not left behind for asyncio to log as 'Future exception was never retrieved' (an ERROR
+    with a traceback, for an expected peer death)."""
+    from tensorx.testing import OwnerProcess
+
+    caplog.set_level(logging.WARNING)
+    async with tx.Node(listen=None, transport="tcp") as node, OwnerProcess("tcp") as owner:
+        descs = [await owner.export(4096) for _ in range(2)]
+        ep = await node.connect(owner.address)
+        regions = [tx.MemoryRegion.register(np.zeros(4096, np.uint8)) for _ in descs]
+        owner.kill()  # blocking: the process is gone before this loop runs again
+        if op == "write_many":
+            calls = [ep.write_many(list(zip(regions, descs, strict=True)))]
+        elif op == "reads":
+            calls = [ep.read(r, d) for r, d in zip(regions, descs, strict=True)]
+        else:
+            calls = [ep.query("exports") for _ in descs]
+        got = await asyncio.gather(*calls, return_exceptions=True)
+        assert [type(g) for g in got] == [tx.BrokenError] * len(calls), got
+        assert ep.closed and node.endpoints == []
+    del ep, node, got  # the channel's error holds the op's frame (its traceback's) till then
+    gc.collect()  # a future nobody retrieved is logged as it is collected
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

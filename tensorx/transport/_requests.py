@@ -86,6 +86,17 @@ class Requests:
         finally:
             self._pending.pop(req, None)
 
+    def _unsent(self, req: int, pending: Pending) -> None:
+        """Forget a request whose frame could not be sent. A send that finds the peer
+        gone (EPIPE: it died and our loop has not read its end yet) fails the channel, and
+        with it every request in flight, this one included, while the caller gets the
+        send's error raised: mark this one's as seen, or asyncio logs it (an ERROR with a
+        traceback) once the future is collected, which the channel's error delays: its
+        traceback holds the caller's frame."""
+        self._pending.pop(req, None)
+        if pending.future.done() and not pending.future.cancelled():
+            pending.future.exception()
+
     def _arm(self, at: float) -> None:
         self._disarm()
         self._timer = self._loop.call_at(at, self._expire)
@@ -125,7 +136,7 @@ class Requests:
                                           imm if i == last else None)
                 self._out.enqueue([frame, src])
         except BaseException:
-            self._pending.pop(req, None)
+            self._unsent(req, pending)
             raise
         await self._await(req, pending)
 
@@ -136,10 +147,14 @@ class Requests:
         req, pending = self._new_request(timeout, "write")
         try:
             frame = _wire.write_frame(req, rid, ck, off, len(src), True)
-            if isinstance(src, StagedRange):
-                self._out.enqueue([frame, src])
-            else:
-                self._out.send_host([frame, src])
+            try:
+                if isinstance(src, StagedRange):
+                    self._out.enqueue([frame, src])
+                else:
+                    self._out.send_host([frame, src])
+            except BaseException:
+                self._unsent(req, pending)
+                raise
             await pending.future
         finally:
             self._pending.pop(req, None)
@@ -151,7 +166,7 @@ class Requests:
         try:
             self._out.enqueue([_wire.encode(kind, {"req": req, **fields})])
         except BaseException:
-            self._pending.pop(req, None)
+            self._unsent(req, pending)
             raise
         return await self._await(req, pending)
 
@@ -161,7 +176,11 @@ class Requests:
         coroutine frame from the call to the answer, as :meth:`write_one`)."""
         req, pending = self._new_request(timeout, "read", dest)
         try:
-            self._out.send_host([_wire.read_frame(req, rid, ck, off, len(dest))])
+            try:
+                self._out.send_host([_wire.read_frame(req, rid, ck, off, len(dest))])
+            except BaseException:
+                self._unsent(req, pending)
+                raise
             await pending.future
         finally:
             self._pending.pop(req, None)
