@@ -330,3 +330,40 @@ async def test_a_resumed_server_goes_on_without_a_rank_that_never_returns(
         assert values(models[0].a) == [-BOTH - 2 * ALONE] and ps.version == 3
     (lost,) = loss_records(caplog, "sync barriers go on without it")
     assert "rank 1" in lost.getMessage() and lost.levelno == logging.WARNING
+
+
+async def test_a_worker_killed_just_before_the_answer_leaves_the_others_served(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Both ranks pushed; rank 1 is killed as the shard starts answering, before its loop
+    has read that end: the survivor still gets the update's parameters, then goes on alone
+    ("continue"); the death is a WARNING naming the rank, never an ERROR or traceback."""
+    caplog.set_level(logging.INFO)
+    ctx = mp.get_context("spawn")
+    survivor, victim = Child(ctx, 0, False), Child(ctx, 1, False)
+    try:
+        async with ParameterServer(num_workers=2, mode="sync", optimizer=sgd, transport="tcp",
+                                   share_memory=False, on_worker_loss="continue",
+                                   worker_loss_timeout=LOSS_TIMEOUT) as ps:
+            await start_pair(ps, [survivor, victim])
+            answer = ps._send_params
+
+            async def killing_first(peer: Any, sent: Any = None) -> None:
+                if victim.proc.is_alive():
+                    victim.kill()  # blocking: gone before the shard's loop runs again
+                await answer(peer, sent)
+
+            ps._send_params = killing_first  # type: ignore[method-assign]
+            survivor.send("step")
+            victim.send("step")
+            values_, _, rejoins = await survivor.expect("stepped")
+            assert values_ == [-BOTH] and rejoins == 0 and not victim.proc.is_alive()
+            values_, _, _ = await survivor.step()  # alone, once rank 1 is declared lost
+            assert values_ == [-BOTH - ALONE] and ps.version == 2
+            survivor.send("close")
+            await survivor.expect("closed")
+    finally:
+        for c in (survivor, victim):
+            c.stop()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert any("rank 1" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.WARNING)
