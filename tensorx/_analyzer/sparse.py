@@ -279,6 +279,23 @@ class _PerTable:
             view[start:start + v.numel()].view_as(v).copy_(v)
 
 
+def sum_by_key(keys: Any, values: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """The rows of ``values`` summed by ``keys`` (int64, one per row): (sorted unique keys,
+    their sums). One stable numpy sort and one ``embedding_bag`` over the rows in that
+    order: each key's rows are added one after the other from +0.0, in the order given
+    (worker staging and a shard's sum of the ranks' rows both sum this way)."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    first = np.empty(ordered.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    starts = np.flatnonzero(first)  # of each run of equal keys
+    summed = torch.nn.functional.embedding_bag(
+        torch.from_numpy(order), values.reshape(len(order), math.prod(values.shape[1:])),
+        torch.from_numpy(starts), mode="sum")
+    return ordered[starts], summed.view(-1, *values.shape[1:])
+
+
 class _Packed:
     """Every table's gradient coalesced at once, when they share a dtype and row shape and
     live in host memory (the normal case): one sort over all the tables' ids (tagged with
@@ -312,15 +329,9 @@ class _Packed:
         ids = torch.cat([g._indices() for g in grads], 1).numpy()[0]
         keys = ids | np.repeat(np.arange(len(grads), dtype=np.int64) << _TABLE_SHIFT,
                                [g._nnz() for g in grads])
-        order = np.argsort(keys, kind="stable")  # stable: duplicates in autograd's order
-        keys = keys[order]
-        starts = np.flatnonzero(np.diff(keys, prepend=-1))  # of each run of equal keys
-        summed = torch.nn.functional.embedding_bag(
-            torch.from_numpy(order), values.view(len(order), math.prod(values.shape[1:])),
-            torch.from_numpy(starts), mode="sum")
-        unique = keys[starts]
+        unique, summed = sum_by_key(keys, values)  # duplicates in autograd's order
         counts = np.bincount(unique >> _TABLE_SHIFT, minlength=len(grads))
-        return _Packed(unique & _ID_MASK, summed.reshape(-1, *values.shape[1:]), counts)
+        return _Packed(unique & _ID_MASK, summed, counts)
 
     def write(self, region: MemoryRegion, offsets: Any, values_at: Any) -> None:
         """Each table's ids at its offset and its rows at ``values_at`` (numpy slices: one

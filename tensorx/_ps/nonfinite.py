@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tensorx._ps.rows import sum_finite
 from tensorx._ps.schedule import Decision
 from tensorx._ps.shard_layout import views
 from tensorx._text import printable
@@ -119,12 +120,7 @@ def listed(names: Sequence[str]) -> str:
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Is every value of every tensor finite? (One sum each, see the module docstring.)"""
-    with torch.no_grad():
-        for t in tensors:
-            acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-            if not torch.isfinite(t.sum(dtype=acc)):
-                return False
-    return True
+    return all(map(sum_finite, tensors))
 
 
 class NonFiniteGuard:
