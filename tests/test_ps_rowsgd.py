@@ -3,6 +3,8 @@ as torch's own sparse SGD step, update after update, and torch's step wherever i
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import rowsgd
+from tensorx._ps import rowkernel, rowsgd
 from tensorx._ps.rows import row_groups
 from tensorx._ps.shard import ShardLayout, ShardState
 from tensorx.graph_analyzer import GraphAnalyzer
@@ -39,7 +41,7 @@ def state_of(factory: Callable[..., torch.optim.Optimizer], flat: bool | None,
              schedule: bool = True) -> ShardState:
     model = Mixed()
     layout = ShardLayout.from_plan(GraphAnalyzer(model).plan(), 0)
-    state = ShardState(layout, 2, factory, flat=flat,
+    state = ShardState(layout, 3, factory, flat=flat,
                        lr_scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.7))
                        if schedule else None)
     state.load_params({k: v.detach() for k, v in model.state_dict().items()})
@@ -71,13 +73,25 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def kernel_or_skip() -> rowkernel.RowKernel:
+    """The C kernel; a test fails if a C compiler is here and it did not build."""
+    kernel = rowkernel.load()
+    if kernel is None:
+        if shutil.which(os.environ.get("CC") or "cc") is None:
+            pytest.skip("no C compiler here: the sparse SGD kernel is not built")
+        raise AssertionError("a C compiler is here but the sparse SGD kernel did not build")
+    return kernel
+
+
 @pytest.mark.parametrize("flat", [None, False], ids=["flat-auto", "per-tensor"])
-@pytest.mark.parametrize("ranks", [[0], [0, 1]])
-def test_plain_sgd_on_rows_gives_torchs_bits(flat: bool | None, ranks: list[int],
+@pytest.mark.parametrize("ranks", [[0], [0, 1], [0, 1, 2]])
+@pytest.mark.parametrize("by", ["kernel", "torch-ops"])
+def test_plain_sgd_on_rows_gives_torchs_bits(flat: bool | None, ranks: list[int], by: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two param groups, an LR schedule, tables of two dtypes and three row shapes, one or
-    two ranks: the few-ops step leaves every parameter bit for bit as torch's step does,
-    and the changed rows an answer sends are the same."""
+    """Two param groups, an LR schedule, tables of two dtypes and three row shapes, one to
+    three ranks (a mean over three is no power of two): the few-ops step, by the C kernel
+    or by torch ops, leaves every parameter bit for bit as torch's step does, and the
+    changed rows an answer sends are the same."""
     steps = []
     original = rowsgd.RowSGD.step
 
@@ -86,9 +100,25 @@ def test_plain_sgd_on_rows_gives_torchs_bits(flat: bool | None, ranks: list[int]
         return original(self, *a)
 
     monkeypatch.setattr(rowsgd.RowSGD, "step", counted)
+    kernel_calls = []
+    if by == "kernel":
+        kernel = kernel_or_skip()
+        original_sgd = rowkernel.RowKernel.sgd
+
+        def sgd(self: rowkernel.RowKernel, *a: Any) -> torch.Tensor | None:
+            got = original_sgd(self, *a)
+            kernel_calls.append(got is not None)
+            return got
+
+        monkeypatch.setattr(rowkernel.RowKernel, "sgd", sgd)
+        assert kernel is not None
+    else:
+        monkeypatch.setattr(rowkernel, "load", lambda: None)
     ours_state = state_of(two_groups, flat)
     ours = train(ours_state, ranks)
     assert len(steps) == 4
+    if by == "kernel":  # every group of every step (3 groups, one lr each)
+        assert kernel_calls and all(kernel_calls)
     monkeypatch.setattr(rowsgd.RowSGD, "usable", lambda self: False)
     theirs_state = state_of(two_groups, flat)
     theirs = train(theirs_state, ranks)

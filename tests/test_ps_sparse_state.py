@@ -319,7 +319,7 @@ def test_a_rows_values_add_up_in_rank_order_from_zero(dtype: torch.dtype) -> Non
     1 + 0.5 - big + big is 0: the small ones are lost next to big); a row of -0.0 alone sums
     to +0.0. The same bits whichever sum runs (float32/64 rows in host memory: a numpy sort
     and an ``embedding_bag``; other dtypes: ``index_add_``)."""
-    from tensorx._ps.rows import _sum_rows
+    from tensorx._ps.rows import sum_rows
 
     big = 2.0 ** 60
     row = torch.ones(2, 3, dtype=dtype)
@@ -328,7 +328,7 @@ def test_a_rows_values_add_up_in_rank_order_from_zero(dtype: torch.dtype) -> Non
              (torch.tensor([1, 4, 4]), torch.stack([row * -0.0, row, row * 0.5]))]
     sums = []
     for order in (parts, parts[::-1]):
-        ids, values = _sum_rows(order)
+        ids, values = sum_rows(order)
         assert ids.tolist() == [1, 2, 4]
         want = torch.zeros(3, 2, 3, dtype=dtype)
         for part_ids, part_values in order:  # the definition: rank by rank, from zero

@@ -28,7 +28,7 @@ import torch
 from tensorx._analyzer.sparse import sum_by_key
 
 __all__ = ["PushedRows", "RowBatch", "RowGroup", "Rows", "SparseRows", "first_out_of_range",
-           "no_invariant_checks", "put_rows", "row_groups", "sum_finite", "take_rows"]
+           "no_invariant_checks", "put_rows", "row_groups", "sum_finite", "sum_rows", "take_rows"]
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (row ids int64 [n], values [n, *row_shape])
 
@@ -254,19 +254,24 @@ class SparseRows:
     def summed(self, ranks: Sequence[int]) -> list[Rows | None]:
         """Per group, the rows of ``ranks`` summed by key and divided by their number: every
         table's gradient at once, the same values :meth:`grad` gives table by table."""
-        out: list[Rows | None] = []
-        for k in range(len(self.groups)):
-            parts = [p for p in (self.packed(r)[k] for r in ranks) if p is not None]
-            if not parts:
-                out.append(None)
-                continue
-            with torch.no_grad():
-                ids, values = _sum_rows(parts, copy=False)
-                if len(ranks) > 1:  # never in place in the rows a rank pushed
-                    values = values.div(len(ranks)) if values is parts[0][1] \
-                        else values.div_(len(ranks))
-            out.append((ids, values))
-        return out
+        return [self.summed_group(ranks, k) for k in range(len(self.groups))]
+
+    def parts(self, ranks: Sequence[int], k: int) -> list[Rows]:
+        """The rows ``ranks`` pushed of group ``k``, rank by rank (ranks with none left
+        out), keyed as :meth:`packed` keys them."""
+        return [p for p in (self.packed(r)[k] for r in ranks) if p is not None]
+
+    def summed_group(self, ranks: Sequence[int], k: int) -> Rows | None:
+        """Group ``k``'s part of :meth:`summed` (None: no rank pushed rows of it)."""
+        parts = self.parts(ranks, k)
+        if not parts:
+            return None
+        with torch.no_grad():
+            ids, values = sum_rows(parts, copy=False)
+            if len(ranks) > 1:  # never in place in the rows a rank pushed
+                values = values.div(len(ranks)) if values is parts[0][1] \
+                    else values.div_(len(ranks))
+        return ids, values
 
     def grad(self, ranks: Sequence[int], i: int) -> torch.Tensor | None:
         """Table ``i``'s gradient for an update of ``ranks`` (see the module docstring), or
@@ -277,7 +282,7 @@ class SparseRows:
         if not parts:
             return None
         with torch.no_grad():
-            ids, values = _sum_rows(parts)
+            ids, values = sum_rows(parts)
             if len(ranks) > 1:
                 values.div_(len(ranks))
         with no_invariant_checks():
@@ -293,7 +298,7 @@ class SparseRows:
         self._gathered = None
 
 
-def _sum_rows(parts: Sequence[Rows], copy: bool = True) -> Rows:
+def sum_rows(parts: Sequence[Rows], copy: bool = True) -> Rows:
     """The rows of ``parts`` summed by row id: (sorted unique ids, values), as
     ``coalesce()`` gives them. One part of sorted unique ids (what a worker stages) is
     taken as it is (its values copied unless ``copy`` is False: the gradient may be changed
@@ -324,7 +329,7 @@ def _bag_sums(parts: Sequence[Rows]) -> bool:
 
 
 def _sum_rows_bag(parts: Sequence[Rows]) -> Rows:
-    """:func:`_sum_rows` by :func:`~tensorx._analyzer.sparse.sum_by_key` over the ranks'
+    """:func:`sum_rows` by :func:`~tensorx._analyzer.sparse.sum_by_key` over the ranks'
     rows in rank order: each row id's rows added one after the other from zero, as the
     ``index_add_`` of rank after rank adds them (the same bits), in about half the time
     (the DLRM's two pushes of ~3500 rows: 0.10 vs 0.22-0.35 ms)."""

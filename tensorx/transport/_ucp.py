@@ -27,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from tensorx._cache import cache_root
 from tensorx.errors import TransportUnavailableError
 from tensorx.transport._exceptions import UCX_ERRORS, map_exceptions
 
@@ -90,14 +91,11 @@ def _cache_dir(version: str, lib: Path) -> Path:
     """One build per UCX version, ABI, source and libucx location: the module's runpath
     names ``lib`` (a child process that loads it, see :mod:`._ucx_probe`, relies on it),
     so a build made for another environment, perhaps since deleted, is never reused."""
-    base = os.environ.get("TENSORX_CACHE_DIR")
-    root = Path(base) if base else Path(
-        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tensorx"
     from tensorx.transport._ucp_build import CDEF, SOURCE
 
     abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
     source = hashlib.sha256((CDEF + SOURCE + str(lib)).encode()).hexdigest()[:12]
-    return root / f"ucp-{version}-{abi}-{source}"
+    return cache_root() / f"ucp-{version}-{abi}-{source}"
 
 
 def _import_or_build() -> ModuleType:
