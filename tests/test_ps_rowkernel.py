@@ -13,15 +13,12 @@ import torch
 from tensorx._ps import rowkernel, rowsgd
 from tensorx._ps.rows import no_invariant_checks, sum_rows
 
+from .test_ps_rowsgd import kernel_or_skip
+
 
 @pytest.fixture
 def kernel() -> rowkernel.RowKernel:
-    got = rowkernel.load()
-    if got is None:
-        if shutil.which(os.environ.get("CC") or "cc") is None:
-            pytest.skip("no C compiler here: the sparse SGD kernel is not built")
-        raise AssertionError("a C compiler is here but the sparse SGD kernel did not build")
-    return got
+    return kernel_or_skip()
 
 
 def torch_step(table: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]],
