@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/train_digits.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
