@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,10 +41,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.baselines.pair import PYTHON, SAME_HOST, BenchError, Pair, System, _Proc
+from benchmarks.baselines.pair import (
+    PYTHON,
+    ROOT,
+    SAME_HOST,
+    BenchError,
+    Pair,
+    System,
+    _Proc,
+)
 
 TRANSFER_GOAL = 0.8  # tensorx GB/s / torch copy GB/s, at least
-PS_GOAL = 0.3  # tensorx ms per round / TensorPipe's, at most
+PS_GOAL = 0.05  # tensorx ms per round / TensorPipe's, at most
+FLOOR_GOAL = 2.0  # tensorx ms per round / the floor's (no transport), at most
 MIN_ROW_S = 10.0  # below this much budget left, rows are skipped (and say so)
 MODEL_LABELS = {"resnet50": "ResNet-50", "bert-base": "BERT-base", "tiny": "tiny",
                 "many-small": "many-small"}
@@ -67,6 +77,8 @@ PATHS = {
 SYSTEMS = {
     "tensorx": System("tensorx (defaults)", "gpu-tensorx"),
     "tensorx-flat": System("tensorx flat=True", "gpu-tensorx", ("--variant", "flat")),
+    "tensorx-per-tensor": System("tensorx flat=False", "gpu-tensorx",
+                                 ("--variant", "per-tensor")),
     "tensorpipe": System("TensorPipe RPC", "gpu-tensorpipe"),
 }
 
@@ -147,6 +159,11 @@ def transfer_row(key: str, args: argparse.Namespace, budget: Budget) -> dict[str
                gpu=info.get("gpu"), why=info.get("why"), verified=res["verified"],
                reps=res["reps"], copy_s=res["copy"], write_s=res["write"], read_s=res["read"])
     row["copy_gbps"] = gbps(args.size, res["copy"])
+    for k in ("copy_small", "write_small", "read_small", "raw_write", "raw_read"):
+        row[f"{k}_s"] = res.get(k)
+    row["small"] = res.get("small")
+    row["raw_write_gbps"] = gbps(args.size, res.get("raw_write"))
+    row["raw_read_gbps"] = gbps(args.size, res.get("raw_read"))
     if res.get("error"):
         row["status"] = "failed: " + res["error"]
         progress(f"  {path.label}: {row['status']} (torch copy {_f(row['copy_gbps'], '.1f')} "
@@ -212,6 +229,28 @@ def _measure(pairs: dict[str, Pair], failed: dict[str, str], args: argparse.Name
     return {k: t for k, t in times.items() if k in pairs and t}
 
 
+def floor_row(model: str, workers: int, args: argparse.Namespace, budget: Budget
+              ) -> dict[str, Any]:
+    """The round's floor, measured alone before the systems start: the device copies of
+    the push and the pull and the SGD step, in one process (benchmarks/baselines/
+    gpu_floor.py)."""
+    row: dict[str, Any] = {"part": "ps", "model": model, "workers": workers,
+                           "device": args.device, "key": "floor", "status": "ok",
+                           "system": "floor: push + pull copies and SGD step, no transport"}
+    cmd = [PYTHON, "-m", "benchmarks.baselines.gpu_floor", "--model", model, "--workers",
+           str(workers), "--device", args.device]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=budget.timeout(60.0), check=True)
+        line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
+        res = json.loads(line.split(" ", 1)[1])
+    except (subprocess.SubprocessError, OSError, StopIteration, ValueError) as exc:
+        row["status"] = "failed: " + short(exc)
+        return row
+    row.update(median_s=res["round"], parts={k: res[k] for k in ("push", "step", "pull")})
+    return row
+
+
 def ps_group(model: str, workers: int, args: argparse.Namespace, budget: Budget
              ) -> list[dict[str, Any]]:
     base = {"part": "ps", "model": model, "workers": workers, "device": args.device}
@@ -241,6 +280,7 @@ def ps_group(model: str, workers: int, args: argparse.Namespace, budget: Budget
             p.close()
     med = {k: statistics.median(t) for k, t in times.items()}
     ref = med.get("tensorpipe")
+    floor = floor_row(model, workers, args, budget) if args.floor else None
     for r in rows:
         k = r["key"]
         if k in failed or k not in med:
@@ -251,6 +291,12 @@ def ps_group(model: str, workers: int, args: argparse.Namespace, budget: Budget
                  lanes=info.get("lanes", []), gpu=info.get("gpu"),
                  mapped=info.get("mapped", False),
                  vs_tensorpipe=med[k] / ref if ref else None)
+        if floor is not None and floor.get("median_s"):
+            r["vs_floor"] = med[k] / floor["median_s"]
+    if floor is not None:
+        if ref and floor.get("median_s"):
+            floor["vs_tensorpipe"] = floor["median_s"] / ref
+        rows.append(floor)
     progress("  " + "; ".join(
         f"{r['system']}: " + (f"{r['median_s'] * 1e3:.2f} ms (lanes {r.get('lanes')}, "
                               f"gpu {r.get('gpu')!r})" if "median_s" in r else r["status"])
@@ -272,23 +318,32 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e6:.0f}"
+
+
 def transfer_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| path | lanes (ep.info) | write GB/s | read GB/s | torch copy GB/s |"
-             " write / copy | read / copy | reps | status |", "|---" * 9 + "|"]
+             " write / copy | read / copy | IPC copy alone GB/s, write / read |"
+             " 4 KiB write / read / torch copy, us | reps | status |", "|---" * 11 + "|"]
     for r in rows:
         lanes = f"{r.get('transport', '-')}: {', '.join(r.get('lanes') or []) or '-'}"
         if r.get("gpu"):
             lanes += f" (gpu: {r['gpu']})"
+        raw = (f"{_f(r.get('raw_write_gbps'), '.1f')} / {_f(r.get('raw_read_gbps'), '.1f')}"
+               if r.get("raw_write_gbps") else "-")
+        small = (f"{_us(r.get('write_small_s'))} / {_us(r.get('read_small_s'))} / "
+                 f"{_us(r.get('copy_small_s'))}")
         lines.append(f"| {r['label']} | {lanes} | {_f(r.get('write_gbps'), '.1f')} | "
                      f"{_f(r.get('read_gbps'), '.1f')} | {_f(r.get('copy_gbps'), '.1f')} | "
                      f"{_f(r.get('write_vs_copy'), '.3f')} | {_f(r.get('read_vs_copy'), '.3f')}"
-                     f" | {r.get('reps', '-')} | {_cut(r['status'])} |")
+                     f" | {raw} | {small} | {r.get('reps', '-')} | {_cut(r['status'])} |")
     return "\n".join(lines)
 
 
 def ps_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | workers | system | lanes | ms / round (median) | vs TensorPipe |"
-             " rounds | status |", "|---" * 8 + "|"]
+             " vs floor | rounds | status |", "|---" * 9 + "|"]
     for r in rows:
         lanes = ", ".join((["mapped"] if r.get("mapped") else []) + (r.get("lanes") or []))
         lanes = lanes or "-"
@@ -296,9 +351,9 @@ def ps_table(rows: list[dict[str, Any]]) -> str:
             lanes += f" (gpu: {r['gpu']})"
         ms = r["median_s"] * 1e3 if "median_s" in r else None
         lines.append(f"| {MODEL_LABELS.get(r['model'], r['model'])} | {r['workers']} | "
-                     f"{r['system']} | {lanes} | {_f(ms, '.2f')} | "
-                     f"{_f(r.get('vs_tensorpipe'), '.3f')} | {r.get('rounds', '-')} | "
-                     f"{_cut(r['status'])} |")
+                     f"{r['system']} | {lanes} | {_f(ms, '.3f')} | "
+                     f"{_f(r.get('vs_tensorpipe'), '.3f')} | {_f(r.get('vs_floor'), '.2f')} | "
+                     f"{r.get('rounds', '-')} | {_cut(r['status'])} |")
     return "\n".join(lines)
 
 
@@ -310,11 +365,14 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
                 x = r[f"{op}_vs_copy"]
                 out.append(f"- transfer, {r['label']}, {op}: {x:.3f}x the torch copy (goal >= "
                            f"{TRANSFER_GOAL}x) {'MET' if x >= TRANSFER_GOAL else 'missed'}")
-        if r["part"] == "ps" and r["key"] != "tensorpipe" and r.get("vs_tensorpipe"):
-            x = r["vs_tensorpipe"]
+        if r["part"] == "ps" and r["key"].startswith("tensorx") and r.get("vs_tensorpipe"):
+            x, f = r["vs_tensorpipe"], r.get("vs_floor")
+            floor = "" if f is None else (f"; {f:.2f}x the floor measured in the same run "
+                                          f"(goal <= {FLOOR_GOAL}x) "
+                                          f"{'MET' if f <= FLOOR_GOAL else 'missed'}")
             out.append(f"- PS round, {MODEL_LABELS.get(r['model'], r['model'])}, "
                        f"{r['workers']} worker(s), {r['system']}: {x:.3f}x TensorPipe's time "
-                       f"(goal <= {PS_GOAL}x) {'MET' if x <= PS_GOAL else 'missed'}")
+                       f"(goal <= {PS_GOAL}x) {'MET' if x <= PS_GOAL else 'missed'}{floor}")
     return out
 
 
@@ -371,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-s", type=float, default=None, help="seconds per block (1.0)")
     p.add_argument("--max-rounds", type=int, default=200, help="rounds per block, at most")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip the PS round's floor (device copies and step, no transport)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="whole-run budget: rows past it are skipped, each part's timeout "
                         "cut to it (default 240)")

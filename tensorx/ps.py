@@ -106,9 +106,9 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     out and step first, per tensor, with their sparse gradients); otherwise per tensor.
     Either way the optimizer sees the model's named, shaped parameters, and its
     ``state_dict``, checkpoints, LR schedulers and :class:`~tensorx.RemoteOptimizer` work
-    as with ``flat=False``. One INFO line per shard says which update runs and why. A
-    shard on a GPU (``device="cuda"``) stays per tensor under ``None`` for now: the flat
-    update has not run on a GPU yet.
+    as with ``flat=False``. One INFO line per shard says which update runs and why. On
+    a GPU shard (``device="cuda"``) the flat update is applied whole (a few fused kernel
+    launches), not range by range.
     ``False``: always per tensor. ``True``: the optimizer itself sees a few flat parameters
     per shard (``flat.0``, ...) instead of one per tensor (elementwise optimizers only; no
     optimizer state transfer; see ShardState).

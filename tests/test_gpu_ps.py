@@ -32,6 +32,7 @@ from tensorx._ps.shard import (
 )
 from tensorx.ps import ParameterServer
 
+from . import test_ps_flat_update as flat_update
 from .conftest import HAVE_UCX
 from .test_ps_train import (
     ADAM,
@@ -244,6 +245,27 @@ def test_shard_state_on_the_gpu_updates_as_on_the_cpu(flat: bool) -> None:
     finally:
         gpu.close()
         cpu.close()
+
+
+@pytest.mark.parametrize("name", list(flat_update.ELEMENTWISE))
+def test_a_gpu_shard_steps_the_flat_update_by_default(name: str) -> None:
+    """``flat=None`` on a GPU shard: the flat update (fused or foreach passes over the
+    arena's ranges, the whole update at once), the same parameters and optimizer state as
+    stepping each tensor there (SGD bit for bit)."""
+    cls, kw = flat_update.ELEMENTWISE[name]
+    make = flat_update._two_groups(cls, **kw)
+    layout = flat_update._layout()
+    auto, ref = (ShardState(layout, 2, make, flat=f, device=CUDA) for f in (None, False))
+    try:
+        assert auto.fast is not None and ref.fast is None
+        assert auto.update.startswith("flat over"), auto.update
+        assert auto.fast.flat[0].is_cuda and not auto.in_parts
+        flat_update._train(auto, range(6))
+        flat_update._train(ref, range(6))
+        flat_update._same(auto, ref, exact=cls is torch.optim.SGD)
+    finally:
+        auto.close()
+        ref.close()
 
 
 @pytest.mark.parametrize(("first", "second"), [(CUDA, "cpu"), ("cpu", CUDA)],

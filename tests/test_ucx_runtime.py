@@ -5,6 +5,9 @@ real ``tx_wait_t`` of a real runtime, with an op in flight stood in by one more 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,6 +15,7 @@ import pytest
 pytest.importorskip("ucxx")
 
 from tensorx.errors import BrokenError, TimeoutError
+from tensorx.transport._ucx_progress import ProgressDriver
 from tensorx.transport._ucx_runtime import UcxRuntime
 from tensorx.transport.ucx import UcxFactory
 
@@ -65,3 +69,31 @@ async def test_a_wait_ends_on_its_timer_and_on_its_completion(runtime: UcxRuntim
     await asyncio.sleep(0)
     done(runtime, other)
     await asyncio.wait_for(waiting, 5)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: the driver never polls")
+async def test_an_op_that_completes_without_waking_the_driver_is_not_slept_through(
+        runtime: UcxRuntime) -> None:
+    """A completion that writes no fd the driver sleeps on (a CUDA copy ending on the
+    device, a shared-memory transfer, a worker fd that stays quiet after arming): the
+    driver keeps polling while the op is in flight, so no epoll timeout (1 ms) lies
+    between the completion and the wait's end. Before, it slept after 50 us of quiet and
+    each such op cost one timed-out sleep."""
+    driver = ProgressDriver._running
+    assert runtime.driver and driver is not None
+    loop = asyncio.get_running_loop()
+    before = driver.timeouts
+    for _ in range(20):
+        w = in_flight(runtime)
+
+        def finish(w: object = w) -> None:  # the op ends 0.3 ms later, waking nobody
+            time.sleep(0.0003)
+            runtime.lib.tx_wait_release(w)
+            loop.call_soon_threadsafe(runtime._on_event)
+
+        thread = threading.Thread(target=finish)
+        thread.start()
+        await runtime.complete(w, 5, inline=False)
+        thread.join()
+        await asyncio.sleep(0.003)  # no next op to wake a sleeping driver early
+    assert driver.timeouts - before == 0

@@ -74,7 +74,7 @@ async def client(args: argparse.Namespace) -> dict[str, Any]:
         sync()
         return time.perf_counter() - t
 
-    times: dict[str, list[float]] = {"copy": [], "write": [], "read": []}
+    times: dict[str, list[float]] = {"copy": [], "write": [], "read": []}  # and more
     out: dict[str, Any] = {"info": {}, "verified": False}
     try:
         await _transfers(args, src, dst, copy, times, out)
@@ -111,19 +111,71 @@ async def _transfers(args: argparse.Namespace, src: torch.Tensor, dst: torch.Ten
             sync()
             return time.perf_counter() - t
 
+        small = min(SMALL, args.size)
+        raw = _raw_ipc(desc, args.device)  # the floor of the IPC lane: its copy alone
+
+        def copy_small() -> float:
+            sync()
+            t = time.perf_counter()
+            dst[:small].copy_(src[:small])
+            sync()
+            return time.perf_counter() - t
+
         deadline = time.monotonic() + args.max_s
         for i in range(args.warmup + args.reps):
             sample = {"copy": copy(),
                       "write": await timed(lambda: ep.write(local, desc)),
-                      "read": await timed(lambda: ep.read(back, desc))}
+                      "read": await timed(lambda: ep.read(back, desc)),
+                      "copy_small": copy_small(),
+                      "write_small": await timed(lambda: ep.write(local, desc, nbytes=small)),
+                      "read_small": await timed(lambda: ep.read(back, desc, nbytes=small))}
+            if raw is not None:
+                sample.update(raw(src, dst, sync))
             if i >= args.warmup:
                 for k, v in sample.items():
-                    times[k].append(v)
+                    times.setdefault(k, []).append(v)
             if time.monotonic() > deadline and i >= args.warmup:
                 common.log(f"client: time limit {args.max_s} s reached after {i + 1} reps")
                 break
+        out["small"] = small
         local.close()
         back.close()
+
+
+SMALL = 4096  # bytes of the small ops, whose time is the path's fixed cost per op
+
+
+def _raw_ipc(desc: tx.RegionDescriptor, device: str
+             ) -> Callable[[torch.Tensor, torch.Tensor, Callable[[], None]],
+                           dict[str, float]] | None:
+    """Where the owner's region has a CUDA IPC handle: time the copies the IPC lane makes,
+    with no tensorx around them (the owner's allocation opened here once, a torch copy to
+    it and one from it, each from a synchronized device to a synchronized device)."""
+    if not device.startswith("cuda"):
+        return None
+    from tensorx import _cuda
+
+    keys = _cuda.IpcKeys.from_wire(desc.keys.get("cuda_ipc"))
+    if keys is None:
+        return None
+    index = _cuda.local_device_for(keys.uuid)
+    if index is None:
+        return None
+    mapping = _cuda.IpcMapping(keys, index)
+    remote = mapping.tensor[keys.offset:keys.offset + desc.nbytes]
+
+    def run(src: torch.Tensor, dst: torch.Tensor, sync: Callable[[], None]
+            ) -> dict[str, float]:
+        times = {}
+        for name, (a, b) in (("raw_write", (remote, src)), ("raw_read", (dst, remote))):
+            sync()
+            t = time.perf_counter()
+            a.copy_(b)
+            sync()
+            times[name] = time.perf_counter() - t
+        return times
+
+    return run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -3,7 +3,8 @@
 protocol by :class:`benchmarks.baselines.pair.Pair`.
 
 * ``gpu-tensorx``: ``tx.ParameterServer(..., device=--device)`` with the defaults (transport,
-  ``flat``, ``share_memory``: what a user gets; ``--variant flat`` sets ``flat=True``) and one
+  ``flat``, ``share_memory``: what a user gets; ``--variant flat`` sets ``flat=True``,
+  ``--variant per-tensor`` ``flat=False``) and one
   :class:`tensorx.Worker` per worker process bound to a model on ``--device``. A round is
   ``await worker.step()`` then a device synchronize.
 * ``gpu-tensorpipe``: ``torch.distributed.rpc`` with TensorPipe and ``device_maps`` (worker
@@ -16,17 +17,25 @@ protocol by :class:`benchmarks.baselines.pair.Pair`.
 With ``--device cpu`` both run on host memory (the self-test: no device maps, figures
 meaningless). Every server also ends when its stdin closes (the driver gone), so no process
 outlives a driver that died.
+
+``$TX_BENCH_PROFILE=DIR`` (tensorx only): each process profiles itself with cProfile (the
+server all its life, a worker its measured rounds) and writes the top functions, by own
+time and by cumulative time, to ``DIR/<role>-<rank>.txt`` when it ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
 import os
+import pstats
 import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed.rpc as rpc
@@ -57,14 +66,47 @@ def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 
 # -- tensorx -----------------------------------------------------------------------------------
+class _Profile:
+    """cProfile of this process's tensorx work, written out at exit (``$TX_BENCH_PROFILE``:
+    see the module docstring); does nothing where that is unset."""
+
+    def __init__(self, role: str) -> None:
+        self.where = os.environ.get("TX_BENCH_PROFILE")
+        self.role = role
+        self.prof: cProfile.Profile | None = cProfile.Profile() if self.where else None
+
+    def __enter__(self) -> None:
+        if self.prof is not None:
+            self.prof.enable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prof is not None:
+            self.prof.disable()
+
+    def write(self) -> None:
+        if self.prof is None or self.where is None:
+            return
+        out = io.StringIO()
+        stats = pstats.Stats(self.prof, stream=out)
+        for key in ("tottime", "cumulative"):
+            stats.sort_stats(key).print_stats(40)
+        path = Path(self.where) / f"{self.role}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(out.getvalue())
+
+
 def tensorx_serve(args: argparse.Namespace) -> None:
-    asyncio.run(_tensorx_serve(args))
+    profile = _Profile(f"server-{args.workers}w")
+    with profile:
+        asyncio.run(_tensorx_serve(args))
+    profile.write()
 
 
 async def _tensorx_serve(args: argparse.Namespace) -> None:
     from tensorx import ParameterServer
 
-    options = {"flat": True} if args.variant == "flat" else {}
+    options: dict[str, object] = {"flat": {"flat": True, "per-tensor": False}[args.variant]} \
+        if args.variant else {}
     if args.device != "cpu":
         options["device"] = args.device
     try:
@@ -82,10 +124,12 @@ async def _tensorx_serve(args: argparse.Namespace) -> None:
 
 
 def tensorx_client(args: argparse.Namespace) -> None:
-    asyncio.run(_tensorx_client(args))
+    profile = _Profile(f"worker-{args.workers}w-rank{args.rank}")
+    asyncio.run(_tensorx_client(args, profile))
+    profile.write()
 
 
-async def _tensorx_client(args: argparse.Namespace) -> None:
+async def _tensorx_client(args: argparse.Namespace, profile: _Profile) -> None:
     import time
 
     from tensorx import Worker
@@ -109,6 +153,10 @@ async def _tensorx_client(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t)
             return times
 
+        async def measured(n: int) -> list[float]:
+            with profile:
+                return await rounds(n)
+
         await rounds(common.WARMUP_ROUNDS)
         info = ep.info
         common.announce({"system": "tensorx", "transport": info.get("transport"),
@@ -119,7 +167,7 @@ async def _tensorx_client(args: argparse.Namespace) -> None:
             cmd = (await loop.run_in_executor(None, sys.stdin.readline)).split()
             if not cmd or cmd[0] == "quit":
                 break
-            print("TIMES [" + ", ".join(map(str, await rounds(int(cmd[1])))) + "]",
+            print("TIMES [" + ", ".join(map(str, await measured(int(cmd[1])))) + "]",
                   flush=True)
 
 

@@ -130,9 +130,6 @@ class ShardState:
             return f"per-tensor ({why})"
         if len(self.rows) == len(self.params):
             return "per-tensor (only sparse tables on this shard)"
-        if self.params_region.is_cuda:  # measured and tested on the H200 per tensor only
-            return ("per-tensor (the automatic flat update is not yet verified on a GPU "
-                    "shard; flat=True opts in)")
         self._fast = FlatUpdate(self.optimizer, self.params, self.layout.param_specs(),
                                 self.params_region, parts.PART_BYTES)
         self._fast_acc = self._fast.views(self._acc_region)
@@ -205,7 +202,11 @@ class ShardState:
     def in_parts(self) -> bool:
         """Apply the update part by part, sending finished parts meanwhile (see
         :func:`tensorx._ps.answer.apply_in_parts`)? Not if its dense bytes fit in one
-        part: a thread hop per part costs more than it overlaps (DLRM-shaped: ~4 of 8 ms)."""
+        part: a thread hop per part costs more than it overlaps (DLRM-shaped: ~4 of 8 ms).
+        Never on a GPU: the whole update is a few kernel launches, over well before a
+        thread hop per part would let the first part leave."""
+        if self.params_region.is_cuda:
+            return False
         if self.fast is not None:
             return sum(r.nbytes for r in self.fast.ranges) > parts.PART_BYTES
         return self.num_parts > 1

@@ -14,9 +14,11 @@ Copies wait on the device's current stream first, so a range is read after (and 
 after) the kernels queued before the op. A receive returns only once its last copy's event
 has completed: then any later kernel, on any stream, sees the data.
 
-Waiting on a CUDA event from asyncio: :func:`wait_event` polls ``event.query()`` with
-short sleeps (0, then 50 us doubling to 1 ms) instead of ``run_in_executor(synchronize)``.
-A 4 MiB copy takes about 100 us, about what a thread hop costs; the default executor is
+Waiting on a CUDA event from asyncio: :func:`wait_event` polls ``event.query()`` once a
+loop turn for :data:`tensorx._cuda.SPIN_S` (the loop's selector never sleeps less than
+1 ms, far longer than a chunk's copy), then with sleeps (50 us doubling to 1 ms), instead
+of ``run_in_executor(synchronize)``. A 4 MiB copy takes about 100 us, about what a thread
+hop costs; the default executor is
 shared and bounded (a stuck copy would hold one of its threads), and polling never blocks
 the event loop. A receive that fails (the op raised, the peer died) waits synchronously
 for its few copies still in flight (:meth:`StagedRange.quiesce`, at most POOL chunk copies)
@@ -32,9 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from tensorx import _cuda
 from tensorx.memregion import MemoryRegion
 from tensorx.transport._exceptions import TORCH_ERRORS, map_exceptions
 from tensorx.transport._sock import FrameReader
@@ -72,8 +76,12 @@ class Event(Protocol):
 
 async def wait_event(event: Event) -> None:
     """Wait for a copy without blocking the loop (see the module docstring)."""
+    spin_until = time.perf_counter() + _cuda.SPIN_S
     delay = 0.0
     while not event.query():
+        if time.perf_counter() < spin_until:
+            await asyncio.sleep(0)  # a loop turn, no selector sleep: most copies end here
+            continue
         await asyncio.sleep(delay)
         delay = min(max(delay * 2, 5e-5), 1e-3)
 

@@ -52,11 +52,12 @@ int tx_wait_release(tx_wait_t *w);
 unsigned tx_progress(uintptr_t worker, unsigned rounds, tx_wait_t *w);
 int tx_signal(uintptr_t worker);
 
-void *tx_driver_start(uintptr_t worker, long spin_ns, int *err);
+void *tx_driver_start(uintptr_t worker, long spin_ns, long busy_spin_ns, int *err);
 void tx_driver_set_cuda(void *driver, uintptr_t cuda_ctx);
 int tx_driver_cuda(void *driver);
 void tx_driver_stop(void *driver);
 unsigned long tx_driver_sleeps(void *driver);
+unsigned long tx_driver_timeouts(void *driver);
 const char *tx_status_string(int status);
 const char *tx_version(void);
 int tx_probe_address(const void *address, int error_handling);
@@ -338,18 +339,25 @@ int tx_signal(uintptr_t worker)
 
 /* The progress driver: one thread that progresses the worker while there is work, keeps
  * polling for ``spin_ns`` after the last sign of work (a bulk transfer over tcp produces
- * work every few microseconds, and waking up for each piece costs more than polling), then
- * arms the worker and sleeps in epoll until the worker's fd (or ucp_worker_signal) wakes it:
- * at most 1 ms while an op is in flight, since a shared-memory transport (cma, posix) moves
- * data inside progress calls and has no fd to wake a sleeper with; 100 ms when idle.
+ * work every few microseconds, and waking up for each piece costs more than polling), and
+ * for ``busy_spin_ns`` while any op is in flight: a completion may come with no fd to wake
+ * a sleeper (a shared-memory transport moves data inside progress calls, a CUDA copy ends
+ * on the device, and on some kernels the worker's fd stays quiet after ucp_worker_arm), so
+ * sleeping through it would cost the op a whole epoll timeout. Past both it arms the worker
+ * and sleeps in epoll until the worker's fd (or ucp_worker_signal) wakes it: at most 1 ms
+ * while an op is in flight (a stalled op polled at low cost: ``timeouts`` counts these
+ * waits that ended with nothing to wake them), 100 ms when idle. A wake-up by the fd is a
+ * sign of work; a timed-out wait is not, so a stalled op does not spin again.
  */
 typedef struct {
     pthread_t thread;
     ucp_worker_h worker;
     long spin_ns;
+    long busy_spin_ns;
     int epfd;
     volatile int stop;
     volatile unsigned long sleeps;
+    volatile unsigned long timeouts;
     volatile uintptr_t cuda_want;  /* a CUcontext to make current on the driver thread */
     uintptr_t cuda_have;
     volatile int cuda_status;      /* -1 not yet, 0 current, -2 no libcuda, else CUresult */
@@ -394,26 +402,36 @@ static void *tx_driver_main(void *arg)
             busy = tx_now_ns();
             continue;
         }
-        if (tx_now_ns() - busy < d->spin_ns) {
+        long quiet = tx_now_ns() - busy;
+        if (quiet < d->spin_ns || (tx_inflight > 0 && quiet < d->busy_spin_ns)) {
             sched_yield();  /* polling, but never ahead of a thread that shares our core */
             continue;
         }
         ucs_status_t st = ucp_worker_arm(d->worker);
         if (st == UCS_ERR_BUSY) {
+            busy = tx_now_ns();
             continue;
         }
         if (st == UCS_OK) {
+            int waiting = tx_inflight > 0;
+            int n;
             d->sleeps++;
-            while (epoll_wait(d->epfd, &ev, 1, tx_inflight > 0 ? 1 : 100) < 0 &&
+            while ((n = epoll_wait(d->epfd, &ev, 1, waiting ? 1 : 100)) < 0 &&
                    errno == EINTR && !d->stop) {
             }
+            if (n > 0) {
+                busy = tx_now_ns();
+            } else if (waiting) {
+                d->timeouts++;
+            }
+        } else {
+            busy = tx_now_ns();
         }
-        busy = tx_now_ns();
     }
     return NULL;
 }
 
-void *tx_driver_start(uintptr_t worker, long spin_ns, int *err)
+void *tx_driver_start(uintptr_t worker, long spin_ns, long busy_spin_ns, int *err)
 {
     struct epoll_event ev;
     int wfd = -1;
@@ -424,6 +442,7 @@ void *tx_driver_start(uintptr_t worker, long spin_ns, int *err)
     }
     d->worker = (ucp_worker_h)worker;
     d->spin_ns = spin_ns;
+    d->busy_spin_ns = busy_spin_ns;
     d->cuda_status = -1;
     *err = (int)ucp_worker_get_efd(d->worker, &wfd);
     if (*err != UCS_OK) {
@@ -472,6 +491,11 @@ int tx_driver_cuda(void *driver)
 unsigned long tx_driver_sleeps(void *driver)
 {
     return ((tx_driver_t *)driver)->sleeps;
+}
+
+unsigned long tx_driver_timeouts(void *driver)
+{
+    return ((tx_driver_t *)driver)->timeouts;
 }
 
 const char *tx_status_string(int status)

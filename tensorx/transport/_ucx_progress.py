@@ -8,16 +8,21 @@ replaces ucxx's thread only where tensorx initialised ucxx itself: another user 
 the process keeps its own progress.
 
 How long progress may sleep: the driver keeps polling for ``spin_ns`` after the last sign of
-work, then sleeps in epoll on the worker's fd, at most 1 ms while any op is in flight (a
-copy by cma or posix happens inside a progress call and wakes no fd) and 100 ms otherwise;
-ucxx's thread sleeps at most 1 ms (its ``epoll_timeout``). Either way the event loop never
-has to poll: a completion reaches it through the runtime's eventfd.
+work, and for :data:`BUSY_SPIN_NS` while any op is in flight (a copy by cma or posix
+happens inside a progress call, a CUDA copy ends on the device, and on some kernels the
+worker's fd stays quiet after ``ucp_worker_arm``: none of them wakes a sleeper, and a 1 ms
+epoll timeout per op made small UCX ops take milliseconds). Past that it sleeps in epoll on
+the worker's fd, at most 1 ms while any op is in flight and 100 ms otherwise; ucxx's thread
+sleeps at most 1 ms (its ``epoll_timeout``). :attr:`ProgressDriver.timeouts` counts the
+sleeps an op in flight ended by timing out (none in steady state). Either way the event
+loop never has to poll: a completion reaches it through the runtime's eventfd.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from typing import Any, ClassVar
 
@@ -28,6 +33,20 @@ from tensorx.transport._ucp import UcpLib
 __all__ = ["ProgressDriver"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
+
+BUSY_SPIN_NS = 2_000_000
+"""How long the driver keeps polling while an op is in flight and nothing moves (2 ms:
+longer than a small op's round trip over tcp or a large device copy), before it sleeps in
+epoll; ``$TENSORX_UCX_BUSY_SPIN_US`` overrides. Never less than ``spin_ns``, and none
+where ``spin_ns`` is 0 (one core: polling only delays the threads that share it)."""
+
+
+def busy_spin_ns(spin_ns: int) -> int:
+    if spin_ns <= 0:
+        return 0
+    env = os.environ.get("TENSORX_UCX_BUSY_SPIN_US")
+    busy = int(float(env) * 1000) if env else BUSY_SPIN_NS
+    return max(spin_ns, busy)
 
 
 class ProgressDriver:
@@ -68,7 +87,8 @@ class ProgressDriver:
     def _start(cls, ucp: UcpLib, ctx: Any, spin_ns: int) -> ProgressDriver | None:
         err = ucp.ffi.new("int *")
         ctx.worker.stop_progress_thread()
-        handle = ucp.lib.tx_driver_start(int(ctx.worker.handle), spin_ns, err)
+        handle = ucp.lib.tx_driver_start(int(ctx.worker.handle), spin_ns,
+                                         busy_spin_ns(spin_ns), err)
         if handle == ucp.ffi.NULL:
             _start_ucxx_thread(ctx)
             logger.warning("UCX progress driver failed to start (%s); using ucxx's",
@@ -115,6 +135,19 @@ class ProgressDriver:
             return
         self._ucp.lib.tx_driver_set_cuda(self._handle, context)
         self._cuda_device = device
+
+    @property
+    def sleeps(self) -> int:
+        """Times the driver slept in epoll since it started."""
+        return 0 if self._handle is None else int(self._ucp.lib.tx_driver_sleeps(self._handle))
+
+    @property
+    def timeouts(self) -> int:
+        """Sleeps that an op in flight ended by timing out: it completed, or was seen to,
+        only up to 1 ms late (zero in steady state; see the module docstring)."""
+        if self._handle is None:
+            return 0
+        return int(self._ucp.lib.tx_driver_timeouts(self._handle))
 
     def cuda_status(self) -> int:
         """-1 pending, 0 current, -2 no libcuda, >0 a CUresult."""

@@ -114,6 +114,11 @@ class CudaIpcLane(DataLane):
         self._same_process = peer_pid == os.getpid()
         self._maps: dict[bytes, _cuda.IpcMapping] = {}
         self._keys: dict[tuple[int, int], _cuda.IpcKeys | None] = {}
+        # per op, in microseconds: the device index of a GPU uuid, and a uint8 tensor
+        # over a whole local GPU region (sliced per op; it owns nothing, so a region
+        # registered again at the same address and size is the same memory)
+        self._devices: dict[str, int | None] = {}
+        self._local: dict[tuple[int, int, int], Any] = {}
         self._streams: dict[int, Any] = {}
         self._last: dict[int, Any] = {}  # per stream: the event of its latest copy
         self._gone: str | None = None
@@ -137,12 +142,17 @@ class CudaIpcLane(DataLane):
         if key not in self._keys:
             raw = desc.keys.get(KEY)
             keys = _cuda.IpcKeys.from_wire(raw) if isinstance(raw, dict) else None
-            if keys is not None and _cuda.local_device_for(keys.uuid) is None:
+            if keys is not None and self._device_of(keys.uuid) is None:
                 keys = None  # the owner's GPU is not visible in this process
             if len(self._keys) > 4096:
                 self._keys.clear()
             self._keys[key] = keys
         return self._keys[key]
+
+    def _device_of(self, uuid: str) -> int | None:
+        if uuid not in self._devices:
+            self._devices[uuid] = _cuda.local_device_for(uuid)
+        return self._devices[uuid]
 
     def _items(self, ops: Sequence[Op]) -> list[tuple[Op, _cuda.IpcKeys]]:
         items = []
@@ -204,9 +214,12 @@ class CudaIpcLane(DataLane):
         by_device: dict[int, list[tuple[Any, Any]]] = {}
         for op, keys in items:
             remote, device = self._remote(keys, op.remote_offset, op.nbytes)
-            local = _local(torch, op.local, op.local_offset, op.nbytes)
             if op.local.is_cuda:
                 device = _cuda.device_index(op.local.device)
+                local = self._local_gpu(op.local, device)[op.local_offset:
+                                                          op.local_offset + op.nbytes]
+            else:
+                local = _host(torch, op.local, op.local_offset, op.nbytes)
             pair = (remote, local) if to_remote else (local, remote)
             by_device.setdefault(device, []).append(pair)
         for device, pairs in by_device.items():
@@ -220,8 +233,18 @@ class CudaIpcLane(DataLane):
             events.append(event)
         return events
 
+    def _local_gpu(self, region: MemoryRegion, device: int) -> Any:
+        key = (region.address, region.nbytes, device)
+        whole = self._local.get(key)
+        if whole is None:
+            if len(self._local) >= 256:
+                self._local.clear()
+            whole = self._local[key] = _cuda._device_tensor(region.address, region.nbytes,
+                                                            device)
+        return whole
+
     def _remote(self, keys: _cuda.IpcKeys, offset: int, nbytes: int) -> tuple[Any, int]:
-        device = _cuda.local_device_for(keys.uuid)
+        device = self._device_of(keys.uuid)
         assert device is not None  # checked in _ipc_keys
         if self._same_process and keys.pid == os.getpid():  # our own memory: no mapping
             return _cuda._device_tensor(keys.address + offset, nbytes, device), device
@@ -250,6 +273,7 @@ class CudaIpcLane(DataLane):
 
     def _release(self) -> None:
         """Close every mapping once this lane's copies are done (never while one runs)."""
+        self._local.clear()
         maps, self._maps = self._maps, {}
         if not maps:
             return
@@ -264,11 +288,8 @@ class CudaIpcLane(DataLane):
                 logger.warning("closing a CUDA IPC mapping failed: %s", exc)
 
 
-def _local(torch: Any, region: MemoryRegion, offset: int, nbytes: int) -> Any:
-    """A uint8 torch view of ``nbytes`` of ``region`` at ``offset`` (GPU or host)."""
-    if region.is_cuda:
-        return _cuda._device_tensor(region.address + offset, nbytes,
-                                    _cuda.device_index(region.device))
+def _host(torch: Any, region: MemoryRegion, offset: int, nbytes: int) -> Any:
+    """A uint8 torch view of ``nbytes`` of host ``region`` at ``offset``."""
     import numpy as np
 
     flat = np.frombuffer(region.buffer(), dtype=np.uint8)
