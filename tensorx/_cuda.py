@@ -20,18 +20,20 @@ is), so nothing here needs cupy or a CUDA toolkit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from tensorx.errors import TransportUnavailableError
 
-__all__ = ["IpcMapping", "available", "ipc_export", "make_current", "primary_context",
-           "ready", "record", "wait", "wait_sync"]
+__all__ = ["DriverEvent", "IpcMapping", "available", "copy_async", "ipc_export",
+           "make_current", "primary_context", "ready", "record", "wait", "wait_sync"]
 
 _lock = threading.Lock()
 _driver: Any = None
@@ -72,6 +74,23 @@ def available() -> bool:
     return torch_cuda() is not None
 
 
+_usable: Any = None  # torch, once it was seen to have a usable CUDA device
+
+
+def _torch_with_cuda(region: Any) -> Any:
+    """torch, which can use CUDA (asked once: torch.cuda.is_available() costs hundreds of
+    microseconds on some hosts); TransportUnavailableError naming ``region`` if not."""
+    global _usable
+    if _usable is None:
+        torch = _torch()
+        if not torch.cuda.is_available():
+            raise TransportUnavailableError(
+                f"region {region.region_id:#x} is GPU memory ({region.device}) but CUDA is "
+                "not usable in this process")
+        _usable = torch
+    return _usable
+
+
 def _lib() -> Any:
     global _driver
     with _lock:
@@ -88,10 +107,19 @@ def _lib() -> Any:
                                                     ctypes.c_int]
             cu.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
             cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+            cu.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+            cu.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
             cu.cuMemGetAddressRange_v2.argtypes = [p64, ctypes.POINTER(ctypes.c_size_t), u64]
             cu.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), u64]
             cu.cuIpcOpenMemHandle_v2.argtypes = [p64, _Handle, ctypes.c_uint]
             cu.cuIpcCloseMemHandle.argtypes = [u64]
+            vp = ctypes.c_void_p
+            cu.cuMemcpyAsync.argtypes = [u64, u64, ctypes.c_size_t, vp]
+            cu.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+            cu.cuEventRecord.argtypes = [vp, vp]
+            cu.cuEventQuery.argtypes = [vp]
+            cu.cuEventSynchronize.argtypes = [vp]
+            cu.cuEventDestroy_v2.argtypes = [vp]
             _driver = cu
         return _driver
 
@@ -125,6 +153,18 @@ def make_current(device: int) -> None:
     _check(_lib().cuCtxSetCurrent(primary_context(device)), "cuCtxSetCurrent")
 
 
+@contextlib.contextmanager
+def current(context: int) -> Iterator[None]:
+    """``context`` current on the calling thread inside the block, and the thread's own
+    one again after it (the caller's current device, which torch reads from it, stays)."""
+    cu = _lib()
+    _check(cu.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
 def device_index(device: str) -> int:
     """``"cuda:3"`` -> 3; ``"cuda"`` -> 0."""
     _, _, index = device.partition(":")
@@ -135,31 +175,92 @@ def device_index(device: str) -> int:
 def ready(regions: Any) -> list[Any]:
     """Events recorded now on the streams producing each CUDA region among ``regions``: once
     they complete, every kernel enqueued before this call that writes (or reads) the regions
-    has finished. Empty when no region is on a GPU."""
+    has finished. Empty when no region is on a GPU. (Driver events on the streams' raw
+    handles: a few microseconds per op where torch's Event and current_stream cost tens.)"""
     events: list[Any] = []
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[int, int]] = set()
     for region in regions:
         if not region.is_cuda:
             continue
-        torch = _torch()
-        if not torch.cuda.is_available():
-            raise TransportUnavailableError(
-                f"region {region.region_id:#x} is GPU memory ({region.device}) but CUDA is "
-                "not usable in this process")
-        device = torch.device(region.device)
-        streams = [torch.cuda.current_stream(device)]
+        torch = _torch_with_cuda(region)
+        index = device_index(region.device)
+        streams = [current_stream(torch, index)]
         external = getattr(region, "stream", None)
         if external is not None:  # __cuda_array_interface__'s stream, honoured too
-            streams.append(torch.cuda.ExternalStream(external, device=device))
-        for stream in streams:
-            key = (region.device, int(stream.cuda_stream))
-            if key in seen:
-                continue
-            seen.add(key)
-            event = torch.cuda.Event()
-            event.record(stream)
-            events.append(event)
+            streams.append(int(external))  # (1 and 2 name the legacy and per-thread default)
+        with current(primary_context(index)):
+            for stream in streams:
+                key = (index, stream)
+                if key in seen:
+                    continue
+                seen.add(key)
+                event = DriverEvent()
+                event.record(stream)
+                events.append(event)
     return events
+
+
+def current_stream(torch: Any, index: int) -> int:
+    """The raw handle of the calling thread's current torch stream on device ``index``."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)  # pragma: no cover
+
+
+CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+class DriverEvent:
+    """A CUDA event made and used through the driver API (no timing): ``record(stream)``,
+    ``query()``, ``synchronize()`` (which lets go of the GIL while it waits), as much of
+    ``torch.cuda.Event`` as :func:`wait` needs. Made in the context current on the calling
+    thread; destroyed with the object (the driver keeps one still pending until it
+    completes)."""
+
+    __slots__ = ("_ctx", "_handle")
+
+    def __init__(self) -> None:
+        cu = _lib()
+        ctx, handle = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        _check(cu.cuEventCreate(ctypes.byref(handle), 0x2), "cuEventCreate")
+        self._ctx = ctx  # made current wherever the event is waited for or destroyed
+        self._handle = handle
+
+    def record(self, stream: int) -> None:
+        _check(_lib().cuEventRecord(self._handle, stream), "cuEventRecord")
+
+    def query(self) -> bool:
+        rc = _driver.cuEventQuery(self._handle)
+        if rc == CUDA_ERROR_INVALID_CONTEXT:  # a thread with no context current
+            with current(self._ctx.value or 0):
+                rc = _driver.cuEventQuery(self._handle)
+        if rc == 0:
+            return True
+        if rc == CUDA_ERROR_NOT_READY:
+            return False
+        _check(rc, "cuEventQuery")
+        return False  # pragma: no cover
+
+    def synchronize(self) -> None:
+        with current(self._ctx.value or 0):  # e.g. in a worker thread, which has none
+            _check(_lib().cuEventSynchronize(self._handle), "cuEventSynchronize")
+
+    def __del__(self) -> None:
+        try:
+            if _driver is not None:
+                with current(self._ctx.value or 0):
+                    _driver.cuEventDestroy_v2(self._handle)
+        except Exception:  # pragma: no cover - at interpreter exit
+            pass
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Enqueue a copy of ``nbytes`` from device pointer ``src`` to ``dst`` on ``stream``
+    (unified addressing: any two devices, a peer's mapped memory included)."""
+    _check(_lib().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
 
 
 def record(device: Any) -> list[Any]:

@@ -145,7 +145,8 @@ class Sometimes(nn.Module):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-async def test_a_cuda_embedding_left_out_of_steps_trains_with_verify() -> None:
+@pytest.mark.parametrize("flat", [None, False], ids=["default", "per-tensor"])
+async def test_a_cuda_embedding_left_out_of_steps_trains_with_verify(flat: bool | None) -> None:
     """A CUDA model whose embedding gets no gradient in every other step, pulls verified
     against the checksum a GPU shard computed: equals torch.optim on one process. (Over the
     CUDA IPC lane: a CPU shard needs the TCP lane to stage GPU memory.)"""
@@ -158,7 +159,7 @@ async def test_a_cuda_embedding_left_out_of_steps_trains_with_verify() -> None:
     model, want = Sometimes().cuda(), Sometimes().cuda()
     opts: dict[str, Any] = {"transport": "tcp", "node_options": {"cuda_ipc": True}}
     async with ParameterServer("tcp://127.0.0.1:0", num_workers=1, optimizer=sgd,
-                               device="cuda:0", **opts) as ps, \
+                               device="cuda:0", flat=flat, **opts) as ps, \
             Worker(model, ps.address, verify=True, timeout=30, **opts) as worker:
         for ids, use in steps:
             worker.zero_grad()

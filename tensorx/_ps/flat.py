@@ -117,11 +117,15 @@ def ranges(specs: Sequence[ParamSpec], group_of: Sequence[int],
 
 def _kernel(optimizer: torch.optim.Optimizer, device: torch.device,
             dtypes: set[torch.dtype]) -> dict[str, Any]:
-    """foreach/fused for the engine: the user's choice when the factory made one, else the
-    fused kernel where torch has it for this class, device and dtypes, else foreach."""
+    """foreach/fused for the engine: the user's choice when the factory made one; on a GPU
+    the foreach kernels, which torch steps each tensor with there by default (the same
+    arithmetic: its fused kernels round differently, e.g. SGD with dampening, Adam); else
+    the fused kernel where torch has it for this class, device and dtypes, else foreach."""
     d = optimizer.defaults
     if d.get("foreach") is not None or d.get("fused") is not None:
         return {k: d[k] for k in ("foreach", "fused") if k in d}
+    if device.type == "cuda":
+        return {"foreach": True}
     if (type(optimizer) in FUSED and device.type in _get_fused_kernels_supported_devices()
             and all(t.is_floating_point for t in dtypes)):
         return {"fused": True}

@@ -114,11 +114,7 @@ class CudaIpcLane(DataLane):
         self._same_process = peer_pid == os.getpid()
         self._maps: dict[bytes, _cuda.IpcMapping] = {}
         self._keys: dict[tuple[int, int], _cuda.IpcKeys | None] = {}
-        # per op, in microseconds: the device index of a GPU uuid, and a uint8 tensor
-        # over a whole local GPU region (sliced per op; it owns nothing, so a region
-        # registered again at the same address and size is the same memory)
-        self._devices: dict[str, int | None] = {}
-        self._local: dict[tuple[int, int, int], Any] = {}
+        self._devices: dict[str, int | None] = {}  # a GPU's index here, by its uuid
         self._streams: dict[int, Any] = {}
         self._last: dict[int, Any] = {}  # per stream: the event of its latest copy
         self._gone: str | None = None
@@ -208,56 +204,61 @@ class CudaIpcLane(DataLane):
         self._check()  # the peer died meanwhile: its memory may be gone, report it
 
     def _issue(self, items: list[tuple[Op, _cuda.IpcKeys]], to_remote: bool) -> list[Any]:
-        """Enqueue every copy on the lane's stream (one per local device); never yields."""
+        """Enqueue every copy on the lane's stream (one per local device) and record an
+        event after them; never yields. Device to device: ``cuMemcpyAsync`` on raw
+        pointers (a few microseconds per op); host memory at one end: a torch copy."""
         torch = _cuda._torch()
-        events = []
-        by_device: dict[int, list[tuple[Any, Any]]] = {}
+        by_device: dict[int, list[tuple[Op, _cuda.IpcKeys]]] = {}
         for op, keys in items:
-            remote, device = self._remote(keys, op.remote_offset, op.nbytes)
-            if op.local.is_cuda:
-                device = _cuda.device_index(op.local.device)
-                local = self._local_gpu(op.local, device)[op.local_offset:
-                                                          op.local_offset + op.nbytes]
-            else:
-                local = _host(torch, op.local, op.local_offset, op.nbytes)
-            pair = (remote, local) if to_remote else (local, remote)
-            by_device.setdefault(device, []).append(pair)
-        for device, pairs in by_device.items():
+            device = _cuda.device_index(op.local.device) if op.local.is_cuda \
+                else self._device_of(keys.uuid)
+            assert device is not None  # checked in _ipc_keys
+            by_device.setdefault(device, []).append((op, keys))
+        events = []
+        for device, mine in by_device.items():
             stream = self._stream(torch, device)
-            with torch.cuda.stream(stream):
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+            with _cuda.current(_cuda.primary_context(device)):
+                for op, keys in mine:
+                    remote = self._remote_ptr(keys, op.remote_offset, op.nbytes)
+                    if op.local.is_cuda:
+                        local = op.local.address + op.local_offset
+                        dst, src = (remote, local) if to_remote else (local, remote)
+                        _cuda.copy_async(dst, src, op.nbytes, stream.cuda_stream)
+                    else:
+                        self._host_copy(torch, stream, op, keys, remote, to_remote)
+                event = _cuda.DriverEvent()
+                event.record(stream.cuda_stream)
             self._last[device] = event
             events.append(event)
         return events
 
-    def _local_gpu(self, region: MemoryRegion, device: int) -> Any:
-        key = (region.address, region.nbytes, device)
-        whole = self._local.get(key)
-        if whole is None:
-            if len(self._local) >= 256:
-                self._local.clear()
-            whole = self._local[key] = _cuda._device_tensor(region.address, region.nbytes,
-                                                            device)
-        return whole
-
-    def _remote(self, keys: _cuda.IpcKeys, offset: int, nbytes: int) -> tuple[Any, int]:
+    def _host_copy(self, torch: Any, stream: Any, op: Op, keys: _cuda.IpcKeys, remote: int,
+                   to_remote: bool) -> None:
         device = self._device_of(keys.uuid)
         assert device is not None  # checked in _ipc_keys
+        theirs = _cuda._device_tensor(remote, op.nbytes, device)
+        ours = _host(torch, op.local, op.local_offset, op.nbytes)
+        dst, src = (theirs, ours) if to_remote else (ours, theirs)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def _remote_ptr(self, keys: _cuda.IpcKeys, offset: int, nbytes: int) -> int:
+        """The device pointer, in this process, of ``nbytes`` at ``offset`` of the peer's
+        region (its allocation opened once)."""
         if self._same_process and keys.pid == os.getpid():  # our own memory: no mapping
-            return _cuda._device_tensor(keys.address + offset, nbytes, device), device
+            return keys.address + offset
         mapping = self._maps.get(keys.handle)
         if mapping is None:
             if len(self._maps) >= 1024:
                 raise BrokenError("more than 1024 GPU allocations of one peer mapped")
+            device = self._device_of(keys.uuid)
+            assert device is not None  # checked in _ipc_keys
             mapping = _cuda.IpcMapping(keys, device)
             self._maps[keys.handle] = mapping
         start = keys.offset + offset
         if start + nbytes > mapping.size:  # the owner checked the range, this is defence
             raise BrokenError("a GPU region's range runs past its peer allocation")
-        return mapping.tensor[start:start + nbytes], device
+        return mapping.base + start
 
     def _stream(self, torch: Any, device: int) -> Any:
         stream = self._streams.get(device)
@@ -266,6 +267,8 @@ class CudaIpcLane(DataLane):
         return stream
 
     async def _wait(self, events: list[Any], timeout: float | None) -> None:
+        if all(event.query() for event in events):  # done already (small copies, flush)
+            return
         try:  # on any way out _cuda.wait waits for the copies first
             await wait_for(_cuda.wait(events), timeout)
         except asyncio.TimeoutError:
@@ -273,7 +276,6 @@ class CudaIpcLane(DataLane):
 
     def _release(self) -> None:
         """Close every mapping once this lane's copies are done (never while one runs)."""
-        self._local.clear()
         maps, self._maps = self._maps, {}
         if not maps:
             return
