@@ -266,6 +266,7 @@ def ps_group(model: str, workers: int, args: argparse.Namespace, budget: Budget
     progress(f"ps: {MODEL_LABELS.get(model, model)}, {workers} worker(s): starting "
              f"{', '.join(SYSTEMS[k].label for k in args.systems)}")
     opts = ("--device", args.device, "--workers", str(workers), "--threads", str(args.threads))
+    floor = floor_row(model, workers, args, budget) if args.floor else None  # GPU idle
     pairs = {k: Pair(System(f"{SYSTEMS[k].label} {workers}w",
                             SYSTEMS[k].system, (*SYSTEMS[k].options, *opts)),
                      model, SAME_HOST, args.logdir, clients=workers, start_timeout=timeout)
@@ -280,7 +281,6 @@ def ps_group(model: str, workers: int, args: argparse.Namespace, budget: Budget
             p.close()
     med = {k: statistics.median(t) for k, t in times.items()}
     ref = med.get("tensorpipe")
-    floor = floor_row(model, workers, args, budget) if args.floor else None
     for r in rows:
         k = r["key"]
         if k in failed or k not in med:

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="resnet50", choices=sorted(common.MODELS))
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args(argv)
     common.setup_process(1)
