@@ -174,3 +174,23 @@ def test_an_answer_of_the_same_rows_is_copied_not_gathered_again() -> None:
     outbox.forget(2)  # the source of the last gather left: rank 1 gathers for itself
     again = outbox.op(1, server, ids, same=(later, arena))
     assert bytes(again[0].buffer()[:again[4]]) == now
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_shards_answer_gathers_row_ids_kept_in_host_memory() -> None:
+    """A GPU shard's payload buffer is GPU memory and the changed row ids it answers with
+    are host tensors (the first GPU run of a sparse table's answer failed: torch.cat of
+    CPU ids into a CUDA buffer). The payload lands in a worker's GPU tables as on a CPU
+    shard."""
+    outbox, inbox = RowOutbox(ENTRIES, device="cuda:0"), RowInbox(ENTRIES, device="cuda:0")
+    outbox.announce(0, inbox.announce(Exports()))
+    server, worker = [t.cuda() for t in tables(0)], [t.cuda() for t in tables(1)]
+    ids = [torch.tensor([0, 7, 99]), torch.tensor([3])]
+    try:
+        inbox.accept(deliver(outbox, inbox, ids, server), worker)
+        for s, w, i in zip(server, worker, ids, strict=True):
+            assert torch.equal(w[i.cuda()], s[i.cuda()])
+    finally:
+        outbox.close()
+        inbox.close()

@@ -167,7 +167,7 @@ class RowOutbox:
         present = [i for i in ids if i is not None and i.numel()]
         flat = u8[at.ids:at.ids + 8 * sum(counts)].view(torch.int64)
         if present:
-            torch.cat(present, out=flat)
+            _cat_into(present, flat)
         with torch.no_grad():
             for first, block, keys, rows in _runs(tables, self.tables, counts, flat,
                                                   self._runs):
@@ -250,6 +250,16 @@ class RowInbox:
         if self.region is not None:
             self.region.close()
             self.region = None
+
+
+def _cat_into(ids: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """``torch.cat(ids, out=flat)``, where ``flat`` may be on another device than the ids
+    (a GPU shard's payload buffer, the changed row ids it keeps in host memory): joined
+    where they are, then one copy."""
+    if all(i.device == flat.device for i in ids):
+        torch.cat(ids, out=flat)
+    else:
+        flat.copy_(torch.cat([i.to(ids[0].device) for i in ids]))
 
 
 def _runs(tables: Sequence[torch.Tensor], specs: Sequence[TableSpec], counts: Sequence[int],
