@@ -96,4 +96,5 @@ async def test_an_op_that_completes_without_waking_the_driver_is_not_slept_throu
         await runtime.complete(w, 5, inline=False)
         thread.join()
         await asyncio.sleep(0.003)  # no next op to wake a sleeping driver early
-    assert driver.timeouts - before == 0
+    # (before: 20 of 20; one or two allowed for a loaded machine descheduling the driver)
+    assert driver.timeouts - before <= 2
