@@ -257,7 +257,7 @@ def _cat_into(ids: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     (a GPU shard's payload buffer, the changed row ids it keeps in host memory): joined
     where they are, then one copy."""
     if all(i.device == flat.device for i in ids):
-        torch.cat(ids, out=flat)
+        torch.cat(list(ids), out=flat)
     else:
         flat.copy_(torch.cat([i.to(ids[0].device) for i in ids]))
 
