@@ -2,10 +2,13 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hypothesis  # noqa: F401  # see below
@@ -30,6 +33,8 @@ if "TENSORX_SECRET_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["TENSORX_SECRET_DIR"], True)
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
+NOBODY = 65534  # "another user" (uid and gid of nobody)
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play another user")
 
 # This host has no RDMA NIC, so the suite's UCX lanes are UCX's tcp, which a node runs only
 # when told the network is trusted (it bounds nothing). Child processes inherit this; the
@@ -132,3 +137,24 @@ async def retried(caplog: pytest.LogCaptureFixture, attempts: int = 1) -> None:
 
     await wait_until(lambda: any(f"rejoin attempt {attempts} failed" in r.getMessage()
                                  for r in caplog.records), 30, what="a failed rejoin attempt")
+
+
+def plant(path: Path, marker: Path) -> None:
+    """Put at ``path`` (a new file in place of whatever is there, as an attacker would)
+    a shared object whose constructor creates ``marker``: if anything ever loads it, even
+    to fail at once on a missing symbol, ``marker`` exists. Skips without a C compiler."""
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler here to build a planted object")
+    source = ("#include <fcntl.h>\n#include <unistd.h>\n"
+              "__attribute__((constructor)) static void planted(void) {\n"
+              f"    int fd = open({json.dumps(str(marker))}, O_CREAT | O_WRONLY, 0600);\n"
+              "    if (fd >= 0) close(fd);\n}\n")
+    with tempfile.TemporaryDirectory(prefix="tensorx-plant-") as tmp:
+        (Path(tmp) / "planted.c").write_text(source)
+        out = Path(tmp) / "planted.so"
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(Path(tmp) / "planted.c")],
+                       check=True, capture_output=True, timeout=60)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, path.with_name(path.name + ".planting"))
+    os.replace(path.with_name(path.name + ".planting"), path)

@@ -19,11 +19,8 @@ from tensorx.errors import UsageError
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
+from .conftest import NOBODY, as_root
 from .test_ps_train import backward, batches, make_model
-
-NOBODY = 65534  # "another user"
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play another user")
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import torch
 from tensorx._ps import rowkernel, rowsgd
 from tensorx._ps.rows import no_invariant_checks, sum_rows
 
+from .conftest import NOBODY, as_root, plant
 from .test_ps_rowsgd import kernel_or_skip
 
 
@@ -126,3 +130,107 @@ def test_built_once_per_cache(tmp_path: pytest.TempPathFactory,
     again = rowkernel._load()
     assert again is not None and again.path == first.path
     assert first.path.stat().st_mtime_ns == stamp
+
+
+@pytest.fixture(scope="module")
+def kernel_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the kernel lives under a cache root (``rowkernel-MACHINE-TAG/rowkernel.so``):
+    the deterministic name another user would plant a shared object under."""
+    kernel_or_skip()
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TENSORX_CACHE_DIR", str(cache))
+        assert rowkernel._load() is not None
+    found = list(cache.glob("rowkernel-*/rowkernel.so"))
+    assert len(found) == 1, found
+    return found[0].relative_to(cache)
+
+
+def hostile_cache(tmp_path: Path, kernel_file: Path, how: str) -> tuple[Path, Path]:
+    """(the TENSORX_CACHE_DIR to use, where the planted object lies) for each way another
+    local user gets a shared object into a cache: a world-writable cache (a shared one
+    under /tmp), a link at the cache or at a folder or file in it, a file of another uid."""
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    cache.mkdir(mode=0o700)
+    elsewhere.mkdir(mode=0o700)
+    entry = cache / kernel_file.parent
+    if how == "world-writable cache":
+        cache.chmod(0o777)
+        return cache, cache / kernel_file
+    if how == "cache is a link":
+        (tmp_path / "link").symlink_to(elsewhere)
+        return tmp_path / "link", elsewhere / kernel_file
+    if how == "folder is a link":
+        entry.symlink_to(elsewhere)
+        return cache, elsewhere / kernel_file.name
+    entry.mkdir(mode=0o700)
+    if how == "object is a link":
+        (cache / kernel_file).symlink_to(elsewhere / kernel_file.name)
+        return cache, elsewhere / kernel_file.name
+    assert how == "object of another uid"
+    return cache, cache / kernel_file
+
+
+def only_warning(caplog: pytest.LogCaptureFixture) -> str:
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    return warnings[0]
+
+
+@pytest.mark.xfail(strict=True, reason="the build cache is trusted blindly")
+@pytest.mark.parametrize(("how", "why"), [
+    ("world-writable cache", "writable by other users"),
+    ("cache is a link", "symbolic link"),
+    ("folder is a link", "symbolic link"),
+    ("object is a link", "symbolic link"),
+    pytest.param("object of another uid", "owned by uid 65534", marks=as_root),
+])
+def test_an_object_another_user_planted_is_never_loaded(
+        tmp_path: Path, kernel_file: Path, how: str, why: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A shared object under the kernel's name in a cache another user could write (its
+    constructor would run as us, as root in a shard): not loaded, not even opened by the
+    loader; the kernel is built privately instead, with one WARNING naming the path and
+    why, and nothing in that cache is written or replaced."""
+    root, planted = hostile_cache(tmp_path, kernel_file, how)
+    marker = tmp_path / "marker"
+    plant(planted, marker)
+    if how == "object of another uid":
+        os.chown(planted, NOBODY, NOBODY)
+    before = planted.read_bytes()
+    monkeypatch.setenv("TENSORX_CACHE_DIR", str(root))
+    with caplog.at_level(logging.WARNING, logger="tensorx"):
+        kernel = rowkernel._load()
+    assert not marker.exists(), "the planted object was loaded"
+    assert kernel is not None and kernel.fused_available() in (True, False)
+    said = only_warning(caplog)
+    assert why in said and str(tmp_path) in said, said
+    assert planted.read_bytes() == before
+    if how == "world-writable cache":
+        assert [p.name for p in root.iterdir()] == [kernel_file.parts[0]]
+
+
+@pytest.mark.xfail(strict=True, reason="the build cache is trusted blindly")
+def test_a_kernel_replaced_after_its_build_is_rebuilt(
+        tmp_path: Path, kernel_file: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel an earlier process built, then replaced by other contents under the same
+    name (a cache of ours, a file of ours): the digest recorded at the build tells, and it
+    is rebuilt in place rather than loaded, with one WARNING; the next load is quiet."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TENSORX_CACHE_DIR", str(cache))
+    subprocess.run([sys.executable, "-c",
+                    "from tensorx._ps import rowkernel; assert rowkernel._load()"],
+                   check=True, timeout=120)
+    marker = tmp_path / "marker"
+    plant(cache / kernel_file, marker)
+    with caplog.at_level(logging.WARNING, logger="tensorx"):
+        kernel = rowkernel._load()
+    assert not marker.exists(), "the replaced object was loaded"
+    assert kernel is not None and kernel.fused_available() in (True, False)
+    assert "does not match" in only_warning(caplog)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tensorx"):
+        assert rowkernel._load() is not None
+    assert not caplog.records
+    assert not marker.exists()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 
-from .conftest import HAVE_UCX
+from .conftest import HAVE_UCX, NOBODY, as_root, plant
 
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")]
 
@@ -41,3 +43,76 @@ def test_a_failed_build_shows_what_the_compiler_said(tmp_path: Path) -> None:
     assert done.returncode == 3, done.stdout + done.stderr
     assert "cannot compile the UCX binding" in done.stdout
     assert "bogus compiler says no" in done.stderr
+
+
+def binding_file() -> Path:
+    """Where the binding lives under the current cache root: the deterministic name another
+    user would plant a shared object under."""
+    from tensorx.transport import _ucp
+
+    version, _, lib = _ucp.ucx_paths()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return _ucp._cache_dir(version, lib) / f"_tensorx_ucp{suffix}"
+
+
+def load_here(marker: Path, caplog: pytest.LogCaptureFixture,
+              monkeypatch: pytest.MonkeyPatch) -> str:
+    """Load the binding in this process as a node's start would: the planted object that
+    creates ``marker`` was not loaded (whatever the load did), and the binding works; the
+    one WARNING the load logged."""
+    from tensorx.transport import _ucp
+
+    monkeypatch.setattr(_ucp, "_loaded", None)
+    with caplog.at_level(logging.WARNING, logger="tensorx"):
+        try:
+            lib = _ucp.load()
+        finally:
+            assert not marker.exists(), "the planted object was loaded"
+    assert lib.status_string(-16) == "Request canceled"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    return warnings[0]
+
+
+@pytest.mark.xfail(strict=True, reason="the build cache is trusted blindly")
+@pytest.mark.parametrize(("how", "why"), [
+    ("world-writable cache", "writable by other users"),
+    ("cache is a link", "symbolic link"),
+    pytest.param("object of another uid", "owned by uid 65534", marks=as_root),
+])
+def test_a_binding_another_user_planted_is_never_loaded(
+        tmp_path: Path, how: str, why: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A shared object under the binding's name in a cache another user could write (its
+    constructor would run as us at Node.start): not loaded; the binding is built privately,
+    with one WARNING naming the path and why."""
+    cache = tmp_path / "cache"
+    root = tmp_path / "link" if how == "cache is a link" else cache
+    cache.mkdir()
+    cache.chmod(0o777 if how == "world-writable cache" else 0o700)
+    if how == "cache is a link":
+        root.symlink_to(cache)
+    monkeypatch.setenv("TENSORX_CACHE_DIR", str(root))
+    planted, marker = binding_file(), tmp_path / "marker"
+    plant(planted, marker)
+    if how == "object of another uid":
+        planted.parent.chmod(0o700)
+        os.chown(planted, NOBODY, NOBODY)
+    said = load_here(marker, caplog, monkeypatch)
+    assert why in said and str(tmp_path) in said, said
+
+
+@pytest.mark.xfail(strict=True, reason="the build cache is trusted blindly")
+def test_a_binding_replaced_after_its_build_is_rebuilt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The binding an earlier process built, then replaced under the same name: the digest
+    recorded at the build tells; it is rebuilt, not loaded."""
+    cache = tmp_path / "cache"
+    done = build(cache)
+    assert done.returncode == 0, done.stdout + done.stderr
+    monkeypatch.setenv("TENSORX_CACHE_DIR", str(cache))
+    marker = tmp_path / "marker"
+    plant(binding_file(), marker)
+    said = load_here(marker, caplog, monkeypatch)
+    assert "does not match" in said, said
