@@ -27,6 +27,7 @@ LAYERS: dict[str, float] = {
     # codecs and OS helpers
     "tensorx._wire": 1, "tensorx._auth": 1, "tensorx._shm": 1, "tensorx._cuda": 1,
     "tensorx._queues": 1, "tensorx._netns": 1, "tensorx._eventloop": 1, "tensorx._cache": 1,
+    "tensorx._owned": 1,
     "tensorx._backing": 1.5, "tensorx.memregion": 2, "tensorx._exports": 2.05,
     # planning, pure, in this order: data, codec, torch views, the plan users get, planners
     "tensorx._analyzer.layout": 2.1, "tensorx._analyzer.wire": 2.2,

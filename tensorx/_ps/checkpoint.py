@@ -20,12 +20,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from tensorx._owned import Kind, why_not_ours
 from tensorx.errors import UsageError
 
 __all__ = ["KEEP", "check_schedule", "load", "path_for", "prepare_dir", "save"]
@@ -62,19 +62,14 @@ def prepare_dir(directory: str | os.PathLike[str]) -> Path:
         info = path.stat()
     except OSError as exc:
         raise UsageError(f"checkpoint directory {str(path)!r}: {exc.strerror}") from exc
-    if not stat.S_ISDIR(info.st_mode):
-        raise UsageError(f"checkpoint directory {str(path)!r} is not a directory")
-    _check_owner(path, info, "checkpoint directory")
+    _check_ours(path, info, "directory", "checkpoint directory")
     return path
 
 
-def _check_owner(path: Path, info: os.stat_result, what: str) -> None:
-    if info.st_uid != os.geteuid():
-        raise UsageError(f"{what} {str(path)!r} is owned by uid {info.st_uid}, not by this "
-                         f"user (uid {os.geteuid()}): refusing to use it")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UsageError(f"{what} {str(path)!r} is writable by other users "
-                         f"(mode {stat.S_IMODE(info.st_mode):04o}): refusing to use it")
+def _check_ours(path: Path, info: os.stat_result, kind: Kind, what: str) -> None:
+    why = why_not_ours(info, kind)
+    if why is not None:
+        raise UsageError(f"{what} {str(path)!r} {why}: refusing to use it")
 
 
 def _check_file(path: Path) -> bool:
@@ -85,10 +80,7 @@ def _check_file(path: Path) -> bool:
         return False
     except OSError as exc:
         raise UsageError(f"checkpoint {str(path)!r}: {exc.strerror}") from exc
-    if not stat.S_ISREG(info.st_mode):
-        raise UsageError(f"checkpoint {str(path)!r} is not a regular file (a link?): "
-                         "refusing to use it")
-    _check_owner(path, info, "checkpoint")
+    _check_ours(path, info, "regular file", "checkpoint")
     return True
 
 
