@@ -45,7 +45,7 @@ async def test_a_ucx_address_probe_gets_the_callers_budget(budget: float | None)
         given.append(timeout)
         return 0, 0, "OK"
 
-    probe = AddressProbe("unused", {})
+    probe = AddressProbe(-1, {})  # never runs a child
     probe._run = run  # type: ignore[method-assign]
     await probe.check(b"address", True, "peer", budget)
     assert given == [budget]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -115,12 +116,22 @@ def test_no_compiler_means_torch_ops(tmp_path: pytest.TempPathFactory,
 
 def test_built_once_per_cache(tmp_path: pytest.TempPathFactory,
                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first load compiles into the cache, the next finds it there (no compiler run)."""
+    """The first load compiles into the cache, the next finds it there (no compiler run).
+    Every folder it creates is 0700 and every file 0600, whatever the umask, and the
+    object's digest is recorded beside it."""
     if shutil.which(os.environ.get("CC") or "cc") is None:
         pytest.skip("no C compiler here")
-    monkeypatch.setenv("TENSORX_CACHE_DIR", str(tmp_path))
-    first = rowkernel._load()
+    monkeypatch.setenv("TENSORX_CACHE_DIR", str(tmp_path / "runs" / "cache"))
+    old = os.umask(0o022)
+    try:
+        first = rowkernel._load()
+    finally:
+        os.umask(old)
     assert first is not None and first.path.is_relative_to(tmp_path)
+    created = [tmp_path / "runs", *(tmp_path / "runs").rglob("*")]
+    assert {p.name: stat.S_IMODE(p.lstat().st_mode) for p in created} == {
+        "runs": 0o700, "cache": 0o700, first.path.parent.name: 0o700, ".lock": 0o600,
+        "rowkernel.so": 0o600, "rowkernel.so.sha256": 0o600}
     stamp = first.path.stat().st_mtime_ns
 
     def no_compiler(*_: object, **__: object) -> None:
@@ -177,7 +188,6 @@ def only_warning(caplog: pytest.LogCaptureFixture) -> str:
     return warnings[0]
 
 
-@pytest.mark.xfail(strict=True, reason="the build cache is trusted blindly")
 @pytest.mark.parametrize(("how", "why"), [
     ("world-writable cache", "writable by other users"),
     ("cache is a link", "symbolic link"),
@@ -210,7 +220,6 @@ def test_an_object_another_user_planted_is_never_loaded(
         assert [p.name for p in root.iterdir()] == [kernel_file.parts[0]]
 
 
-@pytest.mark.xfail(strict=True, reason="the build cache is trusted blindly")
 def test_a_kernel_replaced_after_its_build_is_rebuilt(
         tmp_path: Path, kernel_file: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -74,7 +74,6 @@ def load_here(marker: Path, caplog: pytest.LogCaptureFixture,
     return warnings[0]
 
 
-@pytest.mark.xfail(strict=True, reason="the build cache is trusted blindly")
 @pytest.mark.parametrize(("how", "why"), [
     ("world-writable cache", "writable by other users"),
     ("cache is a link", "symbolic link"),
@@ -102,7 +101,6 @@ def test_a_binding_another_user_planted_is_never_loaded(
     assert why in said and str(tmp_path) in said, said
 
 
-@pytest.mark.xfail(strict=True, reason="the build cache is trusted blindly")
 def test_a_binding_replaced_after_its_build_is_rebuilt(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -19,8 +19,10 @@ Whether the fused multiply-add or the separate one gives torch's bits is measure
 spot (:class:`~tensorx._ps.rowsgd.RowSGD` probes both against torch's own sparse step, per
 dtype, row shape and lr), as for the torch ops. Built on first use with the host's C
 compiler (``$CC``, else ``cc``) into ``$TENSORX_CACHE_DIR`` (else ``~/.cache/tensorx``),
-once per machine and source, loaded with ctypes; where that fails (no compiler, a read-only
-cache) or ``TENSORX_ROW_KERNEL=0``, the torch ops serve, logged once at INFO. x86-64 uses
+once per machine and source, loaded with ctypes, only as :mod:`tensorx._cache` allows (a
+cache other users could write is not loaded from: the kernel is built privately instead);
+where that fails (no compiler, a read-only cache) or ``TENSORX_ROW_KERNEL=0``, the torch
+ops serve, logged once at INFO. x86-64 uses
 its FMA instructions where the CPU has them (checked at run time); other machines the C
 library's ``fma``.
 """
@@ -28,21 +30,20 @@ library's ``fma``.
 from __future__ import annotations
 
 import ctypes
-import fcntl
+import functools
 import hashlib
 import logging
 import os
 import platform
 import shlex
 import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from tensorx._cache import cache_root
+from tensorx import _cache
 
 __all__ = ["ENV", "RowKernel", "load"]
 
@@ -184,8 +185,9 @@ class RowKernel:
     _DTYPES = {torch.float32: ("tx_row_sgd_f32", ctypes.c_float),
                torch.float64: ("tx_row_sgd_f64", ctypes.c_double)}
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL, built: _cache.Built) -> None:
+        self.path = built.origin
+        self._built = built  # its descriptor stays open while the library is mapped
         self._fns = {}
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for dtype, (name, _) in self._DTYPES.items():
@@ -256,9 +258,12 @@ def _load() -> RowKernel | None:
     if os.environ.get(ENV, "1").strip() == "0":
         logger.info("%s=0: sparse SGD steps with torch ops", ENV)
         return None
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    tag = hashlib.sha256("\0".join([SOURCE, *CFLAGS, *cc]).encode()).hexdigest()[:12]
     try:
-        path = _built()
-        return RowKernel(ctypes.CDLL(str(path)), path)
+        built = _cache.built(f"rowkernel-{platform.machine()}-{tag}", "rowkernel.so",
+                             functools.partial(_compile, cc), "the sparse SGD kernel")
+        return RowKernel(ctypes.CDLL(built.path), built)
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         logger.info("the sparse SGD kernel is unavailable (%s); steps use torch ops, "
                     "about 1.5x slower", str(exc).strip().splitlines()[0] if str(exc) else
@@ -266,28 +271,15 @@ def _load() -> RowKernel | None:
         return None
 
 
-def _built() -> Path:
-    """The shared library, compiled into the cache unless there already (once per source,
-    compiler flags and machine; concurrent processes build it once)."""
-    cc = shlex.split(os.environ.get("CC") or "cc")
-    tag = hashlib.sha256("\0".join([SOURCE, *CFLAGS, *cc]).encode()).hexdigest()[:12]
-    target = cache_root() / f"rowkernel-{platform.machine()}-{tag}"
-    path = target / "rowkernel.so"
-    if path.is_file():
-        return path
-    target.mkdir(parents=True, exist_ok=True)
-    with open(target / ".lock", "w") as lockfile:
-        fcntl.flock(lockfile, fcntl.LOCK_EX)
-        if path.is_file():
-            return path
-        with tempfile.TemporaryDirectory(prefix=".build-", dir=target) as tmp:
-            src = Path(tmp) / "rowkernel.c"
-            src.write_text(SOURCE)
-            out = Path(tmp) / "rowkernel.so"
-            done = subprocess.run([*cc, *CFLAGS, "-o", str(out), str(src)],
-                                  capture_output=True, text=True, timeout=120, check=False)
-            if done.returncode != 0:
-                raise OSError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(out, path)
-        logger.debug("built the sparse SGD kernel into %s", path)
-    return path
+def _compile(cc: list[str], tmp: Path) -> Path:
+    """The shared library, compiled in the private folder ``tmp`` (once per source,
+    compiler flags and machine: the cache keeps it, see :mod:`tensorx._cache`)."""
+    src = tmp / "rowkernel.c"
+    src.write_text(SOURCE)
+    out = tmp / "rowkernel.so"
+    done = subprocess.run([*cc, *CFLAGS, "-o", str(out), str(src)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise OSError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
+    logger.debug("built the sparse SGD kernel")
+    return out

@@ -4,30 +4,32 @@ source.
 Nothing is built or loaded at import. :func:`load` compiles the C source in
 ``_ucp_build.py`` against the headers shipped in the ``libucx`` wheel, links it with an
 rpath to the wheel's ``lib/`` (the very libucp ucxx uses, so ucxx's handles are valid here)
-and caches it under ``$TENSORX_CACHE_DIR`` or ``~/.cache/tensorx``. Every failure becomes
+and caches it under ``$TENSORX_CACHE_DIR`` or ``~/.cache/tensorx``, loading from there only
+as :mod:`tensorx._cache` allows (a cache other users could write is not loaded from: the
+binding is built privately instead). Every failure becomes
 :class:`~tensorx.errors.TransportUnavailableError`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import functools
 import hashlib
+import importlib.machinery
 import importlib.util
 import logging
 import os
 import re
-import shutil
 import sys
 import sysconfig
-import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tensorx._cache import cache_root
+from tensorx import _cache
+from tensorx._text import printable
 from tensorx.errors import TransportUnavailableError
 from tensorx.transport._exceptions import UCX_ERRORS, map_exceptions
 
@@ -46,12 +48,15 @@ _loaded: UcpLib | None = None  # the binding, like an imported module: loaded on
 
 
 class UcpLib:
-    """The compiled module: ``ffi`` and ``lib`` (functions named ``tx_*``)."""
+    """The compiled module: ``ffi`` and ``lib`` (functions named ``tx_*``). ``fd``: the
+    descriptor it was loaded through (open for the life of the process), which a child
+    process that loads the binding too is handed (:mod:`._ucx_probe`)."""
 
-    def __init__(self, module: ModuleType) -> None:
+    def __init__(self, module: ModuleType, built: _cache.Built) -> None:
         self.ffi: Any = module.ffi
         self.lib: Any = module.lib
-        self.path = str(module.__file__)
+        self.fd = built.fd
+        self.origin = built.origin
 
     def status_string(self, status: int) -> str:
         return str(self.ffi.string(self.lib.tx_status_string(status)).decode())
@@ -76,7 +81,7 @@ def load() -> UcpLib:
     global _loaded
     with _lock:
         if _loaded is None:
-            _loaded = UcpLib(_import_or_build())
+            _loaded = _import_or_build()
         return _loaded
 
 
@@ -95,32 +100,26 @@ def _cache_dir(version: str, lib: Path) -> Path:
 
     abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
     source = hashlib.sha256((CDEF + SOURCE + str(lib)).encode()).hexdigest()[:12]
-    return cache_root() / f"ucp-{version}-{abi}-{source}"
+    return _cache.cache_root() / f"ucp-{version}-{abi}-{source}"
 
 
-def _import_or_build() -> ModuleType:
+def _import_or_build() -> UcpLib:
     version, include, lib = ucx_paths()
     with map_exceptions("cannot load libucx", UCX_ERRORS):
         import libucx
 
         libucx.load_library()
-    target = _cache_dir(version, lib)
-    target.mkdir(parents=True, exist_ok=True)
-    with open(target / ".lock", "w") as lockfile:
-        fcntl.flock(lockfile, fcntl.LOCK_EX)  # concurrent processes build once
-        path = _find_built(target)
-        if path is None:
-            path = _build(target, include, lib)
-    return _import_from(path)
+    folder = _cache_dir(version, lib)
+    name = _MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+    with map_exceptions(f"cannot build the UCX binding into {printable(str(folder))}",
+                        UCX_ERRORS):
+        built = _cache.built(folder.name, name, functools.partial(_build, include, lib),
+                             "the UCX binding")
+    return UcpLib(_import_from(built), built)
 
 
-def _find_built(target: Path) -> Path | None:
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    path = target / f"{_MODULE}{suffix}"
-    return path if path.is_file() else None
-
-
-def _build(target: Path, include: Path, lib: Path) -> Path:
+def _build(include: Path, lib: Path, tmp: Path) -> Path:
+    """The binding, compiled in the private folder ``tmp``."""
     with map_exceptions("the UCX transport needs cffi (pip install cffi)", UCX_ERRORS):
         import cffi
     from tensorx.transport._ucp_build import CDEF, SOURCE
@@ -131,23 +130,19 @@ def _build(target: Path, include: Path, lib: Path) -> Path:
                    libraries=["ucp", "ucs", "dl"],
                    extra_link_args=[f"-Wl,-rpath,{lib}", "-pthread"],
                    extra_compile_args=["-O2", "-pthread"])
-    logger.info("building the UCX RMA binding into %s (once per UCX version)", target)
-    with tempfile.TemporaryDirectory(prefix="tensorx-ucp-") as tmp:
-        output = Path(tmp) / "compiler.log"
-        try:
-            with _fds_to(output):
-                built = Path(ffi.compile(tmpdir=tmp, verbose=False))
-        except Exception as exc:
-            said = output.read_text(errors="replace").strip()
-            logger.error("compiling the UCX binding failed; the compiler said:\n%s", said)
-            raise TransportUnavailableError(
-                f"cannot compile the UCX binding (is a C compiler installed?): {exc}") from exc
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("the compiler said: %s", output.read_text(errors="replace"))
-        final = target / built.name
-        shutil.copy2(built, target / (built.name + ".tmp"))
-        os.replace(target / (built.name + ".tmp"), final)
-    return final
+    logger.info("building the UCX RMA binding")
+    output = tmp / "compiler.log"
+    try:
+        with _fds_to(output):
+            built = Path(ffi.compile(tmpdir=str(tmp), verbose=False))
+    except Exception as exc:
+        said = output.read_text(errors="replace").strip()
+        logger.error("compiling the UCX binding failed; the compiler said:\n%s", said)
+        raise TransportUnavailableError(
+            f"cannot compile the UCX binding (is a C compiler installed?): {exc}") from exc
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("the compiler said: %s", output.read_text(errors="replace"))
+    return built
 
 
 @contextlib.contextmanager
@@ -172,13 +167,15 @@ def _fds_to(path: Path) -> Iterator[None]:
             os.close(copy)
 
 
-def _import_from(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(_MODULE, path)
-    if spec is None or spec.loader is None:
-        raise TransportUnavailableError(f"cannot load the UCX binding from {path}")
-    module = importlib.util.module_from_spec(spec)
-    with map_exceptions(f"cannot load the UCX binding {path}", UCX_ERRORS):
-        spec.loader.exec_module(module)
+def _import_from(built: _cache.Built) -> ModuleType:
+    """The module of ``built``, loaded through its checked descriptor."""
+    with map_exceptions(f"cannot load the UCX binding {built.origin}", UCX_ERRORS):
+        loader = importlib.machinery.ExtensionFileLoader(_MODULE, built.path)
+        spec = importlib.util.spec_from_file_location(_MODULE, built.path, loader=loader)
+        if spec is None:
+            raise ImportError(f"no module spec for {built.path}")
+        module = importlib.util.module_from_spec(spec)  # the object is mapped here
+        loader.exec_module(module)
     return module
 
 

@@ -29,11 +29,12 @@ MAX_ADDRESS = 64 << 10  # far above any real worker address (a few hundred bytes
 _REMEMBERED = 256
 UCS_ERR_INVALID_PARAM = -5
 _CODE = """
-import importlib.util, os, sys
+import importlib.machinery, importlib.util, os, sys
 sys.path[:0] = sys.argv[3:]  # where cffi's backend lives (-I drops PYTHONPATH and user sites)
-spec = importlib.util.spec_from_file_location("_tensorx_ucp", sys.argv[1])
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
+path = "/proc/self/fd/" + sys.argv[1]  # the very file the parent checked and loaded
+loader = importlib.machinery.ExtensionFileLoader("_tensorx_ucp", path)
+mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("_tensorx_ucp", loader))
+loader.exec_module(mod)
 address = sys.stdin.buffer.read()
 st = mod.lib.tx_probe_address(mod.ffi.from_buffer(address), int(sys.argv[2]))
 sys.stdout.write("\\n%d %s\\n" % (st, mod.ffi.string(mod.lib.tx_status_string(st)).decode()))
@@ -55,8 +56,8 @@ def _backend_dirs() -> list[str]:
 class AddressProbe:
     """Checks peers' worker addresses in child processes; remembers those that passed."""
 
-    def __init__(self, binding: str, ucx_env: Mapping[str, str]) -> None:
-        self._binding = binding
+    def __init__(self, binding: int, ucx_env: Mapping[str, str]) -> None:
+        self._binding = binding  # a descriptor on the binding (UcpLib.fd), passed to children
         # no memory-event hooks: installing them is most of a bare libucp's start-up time
         self._env = {**os.environ, **ucx_env, "UCX_MEM_EVENTS": "no"}
         self._passed: collections.OrderedDict[tuple[bytes, bool], None] = (
@@ -89,9 +90,9 @@ class AddressProbe:
                    budget: float | None) -> tuple[int, int, str]:
         """(exit code, negative: killed by that signal; UCS status; its text)."""
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", _CODE, self._binding, str(int(error_handling)),
+            sys.executable, "-I", "-c", _CODE, str(self._binding), str(int(error_handling)),
             *_backend_dirs(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=self._env)
+            stderr=asyncio.subprocess.PIPE, env=self._env, pass_fds=(self._binding,))
         try:
             out, err = await wait_for(proc.communicate(address), budget)
         except asyncio.TimeoutError:

@@ -132,7 +132,7 @@ class UcxFactory(LaneFactory):
             memory=frozenset({HOST, CUDA} if self.gpu_memory else {HOST}), one_sided=True,
             peer_death=self.error_handling, same_host=False, rank=20)
         settings = {**DEFAULT_OPTIONS, **(options or {}), "TLS": str(ctx.config["TLS"])}
-        self._probe = AddressProbe(self._ucp.path,
+        self._probe = AddressProbe(self._ucp.fd,
                                    {f"UCX_{k.upper()}": str(v) for k, v in settings.items()})
         self.runtime = UcxRuntime(self._ucp, ctx, spin_ns=_spin_ns(progress_spin_us),
                                   inline_progress=self.inline_progress)
