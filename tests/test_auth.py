@@ -87,6 +87,36 @@ async def test_client_refuses_a_server_that_cannot_prove_and_tells_it_nothing() 
     assert got[2] is None  # no CAPS: a UCX address never reaches an unproven server
 
 
+def _mirror(sock: socket.socket, got: list[Any]) -> None:
+    """Plays a server that answers with the client's own node id."""
+    conn, _ = sock.accept()
+    with conn:
+        conn.settimeout(10)
+        kind, hello = recv_frame(conn)
+        got.append(kind)
+        conn.sendall(_wire.encode(Kind.CHALLENGE, {"id": hello["id"],
+                                                   "nonce": _auth.new_nonce()}))
+        try:
+            got.append(recv_frame(conn)[0])  # the client's proof must not come
+        except (ConnectionError, OSError):
+            got.append(None)
+
+
+async def test_client_refuses_a_server_that_says_its_own_node_id() -> None:
+    """Each side refuses a peer that says its own node id (what it would derive from the
+    peer's id, it holds itself); the server side: tests/test_cma.py."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        got: list[Any] = []
+        mirror = threading.Thread(target=_mirror, args=(listener, got), daemon=True)
+        mirror.start()
+        port = listener.getsockname()[1]
+        async with tx.Node(listen=None, token=TOKEN) as node:
+            with pytest.raises(tx.ProtocolError, match="our own node id"):
+                await node.connect(f"tcp://127.0.0.1:{port}")
+        await asyncio.to_thread(mirror.join, 10)
+    assert got == [Kind.HELLO, None]
+
+
 async def test_refused_handshakes_are_logged_once_per_address(
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tensorx")

@@ -68,10 +68,15 @@ async def _within(coro: Awaitable[Hello], timeout: float | None, label: str) -> 
         raise TimeoutError(f"{label}: handshake timed out after {timeout} s") from None
 
 
-def _peer_id(value: str) -> str:
+def _peer_id(value: str, ours: str) -> str:
+    """The peer's id, checked: well formed, and not ours. A node never connects to itself,
+    and a peer that says our id (any of our descriptors names it) is an impostor: what we
+    derive from the peer's id (its same-host probe token) would then be what we hold."""
     if not PEER_ID.fullmatch(value):
         raise ProtocolError(f"malformed peer id {printable(value)}: expected 1-64 letters, "
                             "digits or '_.:-'")
+    if value == ours:
+        raise ProtocolError(f"the peer says our own node id {value}: refused")
     return value
 
 
@@ -83,7 +88,7 @@ async def _initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps
     nonce = _auth.new_nonce()
     await conn.send_now(Kind.HELLO, {"id": node_id, "nonce": nonce})
     ch = await conn.recv_frame(Kind.CHALLENGE)
-    peer = _peer_id(ch["id"])
+    peer = _peer_id(ch["id"], node_id)
     proof = _auth.make_proof(token, b"client", nonce, ch["nonce"], node_id, peer)
     await conn.send_now(Kind.AUTH, {"proof": proof})
     welcome = await conn.recv_frame(Kind.WELCOME)  # an "auth" refusal raises AuthError here
@@ -99,7 +104,7 @@ async def _initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps
 async def _accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps) -> Hello:
     try:
         hello = await conn.recv_frame(Kind.HELLO)
-        peer = _peer_id(hello["id"])
+        peer = _peer_id(hello["id"], node_id)
     except ProtocolError as exc:  # e.g. another protocol version: tell the peer why
         await _refuse(conn, exc)
         raise
