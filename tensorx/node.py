@@ -367,14 +367,22 @@ class Node:
         return self._exports.regions()
 
     # -- endpoints ----------------------------------------------------------------------
-    def _caps_for(self, bindings: list[bytes]) -> Callable[[bytes], dict[str, Any]]:
+    def _caps_for(self, bindings: list[bytes], channel: ControlChannel
+                  ) -> Callable[[bytes], dict[str, Any]]:
         """Our capabilities for one connection, given its handshake binding: each factory's
         offer under its name. The binding is kept in ``bindings``, so what the factories
-        keep for it can be forgotten if the connection fails before it has an endpoint."""
+        keep for it can be forgotten if the connection fails before it has an endpoint.
+        The same-host lanes' offers (our pid, a probe's address) go only to a peer whose
+        end of the connection the kernel shows to be a socket of this user on this host:
+        nobody else could use them, and an address helps an attacker aim."""
 
         def caps(binding: bytes) -> dict[str, Any]:
             bindings.append(binding)
             offers = {f.name: f.offer(binding) for f in self._factories}
+            near = [f.name for f in self._factories
+                    if f.caps.same_host and offers[f.name] is not None]
+            if near and channel.other_end.same_user():
+                offers.update(dict.fromkeys(near))
             return {"transport": self.transport,
                     **{name: offer for name, offer in offers.items() if offer is not None}}
 
@@ -399,7 +407,8 @@ class Node:
         bindings: list[bytes] = []
         try:
             hello = await handshake.initiate(channel, self.id, self._token,
-                                             self._caps_for(bindings), deadline.left())
+                                             self._caps_for(bindings, channel),
+                                             deadline.left())
             return await self._finish(channel, hello, address, deadline.left())
         except BaseException:
             self._forget_offers(bindings)
@@ -459,7 +468,7 @@ class Node:
         timeout = deadline.least(self.handshake_timeout)
         try:
             return await handshake.accept(channel, self.id, self._token,
-                                          self._caps_for(bindings), timeout)
+                                          self._caps_for(bindings, channel), timeout)
         finally:
             self._handshaking.pop(channel, None)
 
@@ -486,8 +495,8 @@ class Node:
             self._factories, link, require=self.require, skipped=self._unavailable,
             strict=self.transport == "ucx" or self.require is not None, timeout=timeout)
         bypassed = any(f.reaches(link.offer(f.name)) for f in self._factories)
-        ep = Endpoint(self, channel, OwnerService(channel, self._exports, self._answer),
-                      choice.lane, peer=hello.peer, address=address,
+        owner = OwnerService(channel, self._exports, self._answer)
+        ep = Endpoint(self, channel, owner, choice.lane, peer=hello.peer, address=address,
                       notes={**choice.notes, "skipped": choice.skipped},
                       bypassed=bypassed, claimed=claim)
         self._endpoints[ep] = hello.binding

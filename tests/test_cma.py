@@ -14,13 +14,24 @@ import gc
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
 import tensorx as tx
-from tensorx.testing import OwnerProcess, digest, pattern, wait_until
+from tensorx import _auth, _wire
+from tensorx._wire import Kind
+from tensorx.testing import (
+    FaultyProxy,
+    OwnerProcess,
+    digest,
+    pattern,
+    raw_socket,
+    recv_frame,
+    wait_until,
+)
 from tensorx.transport import cma
 
 from .conftest import cma_lane, lanes_of
@@ -235,6 +246,11 @@ async def test_a_ps_rounds_2_mb_copies_on_the_loop_without_a_thread_hop(
     assert threads == [threading.current_thread()] * 2
 
 
+def _placed(pid: int) -> str:
+    """The kernel's answer for a peer it places in ``pid`` (for checks without a link)."""
+    return ""
+
+
 @pytest.mark.parametrize("churn", [0, 20_000])
 def test_a_probe_is_still_read_back_after_its_connection_ended(churn: int) -> None:
     """A peer may still be checking our probe when we close the connection right after
@@ -247,7 +263,7 @@ def test_a_probe_is_still_read_back_after_its_connection_ended(churn: int) -> No
     del binding
     gc.collect()
     reused = [ctypes.create_string_buffer(b"\xff" * 16, 16) for _ in range(churn)]
-    pid, why, loud = cma.check(True, offer, cma.token(bytes(range(32)), "node-a"))
+    pid, why, loud = cma.check(True, offer, cma.token(bytes(range(32)), "node-a"), _placed)
     assert (pid, why, loud) == (os.getpid(), "", False), why
     assert len(reused) == churn
 
@@ -261,5 +277,109 @@ def test_a_peer_that_exited_is_no_reason_for_a_warning() -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     offer = {**cma.Probe(b"b" * 32, "node-b").caps(), "pid": gone.pid}
-    pid, why, loud = cma.check(True, offer, offer["token"])
+    pid, why, loud = cma.check(True, offer, offer["token"], _placed)
     assert pid is None and not loud and "exited" in why
+
+
+# -- whom the lane trusts: the kernel, never what a peer says -------------------------------
+TOKEN = "same-host-trust"
+QUERY = {"req": 1, "what": "endpoints"}
+
+
+def _own_offer(welcome: dict[str, Any]) -> dict[str, Any]:
+    """An impostor's capabilities: the server's own cma offer (its pid, its probe)."""
+    return {"transport": "auto", "cma": welcome["caps"]["cma"]}
+
+
+def _impostor(address: str, node_id: str, caps: Callable[[dict[str, Any]], dict[str, Any]],
+              kind: Kind, request: dict[str, Any]) -> tuple[Kind, dict[str, Any]]:
+    """A token holder on a raw socket: HELLO as ``node_id``, offer ``caps(welcome)``, send
+    one request (req 1) and return its answer; or the server's refusal (an ERROR frame)
+    at whatever step it came."""
+    with raw_socket(address, timeout=20) as sock:
+        nonce = _auth.new_nonce()
+        sock.sendall(_wire.encode(Kind.HELLO, {"id": node_id, "nonce": nonce}))
+        got, challenge = recv_frame(sock)
+        if got is Kind.ERROR:
+            return got, challenge
+        proof = _auth.make_proof(TOKEN.encode(), b"client", nonce, challenge["nonce"], node_id,
+                                 challenge["id"])
+        sock.sendall(_wire.encode(Kind.AUTH, {"proof": proof}))
+        got, welcome = recv_frame(sock)
+        if got is Kind.ERROR:
+            return got, welcome
+        sock.sendall(_wire.encode(Kind.CAPS, {"caps": caps(welcome)})
+                     + _wire.encode(kind, request))
+        while True:
+            got, answer = recv_frame(sock)
+            if isinstance(answer, dict) and answer.get("req") in (0, 1):
+                sock.sendall(_wire.encode(Kind.BYE, {}))
+                return got, answer
+
+
+def _hosts(answer: dict[str, Any]) -> dict[str, str]:
+    """How each of the server's endpoints moves host memory, by peer (a QUERY's answer)."""
+    return {e["peer"]: e["host"] for e in answer["data"]["endpoints"]}
+
+
+async def _still_serves(server: OwnerProcess, desc: tx.RegionDescriptor) -> None:
+    """An honest peer of this host still gets the same-host lane and the right bytes; the
+    server logged at most one line, escaped, about whatever came before."""
+    async with tx.Node(listen=None, token=TOKEN) as node:
+        ep = await node.connect(server.address)
+        assert ep.info["host"].startswith("cma"), ep.info["host"]
+        out = np.zeros(desc.nbytes, np.uint8)
+        await ep.read(tx.MemoryRegion.register(out), desc)
+        assert np.array_equal(out, pattern(desc.nbytes, 1))
+        assert cma_lane(ep).ops == 1
+    warned = await server.call("warnings")
+    assert len(warned) <= 1 and all(line.isprintable() for line in warned), warned
+
+
+async def test_a_peer_claiming_our_node_id_is_refused() -> None:
+    """A token holder that says HELLO with the server's own node id (any descriptor names
+    it) and offers the server's own pid and probe: the server opened the same-host lane to
+    itself (its writes to that peer then went into its own heap at addresses the peer
+    chose). Refused at the handshake; the server goes on serving."""
+    async with OwnerProcess("auto", token=TOKEN) as server:
+        desc = await server.export(64, seed=1)
+        kind, got = await asyncio.to_thread(_impostor, server.address, desc.owner,
+                                            _own_offer, Kind.QUERY, QUERY)
+        assert kind is Kind.ERROR, f"not refused; the server's endpoints: {_hosts(got)}"
+        assert got["code"] == "protocol" and "our own node id" in got["msg"], got
+        await _still_serves(server, desc)
+
+
+async def test_a_peer_offering_our_own_pid_and_probe_gets_no_lane() -> None:
+    """Under an id of its own, a peer that offers the server's own pid and probe (as told
+    in the handshake) gets no same-host lane: the kernel says another process holds its
+    end of the connection."""
+    async with OwnerProcess("auto", token=TOKEN) as server:
+        desc = await server.export(64, seed=1)
+        kind, got = await asyncio.to_thread(_impostor, server.address, "impostor", _own_offer,
+                                            Kind.QUERY, QUERY)
+        assert kind is Kind.ANSWER, (kind, got)
+        assert _hosts(got)["impostor"].startswith("none (the peer says it is process "
+                                                  f"{server.pid}, the kernel says"), _hosts(got)
+        await _still_serves(server, desc)
+
+
+async def test_a_relayed_connection_gets_no_same_host_lane() -> None:
+    """Two same-host nodes whose connection runs through a third process (a TCP relay,
+    which could rewrite what they say, addresses included) get no same-host lane: each
+    offers its probe, and each probe reads back, but the kernel says the relay holds the
+    other end. A direct peer still gets it."""
+    async with OwnerProcess("auto", token=TOKEN) as server, \
+            OwnerProcess("auto", token=TOKEN) as client, \
+            FaultyProxy(server.address) as relay:
+        desc = await server.export(64, seed=1)
+        await client.connect(relay.address)
+        result = await client.transfer(0, "read", desc)
+        assert result["ok"] and result["digest"] == digest(pattern(64, 1)), result
+        async with tx.Node(listen=None, token=TOKEN) as node:
+            ep = await node.connect(server.address)
+            infos = (await ep.query("endpoints"))["endpoints"]
+            hosts = {e["peer"] == node.id: e["host"] for e in infos}
+            assert hosts[True].startswith("cma"), hosts
+            assert hosts[False].startswith("none (the peer says it is process "
+                                           f"{client.pid}, the kernel says"), hosts

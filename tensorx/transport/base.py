@@ -70,6 +70,15 @@ class Link:
         """What the peer's factory called ``name`` offered (None: it offered nothing)."""
         return self.caps.get(name)
 
+    def held_by(self, pid: int) -> str:
+        """'' when the kernel says that process ``pid`` of this host (and pid namespace),
+        running as this user, holds the peer's end of this connection; else why not.
+
+        What a same-host lane may trust about its peer. Never the peer's word: its node id,
+        pid and host are claims it can copy from us (we tell them to every peer), and a
+        relay between two nodes can pass each one's claims to the other."""
+        return self.channel.other_end.held_by(pid)
+
 
 class Op(NamedTuple):
     """One one-sided transfer between a local region and a remote descriptor.

@@ -11,13 +11,22 @@ Addresses come from the owner only, never from the descriptor: on first use of a
 also asks for the address), and caches the answer.
 
 The endpoint's other lanes (TCP or UCX) keep everything else: GPU memory, zero-byte ops,
-notifications. It is chosen when both peers offer it, are on the same host
-(:func:`tensorx._shm.host_id`) and a ``process_vm_readv`` of the peer's probe buffer
-returns the token it advertised: that proves we may read its memory (yama ``ptrace_scope``,
-containers, pid namespaces) and that the pid is the peer's. The token is bound to the
-connection (a hash of both handshake nonces and the peer's node id), so no other process
-holds it: a peer cannot point us at a third process of ours (a pid and an address of known
-content there) and have us write into it.
+notifications. It is chosen when both peers offer it (a node offers it only to a peer whose
+end of the connection the kernel shows to be a socket of this user on this host), the
+kernel says that the pid the peer offers holds the peer's end of the connection
+(:meth:`Link.held_by`), and a ``process_vm_readv`` of the peer's probe buffer returns the
+token it advertised: that proves we may read its memory (yama ``ptrace_scope``,
+containers). The token is bound to the connection (a hash of both handshake nonces and the
+peer's node id), so no other process holds it.
+
+Whom the lane trusts: the kernel, never the peer's word. Its node id, pid, host and probe
+address are claims it can copy from us (we tell them to it), so none of them alone may aim
+our copies: a peer that said our own node id and offered our own pid and probe would have
+made us open the lane to ourselves (our writes to it going into our own heap at addresses
+it chose), and a relay between two nodes of this host could have handed each one's claims
+to the other. The handshake refuses a peer that says our id; the kernel's answer refuses
+the rest: our own process holds the peer's end only when the peer is a node of this same
+process, and a relay's process holds it where a relay is.
 
 Trust model: ``process_vm_*`` needs the same permission as ``ptrace`` (same uid, and yama
 allowing it). A peer that has it could already attach a debugger to us; the lane adds no
@@ -47,6 +56,7 @@ from typing import Any
 from tensorx._deadline import Deadline, wait_for
 from tensorx._exports import check_bounds
 from tensorx._shm import host_id
+from tensorx._text import printable
 from tensorx.errors import (
     BrokenError,
     ClosedError,
@@ -217,10 +227,13 @@ def offered(ours: bool, theirs: Any) -> bool:
     return ours and isinstance(theirs, dict) and bool(host) and theirs.get("host") == host
 
 
-def check(ours: bool, theirs: Any, expected: bytes) -> tuple[int | None, str, bool]:
-    """(the peer's pid, "", False) when we may use the lane to it (its probe holds
-    ``expected``, see :func:`token`); else (None, why, loud): loud when the peer is on
-    this host and offered it (permission is missing)."""
+def check(ours: bool, theirs: Any, expected: bytes, held_by: Callable[[int], str]
+          ) -> tuple[int | None, str, bool]:
+    """(the peer's pid, "", False) when we may use the lane to it: ``held_by(pid)`` (the
+    kernel, see :meth:`Link.held_by`) places the peer in the process it offers, and its
+    probe there holds ``expected`` (see :func:`token`); else (None, why, loud): loud when
+    the peer says it is on this host and offered it (permission is missing, or the peer is
+    not the process it says)."""
     if not ours:
         return None, "off (same_host disabled here)", False
     if not isinstance(theirs, dict):
@@ -231,6 +244,9 @@ def check(ours: bool, theirs: Any, expected: bytes) -> tuple[int | None, str, bo
     if not (isinstance(pid, int) and isinstance(probe, int) and isinstance(token, bytes)
             and len(token) == 16 and 0 < pid < 2**31 and 0 < probe < 2**64):
         return None, "none (the peer's cma offer is malformed)", True
+    held = held_by(pid)
+    if held:  # never read, let alone write, a process the kernel does not place it in
+        return None, f"none (the peer says it is process {pid}, the kernel says: {held})", True
     got = ctypes.create_string_buffer(16)
     try:
         copy(pid, [(ctypes.addressof(got), probe, 16)], False, lambda: None)
@@ -280,11 +296,12 @@ class CmaFactory(LaneFactory):
     async def open_lane(self, link: Link, *, timeout: float | None) -> CmaLane:
         """The lane, or TransportUnavailableError saying why not (logged as a WARNING
         where it should have worked: the peer is on this host and offered it)."""
-        pid, why, loud = check(self._enabled, link.offer(KEY), token(link.binding, link.peer))
+        pid, why, loud = check(self._enabled, link.offer(KEY), token(link.binding, link.peer),
+                               link.held_by)
         if pid is None:
             if loud:
                 logger.warning("endpoint to %s: no same-host lane, host memory goes over the "
-                               "lane between hosts: %s", link.peer, why)
+                               "lane between hosts: %s", link.peer, printable(why))
             raise TransportUnavailableError(why)
         if self._pool is None:
             self._pool = make_pool()

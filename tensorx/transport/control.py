@@ -38,6 +38,7 @@ from tensorx.errors import (
 )
 from tensorx.transport._exceptions import map_exceptions
 from tensorx.transport._futures import best_effort
+from tensorx.transport._peercred import OtherEnd
 from tensorx.transport._requests import Requests
 from tensorx.transport._sendq import SendQueue
 from tensorx.transport._sock import BUFFER_BYTES, FrameReader
@@ -97,6 +98,7 @@ class ControlChannel:
     def __init__(self, sock: socket.socket, label: str) -> None:
         self.sock = sock
         self.label = label
+        self.other_end = OtherEnd(sock)  # who holds the peer's end, as the kernel says
         self._loop = asyncio.get_running_loop()
         self.stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0}
         self.reader = FrameReader(sock)

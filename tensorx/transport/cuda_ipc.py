@@ -94,13 +94,22 @@ class CudaIpcFactory(LaneFactory):
         return self._enabled and isinstance(offer, dict) and offer.get("host") == host_id()
 
     async def open_lane(self, link: Link, *, timeout: float | None) -> CudaIpcLane:
+        """The lane to a peer that the kernel places in a process of this host (the one it
+        offers: never its word alone, see :meth:`Link.held_by`); in our own process only
+        where the peer is another node of it, whose regions the lane then copies without
+        IPC handles."""
         theirs = link.offer(KEY)
         if not (self._enabled and isinstance(theirs, dict) and _cuda.available()):
             raise TransportUnavailableError("not offered by both peers")
         pid = theirs.get("pid")
-        if theirs.get("host") != host_id() or not isinstance(pid, int):
+        if theirs.get("host") != host_id() or not isinstance(pid, int) \
+                or not 0 < pid < 2**31:
             raise TransportUnavailableError("the peer is on another host")
-        return CudaIpcLane(pid)
+        held = link.held_by(pid)
+        if held:
+            raise TransportUnavailableError(f"the peer says it is process {pid}, the kernel "
+                                            f"says: {held}")
+        return CudaIpcLane(same_process=pid == os.getpid())
 
 
 class CudaIpcLane(DataLane):
@@ -110,8 +119,10 @@ class CudaIpcLane(DataLane):
     name = KEY
     bypasses_owner = True
 
-    def __init__(self, peer_pid: int) -> None:
-        self._same_process = peer_pid == os.getpid()
+    def __init__(self, *, same_process: bool) -> None:
+        """``same_process``: the peer is another node of this process (the kernel says
+        so: see :meth:`CudaIpcFactory.open_lane`)."""
+        self._same_process = same_process
         self._maps: dict[bytes, _cuda.IpcMapping] = {}
         self._keys: dict[tuple[int, int], _cuda.IpcKeys | None] = {}
         self._devices: dict[str, int | None] = {}  # a GPU's index here, by its uuid
