@@ -495,7 +495,8 @@ class Node:
             self._factories, link, require=self.require, skipped=self._unavailable,
             strict=self.transport == "ucx" or self.require is not None, timeout=timeout)
         bypassed = any(f.reaches(link.offer(f.name)) for f in self._factories)
-        owner = OwnerService(channel, self._exports, self._answer)
+        addresses = any(f.tells_addresses(link) for f in self._factories)
+        owner = OwnerService(channel, self._exports, self._answer, addresses)
         ep = Endpoint(self, channel, owner, choice.lane, peer=hello.peer, address=address,
                       notes={**choice.notes, "skipped": choice.skipped},
                       bypassed=bypassed, claimed=claim)

@@ -291,6 +291,10 @@ def _own_offer(welcome: dict[str, Any]) -> dict[str, Any]:
     return {"transport": "auto", "cma": welcome["caps"]["cma"]}
 
 
+def _tcp_only(welcome: dict[str, Any]) -> dict[str, Any]:
+    return {"transport": "tcp"}
+
+
 def _impostor(address: str, node_id: str, caps: Callable[[dict[str, Any]], dict[str, Any]],
               kind: Kind, request: dict[str, Any]) -> tuple[Kind, dict[str, Any]]:
     """A token holder on a raw socket: HELLO as ``node_id``, offer ``caps(welcome)``, send
@@ -361,6 +365,22 @@ async def test_a_peer_offering_our_own_pid_and_probe_gets_no_lane() -> None:
         assert kind is Kind.ANSWER, (kind, got)
         assert _hosts(got)["impostor"].startswith("none (the peer says it is process "
                                                   f"{server.pid}, the kernel says"), _hosts(got)
+        await _still_serves(server, desc)
+
+
+@pytest.mark.parametrize("offer", [_tcp_only, _own_offer], ids=["tcp-only", "own-offer"])
+async def test_a_peer_the_kernel_does_not_place_here_learns_no_address(
+        offer: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """A descriptor check that asks for the region's address (what the same-host lane
+    asks) is answered without one to a peer whose lane could not use it: an address is
+    what an attacker needs to aim a write."""
+    async with OwnerProcess("auto", token=TOKEN) as server:
+        desc = await server.export(64, seed=1)
+        ask = {"req": 1, "rid": desc.region_id, "ck": desc.cookie, "addr": True}
+        kind, got = await asyncio.to_thread(_impostor, server.address, "impostor", offer,
+                                            Kind.VALIDATE, ask)
+        assert kind is Kind.VALID and got["n"] == 64, (kind, got)
+        assert got.get("addr") is None, got
         await _still_serves(server, desc)
 
 

@@ -227,6 +227,14 @@ class LaneFactory(abc.ABC):
         """The connection with ``binding`` ended: drop what :meth:`offer` kept for it."""
         return None
 
+    def tells_addresses(self, link: Link) -> bool:
+        """Whether a lane of this factory from the peer of ``link`` to us needs the virtual
+        addresses of our host regions (the answer to its descriptor checks then carries
+        them) and the peer may have them. An address is what an attacker needs to aim a
+        write, so only a peer that the kernel places on this host may (see
+        :meth:`Link.held_by`). False: no address for this factory's sake."""
+        return False
+
     def reaches(self, offer: Any) -> bool:
         """Whether a peer that offered ``offer`` may reach our memory without our code
         (it can open a one-sided lane to us): the node then holds a closed region's memory

@@ -26,7 +26,8 @@ made us open the lane to ourselves (our writes to it going into our own heap at 
 it chose), and a relay between two nodes of this host could have handed each one's claims
 to the other. The handshake refuses a peer that says our id; the kernel's answer refuses
 the rest: our own process holds the peer's end only when the peer is a node of this same
-process, and a relay's process holds it where a relay is.
+process, and a relay's process holds it where a relay is. The owner gives a region's
+address only to a peer it placed so (:meth:`CmaFactory.tells_addresses`).
 
 Trust model: ``process_vm_*`` needs the same permission as ``ptrace`` (same uid, and yama
 allowing it). A peer that has it could already attach a debugger to us; the lane adds no
@@ -293,6 +294,15 @@ class CmaFactory(LaneFactory):
     def reaches(self, offer: Any) -> bool:
         return offered(self._enabled, offer)
 
+    def tells_addresses(self, link: Link) -> bool:
+        """Only to a peer that offered the lane from the process that the kernel says
+        holds its end of the connection (see the module's docstring)."""
+        theirs = link.offer(KEY)
+        if not (offered(self._enabled, theirs) and isinstance(theirs, dict)):
+            return False
+        pid = theirs.get("pid")
+        return isinstance(pid, int) and 0 < pid < 2**31 and not link.held_by(pid)
+
     async def open_lane(self, link: Link, *, timeout: float | None) -> CmaLane:
         """The lane, or TransportUnavailableError saying why not (logged as a WARNING
         where it should have worked: the peer is on this host and offered it)."""
@@ -347,9 +357,11 @@ class CmaLane(DataLane):
             addr = fut.result()  # the usual case: no event-loop hop
         else:
             addr = await self._ask_once(key, op.remote.nbytes, fut, timeout)
-        if addr is None:  # GPU memory, under a descriptor that says host
-            raise RegionError(f"descriptor of region {key[0]:#x} does not match what its "
-                              "owner exported")
+        if addr is None:  # GPU memory under a descriptor that says host, or an owner
+            raise RegionError(  # that does not place us on its host (see tells_addresses)
+                f"the owner of region {key[0]:#x} gives no address for it (GPU memory "
+                "under a host descriptor, or the owner does not see this process as its "
+                "peer)")
         return addr
 
     async def _ask_once(self, key: tuple[int, int], nbytes: int,

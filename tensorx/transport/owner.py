@@ -51,12 +51,16 @@ class OwnerService:
     readiness callback and return False when the frame has to wait (its payload is not all
     buffered, GPU memory), the ``on_*`` ones run in the channel's task. Payloads are read
     from ``wire`` (its ``reader`` and ``land``), replies go out with its ``out.post``;
-    ``answer(what)`` answers a QUERY (``Endpoint.query`` on the peer's side)."""
+    ``answer(what)`` answers a QUERY (``Endpoint.query`` on the peer's side).
+    ``addresses``: whether a descriptor check that asks for the region's address gets it
+    (for a same-host lane, see :meth:`LaneFactory.tells_addresses`); else it is answered
+    without one, as for GPU memory."""
 
     def __init__(self, wire: Wire, exports: ExportTable,
-                 answer: Callable[[str], dict[str, Any]]) -> None:
+                 answer: Callable[[str], dict[str, Any]], addresses: bool = False) -> None:
         self._exports = exports
         self._answer = answer
+        self._addresses = addresses
         self._reader = wire.reader
         self._land = wire.land
         self._post = wire.out.post
@@ -151,8 +155,8 @@ class OwnerService:
             return
         desc = export.descriptor
         reply = {"req": h["req"], "n": desc.nbytes, "access": desc.access}
-        if h.get("addr") is True and not export.region.is_cuda:  # for a same-host lane
-            reply["addr"] = export.region.address
+        if h.get("addr") is True and self._addresses and not export.region.is_cuda:
+            reply["addr"] = export.region.address  # for a same-host lane
         self._post(Kind.VALID, reply)
 
     def on_query(self, h: dict[str, Any], payload_len: int) -> None:
