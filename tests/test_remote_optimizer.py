@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import pickle
 import threading
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from tensorx._ps import hyper, optim_state
 from tensorx.errors import ProtocolError, UsageError
 from tensorx.ps import ParameterServer
 from tensorx.remote_optimizer import RemoteOptimizer
+from tensorx.worker import Worker
 
 from .conftest import assert_link, link_options, links
 
@@ -288,15 +290,22 @@ def test_unsupported_calls_are_clear_errors() -> None:
             opt.state_dict()
 
 
-def test_bad_hyperparameters_from_a_peer_are_protocol_errors() -> None:
+def test_bad_hyperparameters_from_a_peer_are_refused() -> None:
+    """A malformed field is a ProtocolError; a value the group cannot take, a UsageError
+    naming it."""
     groups = hyper.snapshot(adamw_groups([nn.Parameter(torch.zeros(20))]).param_groups)
     assert hyper.check([], groups) == []
     assert hyper.check([{"lr": 0.5}, {}], groups) == [{"lr": 0.5}, {}]
     assert hyper.check([{"betas": [0.8, 0.9]}, {}], groups)[0]["betas"] == (0.8, 0.9)
-    for bad in ({"lr": 1}, [{"lr": "fast"}, {}], [{"params": 1}, {}], [{"lr": 0.1}],
-                [{"lr": {"x": 1}}, {}], [{"betas": [0.9]}, {}], [{"x" * 200: 1}, {}],
-                [{"lr": 2**70}, {}]):
+    assert hyper.check([{"initial_lr": 0.5}, {}], groups)[0]["initial_lr"] == 0.5
+    for bad in ({"lr": 1}, [{"params": 1}, {}], [{"lr": 0.1}], [{"lr": {"x": 1}}, {}],
+                [{"x" * 200: 1}, {}], [{"lr": 2**70}, {}]):
         with pytest.raises(ProtocolError):
+            hyper.check(bad, groups)
+    for bad in ([{"lr": "fast"}, {}], [{"betas": [0.9]}, {}], [{"lr": None}, {}],
+                [{}, {"eps": math.nan}], [{"betas": [0.9, math.inf]}, {}],
+                [{"amsgrad": 1}, {}], [{"initial_lr": -math.inf}, {}]):
+        with pytest.raises(UsageError, match=r"param_groups\[[01]\]\['"):
             hyper.check(bad, groups)
 
 
@@ -365,3 +374,132 @@ def test_a_change_survives_a_rejoin(tmp_path: Path) -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+# -- what one rank may change for everyone --------------------------------------------------
+# (key, value, how the refusal shows the value): values Adam cannot use, each sent by a raw
+# peer (RemoteOptimizer itself refuses some before sending); the last one, all-or-nothing.
+BAD_HYPER: list[tuple[dict[str, Any], str, str]] = [
+    ({"lr": None}, "lr", "None"),
+    ({"lr": math.nan}, "lr", "nan"),
+    ({"lr": math.inf}, "lr", "inf"),
+    ({"lr": -1.0}, "lr", "-1.0"),
+    ({"betas": (0.9, 1.5)}, "betas", "(0.9, 1.5)"),
+    ({"weight_decay": "\x1b[2J" * 30}, "weight_decay", "\\x1b[2J"),
+    ({"lr": 0.5, "eps": -1.0}, "eps", "-1.0"),
+]
+
+
+async def test_a_bad_hyperparameter_fails_the_step_of_its_rank_alone() -> None:
+    """Rank 1 (a new connection for each value) sends a value its optimizer refuses: its
+    step raises UsageError naming the key and the value (escaped), it is disconnected as a
+    refused push is, nothing of its change is applied, and rank 0 trains on."""
+    models = [make_model(), make_model()]
+    kw: dict[str, Any] = {"transport": "tcp", "share_memory": False, "timeout": 20}
+    async with ParameterServer("tcp://127.0.0.1:0", num_workers=2, optimizer=adam,
+                               on_worker_loss="continue", worker_loss_timeout=0,
+                               log_every=None, transport="tcp") as ps:
+        async with Worker(models[0], ps.address, 0, 2, **kw) as honest:
+            for i, (change, key, shown) in enumerate(BAD_HYPER):
+                async with Worker(models[1], ps.address, 1, 2, **kw) as peer:
+                    for w, m in zip((honest, peer), models, strict=True):
+                        w.zero_grad()
+                        nn.functional.cross_entropy(m(torch.randn(4, 8)),
+                                                    torch.tensor([0, 1, 2, i % 3])).backward()
+                    ok, refused = await asyncio.gather(honest.step(), peer.step([change]),
+                                                       return_exceptions=True)
+                    assert ok is None, ok
+                    assert isinstance(refused, UsageError), refused
+                    assert f"[{key!r}]" in str(refused) and shown in str(refused), refused
+                    assert "\x1b" not in str(refused) and len(str(refused)) < 400
+            assert ps.state is not None and ps.state.optimizer is not None
+            group = ps.state.optimizer.param_groups[0]
+            assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == \
+                (0.01, (0.9, 0.999), 1e-8, 0)
+            assert honest.hyper[0][0]["lr"] == 0.01
+            assert all(torch.isfinite(p).all() for p in models[0].parameters())
+            assert ps.version == len(BAD_HYPER)
+
+
+def test_remote_optimizer_refuses_a_value_that_cannot_be_used_before_sending() -> None:
+    with serving(1, 1, optimizer=adam) as ps:
+        model = make_model()
+        with RemoteOptimizer(model, ps) as opt:
+            for value in (None, math.nan, -math.inf, "fast"):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(torch.randn(2, 8)), torch.tensor([0, 1])
+                                            ).backward()
+                opt.param_groups[0]["lr"] = value
+                with pytest.raises(UsageError, match=r"param_groups\[0\]\['lr'\]"):
+                    opt.step()
+            opt.param_groups[0]["lr"] = 0.02
+            opt.step()  # the worker is still connected: nothing was sent
+            assert opt.param_groups[0]["lr"] == 0.02
+
+
+def adam_state(opt: RemoteOptimizer) -> dict[str, Any]:
+    """``opt``'s state_dict after two steps on one batch."""
+    model = opt.worker.model
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])
+                                    ).backward()
+        opt.step()
+    return opt.state_dict()
+
+
+# state entry 0 (the first weight, 16 x 8) changed: key, the new value (None: key removed)
+BAD_STATE: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor] | None]] = {
+    "exp_avg of another size": ("exp_avg", lambda t: torch.zeros(5)),
+    "exp_avg of another shape": ("exp_avg", lambda t: torch.zeros(16, 1)),
+    "integer exp_avg": ("exp_avg", lambda t: t.to(torch.int64)),
+    "NaN in exp_avg": ("exp_avg", lambda t: torch.full_like(t, math.nan)),
+    "negative exp_avg_sq": ("exp_avg_sq", lambda t: torch.full_like(t, -1.0)),
+    "negative step": ("step", lambda t: torch.tensor(-3.0)),
+    "fractional step": ("step", lambda t: torch.tensor(2.5)),
+    "missing exp_avg_sq": ("exp_avg_sq", None),
+    "a key Adam does not keep": ("momentum_buffer", lambda t: torch.zeros(16, 8)),
+}
+
+
+def poisoned(saved: dict[str, Any], key: str,
+             change: Callable[[torch.Tensor], torch.Tensor] | None) -> dict[str, Any]:
+    state = {i: dict(entry) for i, entry in saved["state"].items()}
+    if change is None:
+        del state[0][key]
+    else:
+        state[0][key] = change(state[0].get(key, state[0]["exp_avg"]))
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys() \
+        and all(torch.equal(torch.as_tensor(a["state"][i][k]), torch.as_tensor(v))
+                for i, entry in b["state"].items() for k, v in entry.items())
+
+
+@pytest.mark.parametrize("flat", [None, False])
+def test_a_bad_optimizer_state_is_refused_whole(flat: bool | None) -> None:
+    """Each bad state is refused with UsageError naming the tensor and the key, whether
+    RemoteOptimizer sends it or a raw peer does (by entry label, past RemoteOptimizer's
+    own checks); the server's state is what it was, and training goes on."""
+    with serving(1, 1, optimizer=adam, flat=flat) as ps:
+        model = make_model()
+        with RemoteOptimizer(model, ps, timeout=20) as opt:
+            saved = adam_state(opt)
+            names = [n for n, _ in model.named_parameters()]
+            hps = hyper.snapshot(saved["param_groups"])
+            for what, (key, change) in BAD_STATE.items():
+                bad = poisoned(saved, key, change)
+                with pytest.raises(UsageError, match=r"0\.weight") as raised:
+                    opt.load_state_dict(bad)
+                assert key in str(raised.value), (what, raised.value)
+                raw = {names[i]: entry for i, entry in bad["state"].items()}
+                with pytest.raises(UsageError, match=r"0\.weight") as raised:
+                    opt._call(opt.worker.load_optimizer_state(hps, [raw]))
+                assert key in str(raised.value), (what, raised.value)
+            assert same_state(opt.state_dict(), saved)
+            opt.load_state_dict(saved)  # a good one still loads
+            adam_state(opt)
+            assert all(torch.isfinite(p).all() for p in model.parameters())
+

@@ -14,7 +14,12 @@ scalar: ``None``, bool, int, float, str, or a short tuple of numbers such as Ada
 The rule: a change made on any rank before its ``step()`` is applied by every shard before
 that step's update. When several ranks' pushes in one update (a sync barrier) change the
 same key to different values, the lowest rank wins (logged as a WARNING); every worker's
-``param_groups`` show the winning values once its step returns. Pure: no I/O.
+``param_groups`` show the winning values once its step returns.
+
+What a value may be (:func:`refusal`; the worker checks it before sending, the shard again
+on arrival, then against the optimizer's own constructor, see :mod:`tensorx._ps.optim_check`):
+the kind of value the group holds (a number where it has a number, a tuple of as many
+numbers, None only where it has None), and a finite number. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import logging
 import math
 from typing import Any
 
+from tensorx._text import printable
 from tensorx.errors import ProtocolError, UsageError
 
-__all__ = ["MAX_KEYS", "Pending", "changes", "check", "encodable", "snapshot"]
+__all__ = ["MAX_KEYS", "Pending", "changes", "check", "encodable", "refusal", "shown",
+           "snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +40,8 @@ MAX_KEYS = 64       # hyperparameters per group a peer may set
 MAX_KEY_LEN = 128
 MAX_TUPLE = 8
 SKIP = frozenset({"params", "param_names"})
+SHOWN = 60  # characters of a value (or key) quoted in an error
+MISSING = object()  # a key the group does not have (yet)
 
 
 def _scalar(value: Any) -> bool:
@@ -86,16 +95,21 @@ def changes(groups: list[dict[str, Any]], known: list[dict[str, Any]]) -> list[d
                 if k not in SKIP and (k not in was or not _same(normal(v), was[k]))}
         bad = [k for k, v in diff.items() if not encodable(v) or not isinstance(k, str)]
         if bad:
-            raise UsageError(f"param_groups[{i}][{bad[0]!r}] = {diff[bad[0]]!r} cannot be "
+            raise UsageError(f"{shown(i, bad[0], diff[bad[0]])} cannot be "
                              "sent to the server (RemoteOptimizer hyperparameters are None, "
                              "bool, int, float, str or a short tuple of numbers)")
+        for k, v in diff.items():
+            why = refusal(was.get(k, MISSING), normal(v))
+            if why:
+                raise UsageError(f"{shown(i, k, v)} cannot be used: {why}")
         out.append({k: normal(v) for k, v in diff.items()})
     return out if any(out) else []
 
 
 def check(sent: Any, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Shard side: a peer's ``hyper`` field, validated against this shard's groups;
-    ProtocolError for anything a well-behaved worker would not send."""
+    ProtocolError for a malformed field, UsageError naming the key and the value for a
+    value the group cannot take (:func:`refusal`)."""
     if not isinstance(sent, list):
         raise ProtocolError("push message: hyper is not a list")
     if not sent:
@@ -103,7 +117,7 @@ def check(sent: Any, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if len(sent) != len(current):
         raise ProtocolError(f"push message: hyper has {len(sent)} groups, this shard's "
                             f"optimizer {len(current)}")
-    for i, (group, now) in enumerate(zip(sent, current, strict=True)):
+    for i, group in enumerate(sent):
         if not isinstance(group, dict) or len(group) > MAX_KEYS:
             raise ProtocolError(f"push message: hyper[{i}] is not a map of at most "
                                 f"{MAX_KEYS} keys")
@@ -111,17 +125,48 @@ def check(sent: Any, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(key, str) or len(key) > MAX_KEY_LEN or key in SKIP \
                     or not encodable(value):
                 raise ProtocolError(f"push message: hyper[{i}] has a bad key or value")
-            if key in now and not _compatible(now[key], normal(value)):
-                raise ProtocolError(f"push message: hyper[{i}][{key!r}] changes the kind "
-                                    f"of value ({type(now[key]).__name__} -> "
-                                    f"{type(value).__name__})")
+    for i, (group, now) in enumerate(zip(sent, current, strict=True)):
+        for key, value in group.items():
+            why = refusal(now.get(key, MISSING), normal(value))
+            if why:
+                raise UsageError(f"{shown(i, key, value)} refused: {why}")
     return [{k: normal(v) for k, v in g.items()} for g in sent]
 
 
+def shown(group: int, key: Any, value: Any) -> str:
+    """``param_groups[i]['key'] = value``, escaped and cut for an error message or a log."""
+    return (f"param_groups[{group}][{printable(repr(key), SHOWN)}] = "
+            f"{printable(repr(value), SHOWN)}")
+
+
+def refusal(old: Any, new: Any) -> str | None:
+    """Why ``new`` cannot replace ``old`` (:data:`MISSING`: a new key), or None. An
+    unchanged value always may stay."""
+    if old is not MISSING and _same(old, new):
+        return None
+    if not _finite(new):
+        return "not a finite number"
+    if old is MISSING or _compatible(old, new):
+        return None
+    if new is None:
+        return f"None where the optimizer has {printable(repr(old), SHOWN)}"
+    return (f"a {type(new).__name__} where the optimizer has a {type(old).__name__} "
+            f"({printable(repr(old), SHOWN)})")
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_finite(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 def _compatible(old: Any, new: Any) -> bool:
-    """A new value the optimizer can use where the old one was."""
-    if old is None or new is None:
+    """A new value the optimizer can use where the old one was (None only where None
+    was: an optimizer that computes with ``lr`` fails on None)."""
+    if old is None:
         return True
+    if new is None:
+        return False
     if isinstance(old, bool) or isinstance(new, bool):
         return isinstance(old, bool) and isinstance(new, bool)
     if isinstance(old, int | float):

@@ -18,9 +18,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tensorx._ps import hyper, optim_state, protocol
+from tensorx._ps import hyper, optim_check, optim_state, protocol
+from tensorx._text import printable
 from tensorx.endpoint import Endpoint
-from tensorx.errors import ProtocolError, UsageError
+from tensorx.errors import ProtocolError, UsageError, error_code
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
@@ -52,10 +53,15 @@ class OptimService:
                 "flat": state.param_labels() is None}
 
     def pushed(self, rank: int, sent: Any, state: Any) -> None:
-        """Keep ``rank``'s changes for the update its push takes part in."""
+        """Keep ``rank``'s changes for the update its push takes part in: all of them, or,
+        when one is refused (UsageError naming it), none."""
         if state.optimizer is None:
             return
-        self.pending.pushed(rank, hyper.check(sent, hyper.snapshot(state.optimizer.param_groups)))
+        try:
+            changes = _checked(state.optimizer, sent)
+        except UsageError as exc:
+            raise UsageError(f"rank {rank}'s step refused: {exc}") from None
+        self.pending.pushed(rank, changes)
 
     def before_update(self, ranks: list[int], state: Any) -> None:
         if state.optimizer is not None:
@@ -116,29 +122,65 @@ class OptimService:
 
     async def load(self, ep: Endpoint, msg: dict[str, Any], state: Any,
                    timeout: float | None) -> None:
-        """Answer ``state_put``: check the manifest, read the packed state, load it."""
-        desc = RegionDescriptor.from_bytes(msg["region"])
-        opt = state.optimizer
-        hps: list[dict[str, Any]] = []
-        if opt is not None:
-            opt, label_of = self._labelled(state)
-            numels = state.param_numels()
-            if desc.nbytes > optim_state.bound(numels) + optim_state.ALIGN:
-                raise ProtocolError(f"optimizer state of {desc.nbytes} B is more than "
-                                    "this shard's entries can have")
-            optim_state.check_manifest(msg["manifest"], numels, desc.nbytes,
-                                       len(opt.param_groups))
-            region = MemoryRegion.allocate(desc.nbytes)
-            try:
-                await ep.read(region, desc, timeout=timeout)
-                loaded = optim_state.unpack(msg["manifest"], region)
-            finally:
-                region.close()
-            saved = hyper.check([g["hp"] for g in msg["manifest"]["groups"]],
-                                hyper.snapshot(opt.param_groups))
-            optim_state.load_into(opt, label_of, saved, loaded)
-            hps = hyper.snapshot(opt.param_groups)
-            self._seen[ep] = hps
-            logger.info("ps shard %d: optimizer state loaded (%d entries)", self.shard,
-                        len(loaded))
+        """Answer ``state_put``: check the manifest, read the packed state, check it
+        against the optimizer, load it. A state refused for what it holds (UsageError) is
+        answered with the error and leaves the worker connected; a malformed one
+        (ProtocolError) is the worker's refusal."""
+        try:
+            hps = await self._load(ep, msg, state, timeout)
+        except UsageError as exc:
+            logger.warning("ps shard %d: optimizer state from %s refused: %s", self.shard,
+                           ep.peer, exc)
+            await ep.notify(protocol.encode("error", code=error_code(exc), msg=str(exc)),
+                            timeout=timeout)
+            return
         await ep.notify(protocol.encode("state_loaded", hyper=hps), timeout=timeout)
+
+    async def _load(self, ep: Endpoint, msg: dict[str, Any], state: Any,
+                    timeout: float | None) -> list[dict[str, Any]]:
+        desc = RegionDescriptor.from_bytes(msg["region"])
+        if state.optimizer is None:
+            return []
+        opt, label_of = self._labelled(state)
+        numels = state.param_numels()
+        if desc.nbytes > optim_state.bound(numels) + optim_state.ALIGN:
+            raise ProtocolError(f"optimizer state of {desc.nbytes} B is more than "
+                                "this shard's entries can have")
+        optim_state.check_manifest(msg["manifest"], numels, desc.nbytes,
+                                   len(opt.param_groups))
+        region = MemoryRegion.allocate(desc.nbytes)
+        try:
+            await ep.read(region, desc, timeout=timeout)
+            loaded = optim_state.unpack(msg["manifest"], region)
+        finally:
+            region.close()
+        saved = _checked(opt, [g["hp"] for g in msg["manifest"]["groups"]])
+        optim_check.check_state(opt, label_of, saved, loaded)
+        _replace(opt, label_of, saved, loaded)
+        hps = hyper.snapshot(opt.param_groups)
+        self._seen[ep] = hps
+        logger.info("ps shard %d: optimizer state loaded (%d entries)", self.shard,
+                    len(loaded))
+        return hps
+
+def _checked(optimizer: Any, sent: Any) -> list[dict[str, Any]]:
+    """A peer's hyperparameters for ``optimizer``'s groups, checked (see
+    :mod:`tensorx._ps.optim_check`)."""
+    changes = hyper.check(sent, [{k: v for k, v in g.items() if k not in hyper.SKIP}
+                                 for g in optimizer.param_groups])
+    optim_check.check_hyper(optimizer, changes)
+    return changes
+
+
+def _replace(optimizer: Any, label_of: dict[int, str], hps: list[dict[str, Any]],
+             loaded: optim_state.State) -> None:
+    """Load checked state; if the optimizer fails on it all the same, put back what it
+    had (UsageError: nothing was loaded)."""
+    before = optimizer.state_dict()
+    try:
+        optim_state.load_into(optimizer, label_of, hps, loaded)
+    except Exception as exc:
+        optimizer.load_state_dict(before)
+        raise UsageError(f"the server's optimizer ({type(optimizer).__name__}) could not "
+                         f"load this state: {type(exc).__name__}: {printable(exc)}; "
+                         "nothing was loaded") from exc
