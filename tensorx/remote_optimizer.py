@@ -28,8 +28,21 @@ What it mirrors, and the rules:
   position in ``param_groups`` order, tensors in the parameters' shapes, so it is
   interchangeable with the state of the same ``torch.optim`` optimizer built locally over
   the same groups. ``load_state_dict()`` checks it like torch does and scatters it to the
-  shards (the hyperparameters in it too). Both are for quiet moments between steps; in sync
-  mode a load by any rank lands before the next update.
+  shards (the hyperparameters in it too), which check it against their parameters and
+  their optimizer's own rules (shapes, dtypes, finite values, ``step`` and second
+  moments) and load it all or, with a UsageError naming what is wrong, none of it. Both
+  are for quiet moments between steps. A load changes what every rank trains with, so
+  **every rank loads the same state between the same two steps** (as every DDP rank loads
+  the same checkpoint): the shards load it once every rank has sent it; a rank that loads
+  alone (the others step), or ranks that load different states, get a UsageError and
+  nothing is loaded.
+* A hyperparameter change must be usable by the server's optimizer: a value of the kind
+  the group holds (None only where it has None), finite, and accepted by the optimizer's
+  constructor (torch's range checks: ``lr >= 0``, ``betas`` in [0, 1), ...). RemoteOptimizer
+  refuses what it can check before sending (UsageError from ``step()``, nothing sent); a
+  value the server refuses fails that rank's ``step()`` with a UsageError naming the key
+  and the value, none of that step's changes apply, and the rank is disconnected as a
+  refused push is (the other ranks train on, see ``on_worker_loss``).
 * ``state`` stays empty on the worker: the optimizer state lives on the server.
 * ``zero_grad(set_to_none=...)``: gradients are zeroed in place either way and stay bound
   to the registered memory that is pushed (``p.grad`` is never None afterwards); a
@@ -220,7 +233,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check ``state_dict`` as torch does, then load it into every shard's optimizer."""
+        """Check ``state_dict`` as torch does, then load it into every shard's optimizer
+        (every shard or none; every rank loads the same state, see the module docstring)."""
         self._check_portable()
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(saved, list) or not isinstance(state_dict.get("state"), dict):

@@ -512,24 +512,49 @@ class Worker:
     async def load_optimizer_state(self, hps: list[dict[str, Any]],
                                    states: list[optim_state.State]) -> None:
         """Load ``states[s]`` (by entry label) into shard ``s``'s optimizer, with the groups'
-        hyperparameters ``hps``."""
-        await asyncio.gather(*(self._load_state(s, hps, states[s])
-                               for s in range(self.num_shards)))
-
-    async def _load_state(self, shard: int, hps: list[dict[str, Any]],
-                          state: optim_state.State) -> None:
-        ep = self._eps[shard]
-        packed = optim_state.pack(state)
-        groups = [{"hp": hp, "params": []} for hp in hps] if self.optim[shard]["groups"] else []
-        region = packed.region()
+        hyperparameters ``hps``: into every shard, or (the first shard's error) into none.
+        Every rank loads the same state between the same two steps (see
+        :mod:`tensorx._ps.optim_load`)."""
+        packed = [optim_state.pack(state) for state in states]
+        regions = [p.region() for p in packed]
         try:
-            desc = self.node.export(region, access="r")
-            with self._naming(shard):
-                await ep.notify(protocol.encode("state_put", manifest=packed.manifest(groups),
-                                                region=desc.to_bytes()), timeout=self.timeout)
-                msg = await self._expect(shard, "state_loaded")
+            checked = await asyncio.gather(*(self._put_state(s, hps, packed[s], regions[s])
+                                             for s in range(self.num_shards)),
+                                           return_exceptions=True)
+            refused = [r for r in checked if isinstance(r, BaseException)]
+            done = await asyncio.gather(*(self._commit_state(s, not refused)
+                                          for s, r in enumerate(checked)
+                                          if not isinstance(r, BaseException)),
+                                        return_exceptions=True)
         finally:
-            region.close()
+            for region in regions:
+                region.close()
+        for result in (*refused, *done):
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _put_state(self, shard: int, hps: list[dict[str, Any]],
+                         packed: optim_state.Packed, region: MemoryRegion) -> None:
+        """Phase one: ``shard`` has read and checked its part (see _ps.optim_load)."""
+        groups = [{"hp": hp, "params": []} for hp in hps] if self.optim[shard]["groups"] else []
+        desc = self.node.export(region, access="r")
+        with self._naming(shard):
+            await self._eps[shard].notify(protocol.encode(
+                "state_put", manifest=packed.manifest(groups), region=desc.to_bytes(),
+                digest=optim_state.digest(region)), timeout=self.timeout)
+            await self._expect(shard, "state_checked")
+
+    async def _commit_state(self, shard: int, load: bool) -> None:
+        """Phase two: load it (every shard checked its part) or drop it."""
+        with self._naming(shard):
+            await self._eps[shard].notify(protocol.encode("state_commit", load=load),
+                                          timeout=self.timeout)
+            try:
+                msg = await self._expect(shard, "state_loaded")
+            except TensorxError:
+                if load:
+                    raise
+                return  # dropped, as asked: the refusal that made us ask is raised instead
         if self.hyper[shard]:
             self._heard(shard, msg["hyper"])
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tensorx._ps import hyper, optim_state
+from tensorx._ps.optim import plan_params
 from tensorx.errors import ProtocolError, UsageError
 from tensorx.ps import ParameterServer
 from tensorx.remote_optimizer import RemoteOptimizer
@@ -448,27 +449,32 @@ def adam_state(opt: RemoteOptimizer) -> dict[str, Any]:
     return opt.state_dict()
 
 
-# state entry 0 (the first weight, 16 x 8) changed: key, the new value (None: key removed)
+# state entry 2 (the last weight, 3 x 16; whole on shard 0, while shard 1 holds a part of
+# the first weight) changed: the key, its new value (None: the key removed)
 BAD_STATE: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor] | None]] = {
     "exp_avg of another size": ("exp_avg", lambda t: torch.zeros(5)),
-    "exp_avg of another shape": ("exp_avg", lambda t: torch.zeros(16, 1)),
+    "exp_avg of another shape": ("exp_avg", lambda t: torch.zeros(3, 1)),
+    "exp_avg of its size, transposed": ("exp_avg", lambda t: torch.zeros(16, 3)),
     "integer exp_avg": ("exp_avg", lambda t: t.to(torch.int64)),
     "NaN in exp_avg": ("exp_avg", lambda t: torch.full_like(t, math.nan)),
     "negative exp_avg_sq": ("exp_avg_sq", lambda t: torch.full_like(t, -1.0)),
     "negative step": ("step", lambda t: torch.tensor(-3.0)),
     "fractional step": ("step", lambda t: torch.tensor(2.5)),
     "missing exp_avg_sq": ("exp_avg_sq", None),
-    "a key Adam does not keep": ("momentum_buffer", lambda t: torch.zeros(16, 8)),
+    "a key Adam does not keep": ("momentum_buffer", lambda t: torch.zeros(3, 16)),
 }
 
 
 def poisoned(saved: dict[str, Any], key: str,
              change: Callable[[torch.Tensor], torch.Tensor] | None) -> dict[str, Any]:
-    state = {i: dict(entry) for i, entry in saved["state"].items()}
+    """``saved`` with entry 2 changed, and every other entry's ``exp_avg`` doubled (good
+    values: a shard that loaded its part alone would show them)."""
+    state = {i: {**e, "exp_avg": 2 * e["exp_avg"]} for i, e in saved["state"].items()}
+    state[2] = dict(saved["state"][2])
     if change is None:
-        del state[0][key]
+        del state[2][key]
     else:
-        state[0][key] = change(state[0].get(key, state[0]["exp_avg"]))
+        state[2][key] = change(state[2].get(key, state[2]["exp_avg"]))
     return {"state": state, "param_groups": saved["param_groups"]}
 
 
@@ -480,26 +486,49 @@ def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 @pytest.mark.parametrize("flat", [None, False])
 def test_a_bad_optimizer_state_is_refused_whole(flat: bool | None) -> None:
-    """Each bad state is refused with UsageError naming the tensor and the key, whether
-    RemoteOptimizer sends it or a raw peer does (by entry label, past RemoteOptimizer's
-    own checks); the server's state is what it was, and training goes on."""
-    with serving(1, 1, optimizer=adam, flat=flat) as ps:
+    """Each bad state is refused with UsageError naming the tensor and the key (the
+    shards check it: RemoteOptimizer sends what it is given, as a raw peer would); the
+    shard whose part is good loads nothing either; training goes on."""
+    with serving(2, 1, optimizer=adam, flat=flat) as ps:
         model = make_model()
         with RemoteOptimizer(model, ps, timeout=20) as opt:
             saved = adam_state(opt)
-            names = [n for n, _ in model.named_parameters()]
-            hps = hyper.snapshot(saved["param_groups"])
+            shards = {e.label: e.shard for e in plan_params(opt.worker.plan)}
+            assert shards["2.weight"] == 0 and shards["0.weight[1]"] == 1
             for what, (key, change) in BAD_STATE.items():
-                bad = poisoned(saved, key, change)
-                with pytest.raises(UsageError, match=r"0\.weight") as raised:
-                    opt.load_state_dict(bad)
-                assert key in str(raised.value), (what, raised.value)
-                raw = {names[i]: entry for i, entry in bad["state"].items()}
-                with pytest.raises(UsageError, match=r"0\.weight") as raised:
-                    opt._call(opt.worker.load_optimizer_state(hps, [raw]))
-                assert key in str(raised.value), (what, raised.value)
+                with pytest.raises(UsageError, match=r"'2\.weight'") as raised:
+                    opt.load_state_dict(poisoned(saved, key, change))
+                assert f"[{key!r}]" in str(raised.value), (what, raised.value)
             assert same_state(opt.state_dict(), saved)
             opt.load_state_dict(saved)  # a good one still loads
             adam_state(opt)
             assert all(torch.isfinite(p).all() for p in model.parameters())
 
+
+def test_one_rank_cannot_load_state_for_everyone() -> None:
+    """Sync mode: every rank loads the same state between the same steps, as every DDP
+    rank loads the same checkpoint. A rank that loads alone, or ranks that load different
+    states, get UsageError and nothing is loaded: training equals a run without the load."""
+    data = batches(4)
+    models = [make_model(), make_model()]
+    with serving(1, 2, optimizer=adam) as ps:
+        def work(rank: int) -> None:
+            with RemoteOptimizer(models[rank], ps, rank, 2, timeout=20) as opt:
+                loop(opt, models[rank], data[:1], rank)
+                zeroed = opt.state_dict()
+                zeroed["state"] = {i: {k: torch.zeros_like(v) for k, v in e.items()}
+                                   for i, e in zeroed["state"].items()}
+                if rank == 1:  # alone: rank 0 steps meanwhile
+                    with pytest.raises(UsageError, match="every rank"):
+                        opt.load_state_dict(zeroed)
+                loop(opt, models[rank], data[1:2], rank)
+                other = opt.state_dict()
+                if rank == 1:
+                    other["param_groups"][0]["lr"] = 0.5
+                with pytest.raises(UsageError, match="different"):
+                    opt.load_state_dict(other)
+                loop(opt, models[rank], data[2:], rank)
+
+        on_ranks(work)
+    close(models[0], local(adam, data)[0])
+    close(models[1], models[0])

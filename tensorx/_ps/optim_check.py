@@ -18,7 +18,9 @@ size fails (or crashes) every later update. So:
   a zero gradient over a small stand-in with the parameter's number of dimensions (sizes
   2, 3, 4, ...), whose state gives the keys to expect and each tensor's shape as a
   function of the parameter's (``exp_avg``: the parameter's shape; ``step``: a scalar;
-  Adafactor's ``row_var``: the parameter's with its last dimension 1) and kind of dtype
+  Adafactor's ``row_var``: the parameter's with its last dimension 1; a tensor of the
+  parameter's shape may come flat, as RemoteOptimizer sends a split tensor's chunk) and
+  kind of dtype
   (floating state may be any float dtype: torch casts it to the parameter's). Every
   number and floating tensor must be finite; for torch's own optimizers, ``step`` is a
   whole number >= 0 and second moments (``exp_avg_sq``, ``max_exp_avg_sq``, RMSprop's and
@@ -220,7 +222,7 @@ def _shape_refusal(value: Any, p: torch.Tensor, kept: Any, kind: str) -> str | N
         if not want and _number(value):
             return None  # a scalar kept as a number (an old checkpoint's step)
         return f"a {type(value).__name__} where {kind} keeps a tensor of shape {want}"
-    if list(value.shape) != want and not (want == list(p.shape)
+    if list(value.shape) != want and not (want == list(p.shape) and value.dim() == 1
                                           and value.numel() == p.numel()):
         return f"shape {list(value.shape)}, {kind} keeps {want} for this parameter"
     if not _same_kind(value.dtype, dtype, scalar=not want):

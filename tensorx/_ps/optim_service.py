@@ -6,8 +6,12 @@
   since that worker last heard them.
 * State (:mod:`tensorx._ps.optim_state`): on ``state_get`` the shard packs its optimizer's
   state into a fresh region that the asking worker may read (one per worker at a time,
-  freed on ``state_done`` or when the worker leaves); on ``state_put`` it reads the worker's
-  packed region, after checking the manifest against its own entries, and loads it.
+  freed on ``state_done`` or when the worker leaves). A load (``state_put``, then
+  ``state_commit``) is every rank's and every shard's or none's (see
+  :mod:`tensorx._ps.optim_load`): the shard reads one packed region, after checking the
+  manifest against its own entries, checks what it holds against the optimizer (see
+  :mod:`tensorx._ps.optim_check`), and loads it once every rank has committed. A refused
+  load is answered with the error; the workers stay connected.
 
 The service loop calls these between updates, so the state is never read or loaded halfway
 through one.
@@ -15,13 +19,15 @@ through one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from tensorx._ps import hyper, optim_check, optim_state, protocol
+from tensorx._ps.optim_load import RULE, LoadRound, Put
 from tensorx._text import printable
 from tensorx.endpoint import Endpoint
-from tensorx.errors import ProtocolError, UsageError, error_code
+from tensorx.errors import ProtocolError, TensorxError, UsageError, error_code
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
@@ -39,6 +45,7 @@ class OptimService:
         self.pending = hyper.Pending(shard)
         self._seen: dict[Endpoint, list[dict[str, Any]]] = {}
         self._lent: dict[Endpoint, MemoryRegion] = {}
+        self._round = LoadRound()
 
     # -- hyperparameters ------------------------------------------------------------------
     def welcome(self, ep: Endpoint, state: Any) -> dict[str, Any]:
@@ -77,12 +84,17 @@ class OptimService:
         self._seen[ep] = now
         return now
 
-    def forget(self, ep: Endpoint, rank: int | None) -> None:
-        """``ep`` left: drop its pending changes and free what it borrowed."""
+    async def forget(self, ep: Endpoint, rank: int | None, timeout: float | None) -> None:
+        """``ep`` left: drop its pending changes, free what it borrowed, and refuse a load
+        in progress (it can no longer be every rank's)."""
         if rank is not None:
             self.pending.drop(rank)
         self._seen.pop(ep, None)
         self._free(ep)
+        if rank is not None and self._round.open:
+            await self._fail([e for e in self._round.eps() if e is not ep], UsageError(
+                f"rank {rank} left while rank(s) {sorted(self._round.puts)} loaded "
+                f"optimizer state: {RULE}"), timeout)
 
     # -- state ----------------------------------------------------------------------------
     def _labelled(self, state: Any) -> tuple[Any, dict[int, str]]:
@@ -120,48 +132,123 @@ class OptimService:
         if region is not None:
             region.close()
 
-    async def load(self, ep: Endpoint, msg: dict[str, Any], state: Any,
-                   timeout: float | None) -> None:
-        """Answer ``state_put``: check the manifest, read the packed state, check it
-        against the optimizer, load it. A state refused for what it holds (UsageError) is
-        answered with the error and leaves the worker connected; a malformed one
-        (ProtocolError) is the worker's refusal."""
-        try:
-            hps = await self._load(ep, msg, state, timeout)
-        except UsageError as exc:
-            logger.warning("ps shard %d: optimizer state from %s refused: %s", self.shard,
-                           ep.peer, exc)
-            await ep.notify(protocol.encode("error", code=error_code(exc), msg=str(exc)),
-                            timeout=timeout)
-            return
-        await ep.notify(protocol.encode("state_loaded", hyper=hps), timeout=timeout)
-
-    async def _load(self, ep: Endpoint, msg: dict[str, Any], state: Any,
-                    timeout: float | None) -> list[dict[str, Any]]:
-        desc = RegionDescriptor.from_bytes(msg["region"])
+    # -- loads: every rank, the same state, every shard or none (see _ps.optim_load) ------
+    def _precheck(self, msg: dict[str, Any], state: Any) -> None:
+        """A put's manifest against this shard's entries (ProtocolError: malformed)."""
         if state.optimizer is None:
-            return []
-        opt, label_of = self._labelled(state)
+            return
+        opt, _ = self._labelled(state)
         numels = state.param_numels()
-        if desc.nbytes > optim_state.bound(numels) + optim_state.ALIGN:
-            raise ProtocolError(f"optimizer state of {desc.nbytes} B is more than "
-                                "this shard's entries can have")
-        optim_state.check_manifest(msg["manifest"], numels, desc.nbytes,
-                                   len(opt.param_groups))
+        nbytes = RegionDescriptor.from_bytes(msg["region"]).nbytes
+        if nbytes > optim_state.bound(numels) + optim_state.ALIGN:
+            raise ProtocolError(f"optimizer state of {nbytes} B is more than this shard's "
+                                "entries can have")
+        optim_state.check_manifest(msg["manifest"], numels, nbytes, len(opt.param_groups))
+
+    async def put(self, ep: Endpoint, rank: int, msg: dict[str, Any], state: Any,
+                  counted: set[int], stepping: list[int], timeout: float | None) -> None:
+        """``state_put`` from ``rank``: once every ``counted`` rank has sent the same one
+        (and none is ``stepping``: pushed, not answered), read, check and keep it."""
+        try:
+            self._precheck(msg, state)  # a malformed put (ProtocolError): its refusal
+        except UsageError as exc:
+            await self._fail([*self._round.eps(), ep], exc, timeout)
+            return
+        if self._round.staged is not None:
+            await self._fail([ep], UsageError(f"rank {rank} loads optimizer state while "
+                                              f"a load is being committed: {RULE}"), timeout)
+            return
+        if stepping:
+            await self._fail([*self._round.eps(), ep], UsageError(
+                f"rank {rank} loads optimizer state while rank(s) {stepping} are in a "
+                f"step: {RULE}"), timeout)
+            return
+        self._round.puts[rank] = Put(ep, msg["manifest"], msg["region"], msg["digest"])
+        missing = self._round.missing(counted)
+        if missing:
+            await ep.notify(protocol.encode("waiting", why=(
+                f"optimizer state: waiting for rank(s) {missing} to load the same state "
+                "(every rank loads it between the same two steps)")), timeout=timeout)
+            return
+        round_ = self._round
+        try:
+            why = round_.disagreement()
+            if why:
+                raise UsageError(why)
+            round_.staged = await self._read(round_.first(), state, timeout)
+        except TensorxError as exc:
+            await self._fail(round_.eps(), exc, timeout)
+            return
+        await self._tell(round_.eps(), protocol.encode("state_checked"), timeout)
+
+    async def _read(self, put: Put, state: Any, timeout: float | None) -> Any:
+        """The state ``put`` describes, read from its region and checked; None for a
+        shard without an optimizer."""
+        if state.optimizer is None:
+            return None
+        opt, label_of = self._labelled(state)
+        desc = RegionDescriptor.from_bytes(put.region)
         region = MemoryRegion.allocate(desc.nbytes)
         try:
-            await ep.read(region, desc, timeout=timeout)
-            loaded = optim_state.unpack(msg["manifest"], region)
+            await put.ep.read(region, desc, timeout=timeout)
+            if optim_state.digest(region) != put.digest:
+                raise ProtocolError("the optimizer state read differs from its digest")
+            loaded = optim_state.unpack(put.manifest, region)
         finally:
             region.close()
-        saved = _checked(opt, [g["hp"] for g in msg["manifest"]["groups"]])
+        saved = _checked(opt, [g["hp"] for g in put.manifest["groups"]])
         optim_check.check_state(opt, label_of, saved, loaded)
-        _replace(opt, label_of, saved, loaded)
-        hps = hyper.snapshot(opt.param_groups)
-        self._seen[ep] = hps
-        logger.info("ps shard %d: optimizer state loaded (%d entries)", self.shard,
-                    len(loaded))
-        return hps
+        return saved, loaded
+
+    async def commit(self, ep: Endpoint, rank: int, load: bool, state: Any,
+                     timeout: float | None) -> None:
+        """``state_commit``: once every rank that put has committed, load what was kept
+        if all of them say so (every shard checked it), else drop it."""
+        round_ = self._round
+        put = round_.puts.get(rank)
+        if put is None or put.ep is not ep or round_.staged is None or rank in round_.commits:
+            raise ProtocolError("state_commit without a checked optimizer state")
+        verdict = round_.commit(rank, load)
+        if verdict is None:
+            return
+        self._round = LoadRound()
+        if not verdict:
+            await self._fail(round_.eps(), UsageError(
+                "optimizer state not loaded: another shard refused it"), timeout)
+            return
+        hps: list[dict[str, Any]] = []
+        if state.optimizer is not None:
+            opt, label_of = self._labelled(state)
+            try:
+                _replace(opt, label_of, *round_.staged)
+            except UsageError as exc:
+                await self._fail(round_.eps(), exc, timeout)
+                return
+            hps = hyper.snapshot(opt.param_groups)
+            logger.info("ps shard %d: optimizer state loaded (%d entries, ranks %s)",
+                        self.shard, len(round_.staged[1]), sorted(round_.puts))
+        for eps in round_.eps():
+            self._seen[eps] = hps
+        await self._tell(round_.eps(), protocol.encode("state_loaded", hyper=hps), timeout)
+
+    async def stepping(self, rank: int, step: int, timeout: float | None) -> None:
+        """``rank`` pushed: a load in progress, which it did not join, is refused."""
+        if self._round.open:
+            await self._fail(self._round.eps(), UsageError(
+                f"rank {rank} pushed its step {step} while rank(s) {sorted(self._round.puts)} "
+                f"loaded optimizer state: {RULE}"), timeout)
+
+    async def _fail(self, eps: list[Endpoint], exc: TensorxError,
+                    timeout: float | None) -> None:
+        """Refuse the load in progress (and ``eps``' puts) with ``exc``; nothing loaded."""
+        self._round = LoadRound()
+        logger.warning("ps shard %d: optimizer state not loaded: %s", self.shard, exc)
+        await self._tell(eps, protocol.encode("error", code=error_code(exc), msg=str(exc)),
+                         timeout)
+
+    async def _tell(self, eps: list[Endpoint], payload: bytes, timeout: float | None) -> None:
+        await asyncio.gather(*(ep.notify(payload, timeout=timeout) for ep in eps),
+                             return_exceptions=True)
 
 def _checked(optimizer: Any, sent: Any) -> list[dict[str, Any]]:
     """A peer's hyperparameters for ``optimizer``'s groups, checked (see

@@ -16,6 +16,7 @@ byte is allocated or loaded. Pure: no I/O.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,8 +26,8 @@ from tensorx._ps import hyper
 from tensorx.errors import ProtocolError, UsageError
 from tensorx.memregion import MemoryRegion
 
-__all__ = ["MAX_KEYS", "Packed", "bound", "check_manifest", "groups_of", "load_into", "pack",
-           "state_of", "unpack"]
+__all__ = ["MAX_KEYS", "Packed", "bound", "check_manifest", "digest", "groups_of", "load_into",
+           "pack", "state_of", "unpack"]
 
 MAX_KEYS = 16        # state entries per parameter (Adam has 3, Adafactor 4)
 ALIGN = 64
@@ -78,6 +79,11 @@ class Packed:
 
 def pack(state: State) -> Packed:
     return Packed(state)
+
+
+def digest(region: MemoryRegion) -> bytes:
+    """BLAKE2b-256 of a packed region's bytes: what two ranks compare to load one state."""
+    return hashlib.blake2b(region.buffer(), digest_size=32).digest()
 
 
 def bound(numels: Mapping[str, int]) -> int:

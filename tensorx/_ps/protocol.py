@@ -37,7 +37,8 @@ from tensorx.memregion import MAX_DESCRIPTOR
 __all__ = ["MAX_CONTROL", "PROTOCOL", "SCHEMAS", "SHARE_OFFER", "check_hello", "decode",
            "encode", "optim_info", "share_offer"]
 
-PROTOCOL = 7  # 7: pipelined rounds (parts); 6: sparse rows answered in an inbox; 5: share
+PROTOCOL = 8  # 8: optimizer-state loads in two phases (state_checked, state_commit) with a
+# digest; 7: pipelined rounds (parts); 6: sparse rows answered in an inbox; 5: share
 MAX_CONTROL = 16 * 1024 * 1024  # a hello carries the whole plan
 ITEMS = 1 << 20  # entries of one list or map (tensors, groups, ranks, parts)
 
@@ -91,8 +92,14 @@ _FIELDS: dict[str, dict[str, Field]] = {
     "state": {"manifest": table(ITEMS), "region": _DESC},
     # worker -> shard: I have read it; free the region
     "state_done": {},
-    # worker -> shard: load the optimizer state packed in my `region`, laid out as `manifest`
-    "state_put": {"manifest": table(ITEMS), "region": _DESC},
+    # worker -> shard: load the optimizer state packed in my `region`, laid out as
+    # `manifest`; `digest`: BLAKE2b-256 of the region's bytes (every rank sends the same
+    # state: see tensorx._ps.optim_load)
+    "state_put": {"manifest": table(ITEMS), "region": _DESC, "digest": blob(32)},
+    # shard -> worker: every rank's put arrived, the same; I read and checked it and keep it
+    "state_checked": {},
+    # worker -> shard: `load`: every shard checked its part (load it); else drop it
+    "state_commit": {"load": flag()},
     # shard -> worker: loaded; `hyper`: the groups' hyperparameters now
     "state_loaded": {"hyper": _HYPER},
     # shard -> worker, while your push waits at the sync barrier for absent ranks: which

@@ -98,7 +98,7 @@ class ServiceLoop(ShardCore):
             await self._part(ep, msg)
         elif kind == "bye":
             await self._goodbye(ep)
-        elif kind in ("state_get", "state_done", "state_put"):
+        elif kind in ("state_get", "state_done", "state_put", "state_commit"):
             self._saved_version = None  # a loaded optimizer state is worth a checkpoint
             await self._optim_request(ep, kind, msg)
         else:
@@ -118,9 +118,14 @@ class ServiceLoop(ShardCore):
     async def _optim_request(self, ep: Endpoint, kind: str, msg: dict[str, Any]) -> None:
         if ep not in self._peers or self.state is None or not self._initialised:
             raise ProtocolError(f"{kind} before a completed handshake")
+        rank = self._peers[ep].rank
         if kind == "state_get":
             await self.optim.lend(ep, self.state, self.timeout)
         elif kind == "state_done":
             self.optim.returned(ep)
+        elif kind == "state_put":  # every rank the barrier counts loads (_ps.optim_load)
+            counted = set(range(self.num_workers)) - self.scheduler.excused - self._finished
+            await self.optim.put(ep, rank, msg, self.state, counted,
+                                 sorted(self.scheduler.pending), self.timeout)
         else:
-            await self.optim.load(ep, msg, self.state, self.timeout)
+            await self.optim.commit(ep, rank, msg["load"], self.state, self.timeout)

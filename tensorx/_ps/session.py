@@ -121,7 +121,7 @@ class Sessions(ShardCore):
 
     async def _leave(self, ep: Endpoint, why: str, close: bool = True) -> None:
         peer = self._peers.pop(ep, None)
-        self.optim.forget(ep, None if peer is None else peer.rank)
+        await self.optim.forget(ep, None if peer is None else peer.rank, self.timeout)
         if peer is None:
             with contextlib.suppress(TensorxError):
                 await ep.aclose()  # a refused or half-joined peer: release its connection

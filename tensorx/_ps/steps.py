@@ -30,6 +30,7 @@ class Steps(ShardCore):
         if peer is None or self.state is None or not self._initialised:
             raise ProtocolError("push before a completed handshake")
         self.sharing.check_mapped(peer, msg["mapped"])
+        await self.optim.stepping(peer.rank, msg["step"], self.timeout)
         self.optim.pushed(peer.rank, msg["hyper"], self.state)
         peer.step = msg["step"]
         peer.held = msg["version"]
