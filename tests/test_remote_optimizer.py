@@ -299,6 +299,8 @@ def test_bad_hyperparameters_from_a_peer_are_refused() -> None:
     assert hyper.check([{"lr": 0.5}, {}], groups) == [{"lr": 0.5}, {}]
     assert hyper.check([{"betas": [0.8, 0.9]}, {}], groups)[0]["betas"] == (0.8, 0.9)
     assert hyper.check([{"initial_lr": 0.5}, {}], groups)[0]["initial_lr"] == 0.5
+    assert hyper.check([{"foreach": True}, {}], groups)[0]["foreach"] is True
+    assert hyper.check([{"amsgrad": None}, {}], groups)[0]["amsgrad"] is None  # a flag
     for bad in ({"lr": 1}, [{"params": 1}, {}], [{"lr": 0.1}], [{"lr": {"x": 1}}, {}],
                 [{"x" * 200: 1}, {}], [{"lr": 2**70}, {}]):
         with pytest.raises(ProtocolError):

@@ -19,7 +19,7 @@ same key to different values, the lowest rank wins (logged as a WARNING); every 
 What a value may be (:func:`refusal`; the worker checks it before sending, the shard again
 on arrival, then against the optimizer's own constructor, see :mod:`tensorx._ps.optim_check`):
 the kind of value the group holds (a number where it has a number, a tuple of as many
-numbers, None only where it has None), and a finite number. Pure: no I/O.
+numbers, None only where it has None or a flag), and a finite number. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def refusal(old: Any, new: Any) -> str | None:
         return None
     if new is None:
         return f"None where the optimizer has {printable(repr(old), SHOWN)}"
-    return (f"a {type(new).__name__} where the optimizer has a {type(old).__name__} "
+    return (f"{type(new).__name__} where the optimizer has {type(old).__name__} "
             f"({printable(repr(old), SHOWN)})")
 
 
@@ -161,12 +161,13 @@ def _finite(value: Any) -> bool:
 
 
 def _compatible(old: Any, new: Any) -> bool:
-    """A new value the optimizer can use where the old one was (None only where None
-    was: an optimizer that computes with ``lr`` fails on None)."""
+    """A new value the optimizer can use where the old one was. None only where None or
+    a flag was (``foreach``, ``fused``: None is their default): an optimizer that
+    computes with ``lr`` fails on None."""
     if old is None:
         return True
     if new is None:
-        return False
+        return isinstance(old, bool)
     if isinstance(old, bool) or isinstance(new, bool):
         return isinstance(old, bool) and isinstance(new, bool)
     if isinstance(old, int | float):
