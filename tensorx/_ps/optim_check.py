@@ -100,37 +100,55 @@ def _like(optimizer: torch.optim.Optimizer, i: int) -> torch.Tensor:
 def _constructor_refusal(cls: type[torch.optim.Optimizer], current: dict[str, Any],
                          change: dict[str, Any], like: torch.Tensor) -> str | None:
     try:
-        _build(cls, {**current, **change}, _stand_in(like, ()))
+        _build(cls, {**current, **change}, _stand_in(like))
         return None
     except _Unbuildable:
         return None
     except Exception as exc:
         try:
-            _build(cls, current, _stand_in(like, ()))
+            _build(cls, current, _stand_in(like))
         except Exception:
             return None  # its own values do not pass either: nothing to judge by
         return f"{type(exc).__name__}: {exc}"
 
 
-def _stand_in(like: torch.Tensor, shape: tuple[int, ...]) -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.zeros(shape or (1,), dtype=like.dtype, device=like.device))
+def _stand_in(like: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(1, dtype=like.dtype, device=like.device))
 
 
 def _build(cls: type[torch.optim.Optimizer], values: dict[str, Any],
            stand_in: torch.Tensor) -> torch.optim.Optimizer:
     """An optimizer of ``cls`` over ``stand_in``, built with ``values``: as constructor
     arguments where it takes them (its checks run on them), the rest set in its group."""
-    try:
-        takes = list(inspect.signature(cls).parameters.values())[1:]  # after the params
-    except (TypeError, ValueError) as exc:
-        raise _Unbuildable from exc
-    named = {p.name for p in takes if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if any(p.default is p.empty and p.name not in values for p in takes
-           if p.name in named):
+    takes = _arguments(cls)
+    if takes is None or not takes[1] <= values.keys():
         raise _Unbuildable
+    named = takes[0]
     built = cls([stand_in], **{k: v for k, v in values.items() if k in named})
     built.param_groups[0].update({k: v for k, v in values.items() if k not in named})
     return built
+
+
+Arguments = tuple[frozenset[str], frozenset[str]] | None
+_ARGUMENTS: dict[type[torch.optim.Optimizer], Arguments] = {}  # a few classes per process
+
+
+def _arguments(cls: type[torch.optim.Optimizer]) -> Arguments:
+    """The keyword arguments ``cls`` takes after the parameters, and those it requires;
+    None when its signature cannot be read. (Cached: reading it costs more than the
+    construction.)"""
+    if cls not in _ARGUMENTS:
+        if len(_ARGUMENTS) >= 64:
+            _ARGUMENTS.clear()
+        try:
+            takes = list(inspect.signature(cls).parameters.values())[1:]  # after the params
+        except (TypeError, ValueError):
+            _ARGUMENTS[cls] = None
+            return None
+        named = [p for p in takes if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        _ARGUMENTS[cls] = (frozenset(p.name for p in named),
+                           frozenset(p.name for p in named if p.default is p.empty))
+    return _ARGUMENTS[cls]
 
 
 # -- state ----------------------------------------------------------------------------------
@@ -158,8 +176,8 @@ def check_state(optimizer: torch.optim.Optimizer, label_of: Mapping[int, str],
 
 def _from_torch(optimizer: torch.optim.Optimizer) -> bool:
     """One of torch's optimizers (or a subclass): its state keys mean what torch's do."""
-    return any(c.__module__.startswith("torch.optim.") and c is not torch.optim.Optimizer
-               for c in type(optimizer).__mro__)
+    return any((c.__module__ + ".").startswith("torch.optim.")
+               and c is not torch.optim.Optimizer for c in type(optimizer).__mro__)
 
 
 def _template(optimizer: torch.optim.Optimizer, values: dict[str, Any],

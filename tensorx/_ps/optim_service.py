@@ -250,6 +250,7 @@ class OptimService:
         await asyncio.gather(*(ep.notify(payload, timeout=timeout) for ep in eps),
                              return_exceptions=True)
 
+
 def _checked(optimizer: Any, sent: Any) -> list[dict[str, Any]]:
     """A peer's hyperparameters for ``optimizer``'s groups, checked (see
     :mod:`tensorx._ps.optim_check`)."""
