@@ -3,6 +3,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -137,6 +138,13 @@ async def retried(caplog: pytest.LogCaptureFixture, attempts: int = 1) -> None:
 
     await wait_until(lambda: any(f"rejoin attempt {attempts} failed" in r.getMessage()
                                  for r in caplog.records), 30, what="a failed rejoin attempt")
+
+
+def only_warning(caplog: pytest.LogCaptureFixture) -> str:
+    """The one line logged at WARNING or above (asserted to be the only one)."""
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    return warnings[0]
 
 
 def plant(path: Path, marker: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 from tensorx._ps import rowkernel, rowsgd
 from tensorx._ps.rows import no_invariant_checks, sum_rows
 
-from .conftest import NOBODY, as_root, plant
+from .conftest import NOBODY, as_root, only_warning, plant
 from .test_ps_rowsgd import kernel_or_skip
 
 
@@ -180,12 +180,6 @@ def hostile_cache(tmp_path: Path, kernel_file: Path, how: str) -> tuple[Path, Pa
         return cache, elsewhere / kernel_file.name
     assert how == "object of another uid"
     return cache, cache / kernel_file
-
-
-def only_warning(caplog: pytest.LogCaptureFixture) -> str:
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1, warnings
-    return warnings[0]
 
 
 @pytest.mark.parametrize(("how", "why"), [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import HAVE_UCX, NOBODY, as_root, plant
+from .conftest import HAVE_UCX, NOBODY, as_root, only_warning, plant
 
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")]
 
@@ -69,9 +69,7 @@ def load_here(marker: Path, caplog: pytest.LogCaptureFixture,
         finally:
             assert not marker.exists(), "the planted object was loaded"
     assert lib.status_string(-16) == "Request canceled"
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1, warnings
-    return warnings[0]
+    return only_warning(caplog)
 
 
 @pytest.mark.parametrize(("how", "why"), [
