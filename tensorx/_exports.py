@@ -43,9 +43,10 @@ class ExportTable:
         region._exported(desc)
         return desc
 
-    def remove(self, region: MemoryRegion) -> bool:
-        """Stop serving ``region``; whether it was exported here."""
-        return self._by_id.pop(region.region_id, None) is not None
+    def remove(self, region: MemoryRegion) -> RegionDescriptor | None:
+        """Stop serving ``region``; the descriptor of its export here, if it had one."""
+        export = self._by_id.pop(region.region_id, None)
+        return None if export is None else export.descriptor
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -67,8 +67,8 @@ class Kind(enum.IntEnum):
     BYE = 18
     QUERY = 19      # what do you export / who is connected? (authenticated peers only)
     ANSWER = 20
-    REVOKE = 21     # owner -> peers: this region is closed or unexported; drop it
-    REVOKE_ACK = 22  # peer -> owner: none of my ops on that region is in flight any more
+    REVOKE = 21     # owner -> peers: this export of a region is closed or unexported; drop it
+    REVOKE_ACK = 22  # peer -> owner: none of my ops on that export is in flight any more
 
 
 def _header(kind: Kind, **fields: Field) -> Record:
@@ -92,8 +92,9 @@ SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
     Kind.BYE: {},
     Kind.QUERY: {"req": _U, "what": _CODE},
     Kind.ANSWER: {"req": _U, "data": table(64)},
-    Kind.REVOKE: {"rid": _U},
-    Kind.REVOKE_ACK: {"rid": _U},
+    # "ck": the cookie of the export revoked (an older owner names none: every export)
+    Kind.REVOKE: {"rid": _U, "ck": _U | None},
+    Kind.REVOKE_ACK: {"rid": _U, "ck": _U | None},
 }.items()}
 # The op frames: fixed layouts. A WRITE's "n" is its payload's length (not on the wire);
 # "last": the write's last frame; "imm": a notification it carries (on the last frame only).

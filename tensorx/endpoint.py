@@ -72,7 +72,11 @@ class Endpoint:
         # peer acknowledges, and each peer acknowledges (after its ops on them finished).
         self.bypassed = lane.bypasses_owner or bypassed
         self._validated: dict[tuple[int, int], tuple[int, str]] = {}
-        self._revoked: set[int] = set()
+        # Exports the owner revoked, as (region id, cookie): an export of the region made
+        # since has a cookie of its own and is usable. Regions whose every export is
+        # revoked for good: an owner that names no cookie (an older tensorx) meant that.
+        self._revoked: set[tuple[int, int]] = set()
+        self._revoked_regions: set[int] = set()
         self._acks: set[asyncio.Task[None]] = set()
         self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
@@ -81,7 +85,7 @@ class Endpoint:
         self._claimed = claimed  # our notifications go to _stream, not node.notifications
         channel.start(owner, ChannelEvents(
             deliver=self._deliver, revoked=self._revoke, ended=self._ended,
-            revoke_acked=lambda region_id: node._revoke_acked(self, region_id),
+            revoke_acked=lambda rid, cookie: node._revoke_acked(self, rid, cookie),
             deliver_now=self._deliver_now))
 
     @property
@@ -119,9 +123,9 @@ class Endpoint:
         self._stream.end(exc)
         self._node._endpoint_ended(self, exc)
 
-    def _unexported(self, region_id: int) -> None:
-        """The node stopped exporting a region: tell the peer (best effort, no wait)."""
-        self._channel.revoke(region_id)
+    def _unexported(self, desc: RegionDescriptor) -> None:
+        """The node stopped serving an export: tell the peer (best effort, no wait)."""
+        self._channel.revoke(desc.region_id, desc.cookie)
 
     def __repr__(self) -> str:
         return f"<Endpoint to {self.peer} at {self.address} over {self._lane.name}>"
@@ -309,25 +313,35 @@ class Endpoint:
         check_bounds(size, remote_offset, nbytes)
         return Op(region, desc, offset, remote_offset, nbytes)
 
-    def _revoke(self, region_id: int) -> None:
-        """The owner closed or unexported a region: refuse it from now on. Over a lane
-        that bypasses the owner, the owner keeps the memory until we acknowledge, which we
-        do once every op issued before (on any region) has completed."""
-        self._revoked.add(region_id)
-        for key in [k for k in self._validated if k[0] == region_id]:
+    def _revoke(self, region_id: int, cookie: int | None) -> None:
+        """The owner closed or unexported an export of a region (``cookie`` None: every
+        export of it, for good): refuse its descriptors from now on. Over a lane that
+        bypasses the owner, the owner keeps the memory until we acknowledge, which we do
+        once every op issued before (on any region) has completed."""
+        if cookie is None:
+            self._revoked_regions.add(region_id)
+        else:
+            self._revoked.add((region_id, cookie))
+        for key in [k for k in self._validated if k[0] == region_id and cookie in (None, k[1])]:
             del self._validated[key]
         if self.bypassed:
-            task = asyncio.get_running_loop().create_task(self._ack_revoke(region_id))
+            task = asyncio.get_running_loop().create_task(self._ack_revoke(region_id, cookie))
             self._acks.add(task)
             task.add_done_callback(self._acks.discard)
 
-    async def _ack_revoke(self, region_id: int) -> None:
+    async def _ack_revoke(self, region_id: int, cookie: int | None) -> None:
         try:
             await self._lane.flush(timeout=self._node.timeout)
         except TensorxError as exc:  # a broken or closed lane has nothing in flight either
             logger.debug("flush before acknowledging a revocation: %s", exc)
         if not self._channel.broken:
-            self._channel.revoke_ack(region_id)
+            self._channel.revoke_ack(region_id, cookie)
+
+    def _check_not_revoked(self, desc: RegionDescriptor) -> None:
+        if (desc.region_id, desc.cookie) in self._revoked or \
+                desc.region_id in self._revoked_regions:
+            raise RegionError(f"region {desc.region_id:#x} was closed by its owner (or "
+                              "exported again, under a new descriptor)")
 
     def _remote_limits_now(self, desc: RegionDescriptor) -> tuple[int, str] | None:
         """Size and rights of the remote region if known without asking: from the
@@ -336,8 +350,7 @@ class Endpoint:
         if desc.owner != self.peer:
             raise RegionError(f"descriptor of region {desc.region_id:#x} belongs to node "
                               f"{desc.owner or '?'}, but this endpoint reaches {self.peer}")
-        if desc.region_id in self._revoked:
-            raise RegionError(f"region {desc.region_id:#x} was closed by its owner")
+        self._check_not_revoked(desc)
         if not self._lane.bypasses_owner:  # the owner checks every op itself
             return desc.nbytes, desc.access
         return self._validated.get((desc.region_id, desc.cookie))
@@ -352,8 +365,7 @@ class Endpoint:
         key = (desc.region_id, desc.cookie)
         if key not in self._validated:
             n, access = await self._channel.requests.validate(*key, timeout)
-            if desc.region_id in self._revoked:  # revoked while we asked
-                raise RegionError(f"region {desc.region_id:#x} was closed by its owner")
+            self._check_not_revoked(desc)  # revoked while we asked
             if n != desc.nbytes or not set(desc.access) <= set(access):
                 raise RegionError(f"descriptor of region {desc.region_id:#x} does not match "
                                   "what its owner exported")

@@ -140,8 +140,9 @@ class Node:
         self._endpoints: dict[Endpoint, bytes] = {}  # and their connection's binding
         self._handler = handler
         self._handling: set[asyncio.Task[None]] = set()  # handler(ep) tasks
-        # closed regions whose memory peers may still reach: region, peers yet to ack
-        self._held: dict[int, tuple[MemoryRegion, set[Endpoint]]] = {}
+        # revoked exports, as (region id, cookie), whose memory peers may still reach:
+        # the region and the peers yet to acknowledge that revocation
+        self._held: dict[tuple[int, int], tuple[MemoryRegion, set[Endpoint]]] = {}
         self._state = "new"
         self.notifications: asyncio.Queue[tuple[Endpoint, bytes]] = NotificationQueue(
             *notify_queue)
@@ -269,7 +270,12 @@ class Node:
     # -- memory -------------------------------------------------------------------------
     def export(self, region: MemoryRegion | Any, access: str = "rw") -> RegionDescriptor:
         """Make ``region`` reachable by authenticated peers with ``access`` ("r", "w", "rw").
-        Returns the descriptor to hand to peers. Closing the region unexports it."""
+        Returns the descriptor to hand to peers. Closing the region unexports it.
+
+        Each export has a descriptor of its own (a fresh cookie). Exporting a region again
+        (after :meth:`unexport`, or while it is exported) gives peers a new descriptor that
+        they may use at once; the earlier export is revoked as :meth:`unexport` does, so
+        its descriptor stays refused."""
         self._check_running()
         if not isinstance(region, MemoryRegion):
             region = MemoryRegion.register(region, writable="w" in access)
@@ -281,7 +287,10 @@ class Node:
         created = region.backing.created_file  # a /dev/shm file of ours: peers may map it
         if created is not None:
             keys[SHM_KEY] = {"host": host_id(), "name": created}
+        replaced = self._exports.remove(region)
         desc = self._exports.add(region, access, keys)
+        if replaced is not None:
+            self._revoke(region, replaced)
         region.add_close_callback(self.unexport)
         logger.debug("exported %r as %s", region, access)
         return desc
@@ -336,31 +345,41 @@ class Node:
         of them has acknowledged, having completed every op issued before, or is gone. So
         a late write lands in the old memory, never in memory reused for something else."""
         exported = self._exports.remove(region)
+        if exported is not None:
+            self._revoke(region, exported)
+
+    def _revoke(self, region: MemoryRegion, export: RegionDescriptor) -> None:
+        """Tell every connected peer that ``export`` of ``region`` is gone, and hold the
+        memory for those that may reach it without us until each has acknowledged this
+        revocation (see :meth:`unexport`)."""
         holders = set()
         for ep in list(self._endpoints):  # a peer found gone as it is told leaves the dict
-            ep._unexported(region.region_id)
+            ep._unexported(export)
             if ep.bypassed and not ep.closed:
                 holders.add(ep)
-        if not (exported and holders):
+        if not holders:
             return
-        held = self._held.get(region.region_id)
-        if held is None:
-            for factory in self._factories:
-                factory.hold(region)
-            self._held[region.region_id] = (region, holders)
-        else:
-            held[1].update(holders)
+        for factory in self._factories:
+            factory.hold(region)
+        self._held[(export.region_id, export.cookie)] = (region, holders)
 
-    def _revoke_acked(self, ep: Endpoint, region_id: int) -> None:
-        """``ep``'s peer has no op on the region in flight any more (or is gone)."""
-        held = self._held.get(region_id)
-        if held is None:
+    def _revoke_acked(self, ep: Endpoint, region_id: int, cookie: int | None) -> None:
+        """``ep``'s peer has no op on that export of the region in flight any more (or is
+        gone); ``cookie`` None (an older tensorx): on any export of it."""
+        if cookie is not None:
+            if (region_id, cookie) in self._held:
+                self._release(ep, (region_id, cookie))
             return
-        held[1].discard(ep)
-        if not held[1]:
-            del self._held[region_id]
+        for key in [k for k in self._held if k[0] == region_id]:
+            self._release(ep, key)
+
+    def _release(self, ep: Endpoint, key: tuple[int, int]) -> None:
+        region, holders = self._held[key]
+        holders.discard(ep)
+        if not holders:
+            del self._held[key]
             for factory in self._factories:
-                factory.release(held[0])
+                factory.release(region)
 
     def exports(self) -> list[RegionDescriptor]:
         """Descriptors of every region this node exports now."""
@@ -539,5 +558,5 @@ class Node:
 
     def _release_held(self, ep: Endpoint) -> None:
         """``ep`` is gone, its UCX endpoint closed: it no longer holds any memory."""
-        for region_id in list(self._held):
-            self._revoke_acked(ep, region_id)
+        for key in list(self._held):
+            self._release(ep, key)

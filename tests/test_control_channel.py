@@ -63,7 +63,7 @@ def start(channel: ControlChannel, deliver: Callable[[bytes], Awaitable[None]] |
             ended.set_result(exc)
 
     owner = OwnerService(channel, ExportTable(channel.label), lambda what: {})
-    channel.start(owner, ChannelEvents(deliver or ignore, lambda rid: None, lambda rid: None,
+    channel.start(owner, ChannelEvents(deliver or ignore, lambda *_: None, lambda *_: None,
                                        end, deliver_now))
 
 

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import tensorx as tx
-from tensorx.testing import wait_until
+from tensorx.testing import OwnerProcess, pattern, wait_until
+
+from .conftest import assert_lane, lanes, node_transport
 
 
 async def test_info_and_one_log_line_per_endpoint(caplog: pytest.LogCaptureFixture) -> None:
@@ -167,6 +169,49 @@ async def test_closing_regions_after_a_peer_died_unnoticed_revokes_them_at_the_o
             got = await alive.transfer(ep, "write", desc)
             assert not got["ok"] and got["error"] == "RegionError", got
 
+
+
+@pytest.mark.parametrize("lane", [lane for lane in lanes() if lane != "tcp"])
+async def test_each_revocation_holds_the_memory_until_its_own_acknowledgement(
+        lane: str) -> None:
+    """Over a lane that reaches the owner's memory without its code (UCX, CMA), a region
+    unexported, exported again and then closed is revoked twice; its memory is held until
+    the peer has acknowledged both revocations, not only the first (which says nothing of
+    the ops the peer issued under the second export)."""
+    async with OwnerProcess(node_transport(lane)) as owner, \
+            tx.Node(listen=None, transport=node_transport(lane)) as node:
+        ep = await node.connect(owner.address)
+        assert_lane(ep, lane)
+        desc = tx.RegionDescriptor.from_bytes(await owner.call("export_allocated", 4096, 1))
+        await ep.write(tx.MemoryRegion.register(pattern(4096, 2)), desc, nbytes=8)
+        acks: list[tuple[object, ...]] = []
+        send, ep._channel.revoke_ack = ep._channel.revoke_ack, lambda *ack: acks.append(ack)
+        await owner.call("export_again", desc.region_id, "rw", True)
+        await owner.call("close_region", desc.region_id)
+        await wait_until(lambda: len(acks) >= 2, what="both revocations acknowledged")
+        send(*acks[0])
+        await ep.query("exports")  # the acknowledgement is ahead of the query
+        assert await owner.call("held") >= 1, "released on the first acknowledgement"
+        send(*acks[1])
+        await ep.query("exports")
+        assert await owner.call("held") == 0
+
+
+async def test_a_revocation_that_names_no_export_refuses_the_region_for_good() -> None:
+    """An owner of an older tensorx revokes a region without naming the export: its peer
+    refuses every descriptor of that region from then on, as that owner means."""
+    from tensorx._wire import Kind
+
+    async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
+        region = tx.MemoryRegion.allocate(64)
+        desc = a.export(region)
+        ep = await b.connect(a.address)
+        await wait_until(lambda: a.endpoints, what="the owner's endpoint")
+        a.endpoints[0]._channel.out.post(Kind.REVOKE, {"rid": desc.region_id})
+        await ep.query("exports")  # the revocation is ahead of the answer
+        for each in (desc, a.export(region)):
+            with pytest.raises(tx.RegionError, match="closed by its owner"):
+                await ep.write(tx.MemoryRegion.allocate(64), each)
 
 
 @pytest.mark.parametrize("op", ["write_many", "reads", "queries"])

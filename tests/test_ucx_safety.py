@@ -141,7 +141,7 @@ async def test_a_peer_that_never_acknowledges_keeps_the_memory_held_until_it_lea
         desc = tx.RegionDescriptor.from_bytes(await owner.call("export_allocated", 4096, 1))
         async with tx.Node(listen=None, transport="ucx") as node:
             ep = await node.connect(owner.address, timeout=20)
-            ep._channel.revoke_ack = lambda region_id: None  # type: ignore  # a peer that never acknowledges
+            ep._channel.revoke_ack = lambda *_: None  # type: ignore  # a peer that never acknowledges
             await ep.write(tx.MemoryRegion.register(pattern(4096, 2)), desc)
             await owner.call("replace", desc.region_id, 3)
             await ep.query("exports")  # the revocation is ahead of the answer: it reached us

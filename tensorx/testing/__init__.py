@@ -1,14 +1,15 @@
 """Test helpers: the lane conformance suite, a real owner process, links that misbehave.
 
 :func:`check_lane` runs the data-lane conformance suite (sizes, offsets, concurrency,
-ordering, cancellation, timeouts, peer death, revoked and forged descriptors, leaks) over
-any lane, each check against a fresh :class:`OwnerProcess`: a spawned process running a
-:class:`tensorx.Node` that exports regions on command (each surrounded by guard bands, so a
-check can prove no byte outside an exported range changed); it can also connect to another
-node and time transfers (the client side of a fault test), optionally inside a network
-namespace. :class:`FaultyProxy` stalls or cuts a TCP link on loopback; ``raw_socket``,
-``authenticate`` and ``recv_frame`` speak the protocol by hand; :mod:`tensorx._netns` makes
-two network namespaces joined by a veth pair whose link can be slowed, cut or made lossy.
+ordering, cancellation, timeouts, peer death, revoked, re-exported and forged descriptors,
+leaks) over any lane, each check against a fresh :class:`OwnerProcess`: a spawned process
+running a :class:`tensorx.Node` that exports regions on command (each surrounded by guard
+bands, so a check can prove no byte outside an exported range changed); it can also connect
+to another node and time transfers (the client side of a fault test), optionally inside a
+network namespace. :class:`FaultyProxy` stalls or cuts a TCP link on loopback;
+``raw_socket``, ``authenticate`` and ``recv_frame`` speak the protocol by hand;
+:mod:`tensorx._netns` makes two network namespaces joined by a veth pair whose link can be
+slowed, cut or made lossy.
 """
 
 from __future__ import annotations

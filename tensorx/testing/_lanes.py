@@ -75,9 +75,10 @@ async def check_lane(make_pair: MakePair, checks: Iterable[str] | None = None) -
     both ways, cancelled writes and reads (the endpoint stays usable, the buffer of a
     cancelled or timed-out read is never written later), timeouts (a
     :class:`tensorx.TimeoutError` that is also a builtin one), peer death
-    (:class:`tensorx.BrokenError`, ``node.disconnected``), regions revoked by their owner and
-    forged or out-of-range descriptors (:class:`tensorx.RegionError`, the owner's memory and
-    the guard bands around it untouched), and no file descriptor or task left on the owner
+    (:class:`tensorx.BrokenError`, ``node.disconnected``), regions revoked by their owner,
+    regions exported again (usable under the new descriptor only) and forged or
+    out-of-range descriptors (:class:`tensorx.RegionError`, the owner's memory and the
+    guard bands around it untouched), and no file descriptor or task left on the owner
     by closed connections. A failing check raises with a note naming it.
     """
     names = list(LANE_CHECKS) if checks is None else list(checks)
@@ -447,6 +448,37 @@ async def _revoked(pair: LanePair) -> None:
     expected = pattern(4096, 21)
     expected[:8] = pattern(4096, 22)[:8]
     assert await pair.owner.call("backing_digest", desc.region_id) == digest(expected)
+
+
+@_check("re-exported-region")
+async def _re_exported(pair: LanePair) -> None:
+    """A region its owner exports again (having unexported it, or while it is still
+    exported) is usable again under the new descriptor, and only under it: each export has
+    a cookie of its own, and a descriptor of an earlier export is refused (RegionError)
+    without reaching the memory."""
+    first = await pair.owner.export(4096, seed=23)
+    src = MemoryRegion.register(pattern(4096, seed=24))
+    await pair.ep.write(src, first, nbytes=8)  # used (and, on UCX, validated) while open
+    stale = [first]
+    for unexport in (True, False):
+        raw = await pair.owner.call("export_again", first.region_id, "rw", unexport)
+        fresh = RegionDescriptor.from_bytes(raw)
+        assert fresh.region_id == first.region_id
+        assert fresh.cookie not in {d.cookie for d in stale}
+        await pair.ep.query("exports")  # the owner's revocation is ahead of its answer
+        for old in stale:
+            with _raises(RegionError):
+                await pair.ep.write(src, old, remote_offset=16, nbytes=8)
+            with _raises(RegionError):
+                await pair.ep.read(src, old)
+        await pair.ep.write(src, fresh, offset=8, remote_offset=8, nbytes=8)
+        got = MemoryRegion.register(np.zeros(4096, np.uint8))
+        await pair.ep.read(got, fresh)
+        stale.append(fresh)
+    expected = pattern(4096, 23)
+    expected[:16] = pattern(4096, 24)[:16]
+    assert bytes(got.buffer()) == expected.tobytes()
+    assert await pair.owner.call("digest", first.region_id) == digest(expected)
 
 
 @_check("bad-descriptors")

@@ -258,6 +258,13 @@ class _Owner:
     async def do_close_region(self, rid: int) -> None:
         self.regions[rid].close()
 
+    async def do_export_again(self, rid: int, access: str, unexport: bool) -> bytes:
+        """Export a region again (``unexport``: having unexported it first)."""
+        region = self.regions[rid]
+        if unexport:
+            self.node.unexport(region)
+        return self.node.export(region, access).to_bytes()
+
     async def do_export_allocated(self, nbytes: int, seed: int) -> bytes:
         """Export memory of its own (``MemoryRegion.allocate``), freed once unreferenced."""
         region = MemoryRegion.allocate(nbytes)
