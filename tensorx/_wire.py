@@ -42,8 +42,9 @@ __all__ = [
 
 MAGIC = b"TX"
 # 2: the client proves the token first (v1 servers proved first); 3: the op frames' headers
-# are fixed binary layouts (they were msgpack maps)
-PROTOCOL_VERSION = 3
+# are fixed binary layouts (they were msgpack maps); 4: the handshake ends with READY from
+# each side once its lanes are open (or the ERROR that refuses the peer)
+PROTOCOL_VERSION = 4
 PREFIX = struct.Struct("!2sBBIQ")
 MAX_HEADER = 64 * 1024
 MAX_NOTIFY = 16 * 1024 * 1024
@@ -69,6 +70,7 @@ class Kind(enum.IntEnum):
     ANSWER = 20
     REVOKE = 21     # owner -> peers: this export of a region is closed or unexported; drop it
     REVOKE_ACK = 22  # peer -> owner: none of my ops on that export is in flight any more
+    READY = 23      # both ways, last in the handshake: my lanes are open, I go on
 
 
 def _header(kind: Kind, **fields: Field) -> Record:
@@ -85,6 +87,7 @@ SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
     Kind.AUTH: {"proof": _NONCE},
     Kind.WELCOME: {"proof": _NONCE, "caps": _CAPS},
     Kind.CAPS: {"caps": _CAPS},
+    Kind.READY: {},
     Kind.NOTIFY: {},
     Kind.ERROR: {"req": _U, "code": _CODE, "msg": text(MAX_HEADER)},
     Kind.VALIDATE: {"req": _U, "rid": _U, "ck": _U},

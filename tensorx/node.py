@@ -499,20 +499,34 @@ class Node:
         oldest, who = next(iter(self._handshaking.items()))
         del self._handshaking[oldest]
         self._dropped.add(oldest)
+        why = TimeoutError(f"{self.max_handshakes} unauthenticated connections at once: "
+                           "dropped the oldest (raise Node(max_handshakes=) if real peers "
+                           "need more)")
+        oldest.refuse_now(why)
         with contextlib.suppress(OSError):
             oldest.sock.shutdown(socket.SHUT_RDWR)
-        self._failures.failed(who.rsplit(":", 1)[0], TimeoutError(
-            f"{self.max_handshakes} unauthenticated connections at once: dropped the "
-            "oldest (raise Node(max_handshakes=) if real peers need more)"))
+        self._failures.failed(who.rsplit(":", 1)[0], why)
 
     async def _finish(self, channel: ControlChannel, hello: handshake.Hello, address: str,
                       timeout: float | None, claim: bool = False) -> Endpoint:
-        """Open the lanes and start serving the peer on its endpoint (``claim``: its
-        notifications go to ``ep.messages`` from the first one)."""
+        """Open the lanes, end the handshake and start serving the peer on its endpoint
+        (``claim``: its notifications go to ``ep.messages`` from the first one). Lanes
+        that will not do (``require``) refuse the peer, telling it why."""
+        deadline = Deadline(timeout)
         link = Link(hello.peer, hello.caps, hello.binding, channel)
-        choice = await auto.choose(
-            self._factories, link, require=self.require, skipped=self._unavailable,
-            strict=self.transport == "ucx" or self.require is not None, timeout=timeout)
+        try:
+            choice = await auto.choose(
+                self._factories, link, require=self.require, skipped=self._unavailable,
+                strict=self.transport == "ucx" or self.require is not None,
+                timeout=deadline.left())
+        except TensorxError as exc:
+            await channel.refuse(exc)
+            raise
+        try:
+            await handshake.conclude(channel, deadline.left())
+        except BaseException:
+            choice.lane.abort()
+            raise
         bypassed = any(f.reaches(link.offer(f.name)) for f in self._factories)
         addresses = any(f.tells_addresses(link) for f in self._factories)
         owner = OwnerService(channel, self._exports, self._answer, addresses)

@@ -18,7 +18,7 @@ import tensorx as tx
 from tensorx import _wire
 from tensorx._ratelog import RefusalLog
 from tensorx._wire import Kind
-from tensorx.testing import authenticate, raw_socket, recv_frame, wait_until
+from tensorx.testing import authenticate, raw_socket, recv_frame, recv_refusal, wait_until
 
 MiB = 1 << 20
 TOKEN = b"adversity"
@@ -48,11 +48,13 @@ def open_fds() -> int:
 def _closed_by_server(sock: socket.socket) -> bool:
     sock.setblocking(False)
     try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
+        while sock.recv(65536):  # what the server said first (why it refused)
+            pass
     except BlockingIOError:
         return False
     except OSError:
-        return True
+        pass
+    return True
 
 
 async def _half_open(address: str, count: int) -> list[socket.socket]:
@@ -112,10 +114,17 @@ async def test_half_open_flood_of_1100_with_defaults() -> None:
 
 async def test_handshake_deadline_is_short_and_separate_from_the_op_timeout() -> None:
     async with tx.Node(transport="tcp", timeout=60, handshake_timeout=0.3) as owner:
-        silent = await asyncio.to_thread(raw_socket, owner.address)
-        silent.settimeout(10)
-        assert await asyncio.to_thread(silent.recv, 100) == b""  # dropped at its deadline
-        silent.close()
+        with await asyncio.to_thread(raw_socket, owner.address) as silent:
+            refusal = await asyncio.to_thread(recv_refusal, silent)  # dropped at its deadline
+        assert refusal["code"] == "timeout" and "after 0.3 s" in str(refusal["msg"])
+
+
+async def test_a_connection_pushed_out_by_the_cap_is_told_why() -> None:
+    async with tx.Node(transport="tcp", token=TOKEN, max_handshakes=1) as owner:
+        oldest, newer = await _half_open(owner.address, 2)
+        with oldest, newer:
+            refusal = await asyncio.to_thread(recv_refusal, oldest)
+        assert "1 unauthenticated connections at once" in str(refusal["msg"])
 
 
 # -- #16 item 6: every queue a peer can fill is bounded --------------------------------------

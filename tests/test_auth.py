@@ -73,7 +73,8 @@ def _fake_server(sock: socket.socket, got: list[Any]) -> None:
             got.append(None)
 
 
-async def test_client_refuses_a_server_that_cannot_prove_and_tells_it_nothing() -> None:
+async def test_client_refuses_a_server_that_cannot_prove_and_tells_it_why_only() -> None:
+    """The server hears why (an ERROR frame), never the client's capabilities."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         got: list[Any] = []
         fake = threading.Thread(target=_fake_server, args=(listener, got), daemon=True)
@@ -84,7 +85,9 @@ async def test_client_refuses_a_server_that_cannot_prove_and_tells_it_nothing() 
                 await node.connect(f"tcp://127.0.0.1:{port}")
         await asyncio.to_thread(fake.join, 10)
     assert [g[0] for g in got[:2]] == [Kind.HELLO, Kind.AUTH]
-    assert got[2] is None  # no CAPS: a UCX address never reaches an unproven server
+    kind, refusal = got[2]  # no CAPS: a UCX address never reaches an unproven server
+    assert kind is Kind.ERROR and refusal["code"] == "auth", got[2]
+    assert "could not prove the shared token" in refusal["msg"]
 
 
 def _mirror(sock: socket.socket, got: list[Any]) -> None:
@@ -97,14 +100,14 @@ def _mirror(sock: socket.socket, got: list[Any]) -> None:
         conn.sendall(_wire.encode(Kind.CHALLENGE, {"id": hello["id"],
                                                    "nonce": _auth.new_nonce()}))
         try:
-            got.append(recv_frame(conn)[0])  # the client's proof must not come
+            got.append(recv_frame(conn))  # the client's proof must not come
         except (ConnectionError, OSError):
             got.append(None)
 
 
 async def test_client_refuses_a_server_that_says_its_own_node_id() -> None:
     """Each side refuses a peer that says its own node id (what it would derive from the
-    peer's id, it holds itself); the server side: tests/test_cma.py."""
+    peer's id, it holds itself), telling it why; the server side: tests/test_cma.py."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         got: list[Any] = []
         mirror = threading.Thread(target=_mirror, args=(listener, got), daemon=True)
@@ -114,7 +117,10 @@ async def test_client_refuses_a_server_that_says_its_own_node_id() -> None:
             with pytest.raises(tx.ProtocolError, match="our own node id"):
                 await node.connect(f"tcp://127.0.0.1:{port}")
         await asyncio.to_thread(mirror.join, 10)
-    assert got == [Kind.HELLO, None]
+    assert got[0] is Kind.HELLO
+    kind, refusal = got[1]  # no AUTH: nothing derived from the token
+    assert kind is Kind.ERROR and refusal["code"] == "protocol", got[1]
+    assert "our own node id" in refusal["msg"]
 
 
 async def test_refused_handshakes_are_logged_once_per_address(

@@ -313,7 +313,7 @@ def _impostor(address: str, node_id: str, caps: Callable[[dict[str, Any]], dict[
         if got is Kind.ERROR:
             return got, welcome
         sock.sendall(_wire.encode(Kind.CAPS, {"caps": caps(welcome)})
-                     + _wire.encode(kind, request))
+                     + _wire.encode(Kind.READY, {}) + _wire.encode(kind, request))
         while True:
             got, answer = recv_frame(sock)
             if isinstance(answer, dict) and answer.get("req") in (0, 1):

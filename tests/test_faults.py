@@ -15,7 +15,14 @@ import pytest
 import tensorx as tx
 from tensorx import _auth, _wire
 from tensorx._wire import Kind
-from tensorx.testing import FaultyProxy, OwnerProcess, raw_socket, recv_frame, wait_until
+from tensorx.testing import (
+    FaultyProxy,
+    OwnerProcess,
+    raw_socket,
+    recv_frame,
+    recv_refusal,
+    wait_until,
+)
 
 from .conftest import transports
 
@@ -152,17 +159,18 @@ async def test_replayed_handshake_is_refused() -> None:
         assert header["code"] == "auth"
 
 
-@pytest.mark.parametrize("old", [1, 2])
+@pytest.mark.parametrize("old", [1, 2, 3])
 async def test_protocol_version_mismatch_is_explained_to_the_peer(old: int) -> None:
-    """A peer of protocol v1 (whose server proved the token first) or v2 (whose op frames
-    had msgpack headers) is told why it is refused; this process speaks v3."""
-    assert _wire.PROTOCOL_VERSION == 3
+    """A peer of protocol v1 (whose server proved the token first), v2 (whose op frames
+    had msgpack headers) or v3 (whose handshake ended with CAPS) is told why it is refused;
+    this process speaks v4."""
+    assert _wire.PROTOCOL_VERSION == 4
     async with tx.Node(transport="tcp") as owner:
         def speak_old() -> tuple[Kind, dict[str, object]]:
             with raw_socket(owner.address) as sock:
                 sock.sendall(_wire.PREFIX.pack(b"TX", old, Kind.HELLO, 0, 0))
                 prefix = sock.recv(_wire.PREFIX.size, socket.MSG_WAITALL)
-                assert _wire.PREFIX.unpack(prefix)[1] == 3  # the refusal is a v3 frame
+                assert _wire.PREFIX.unpack(prefix)[1] == 4  # the refusal is a v4 frame
                 kind, hlen, _ = _wire.PREFIX.unpack(prefix)[2], _wire.PREFIX.unpack(prefix)[3], 0
                 header = _wire.decode_header(Kind(kind), sock.recv(hlen, socket.MSG_WAITALL))
                 return Kind(kind), header
@@ -170,17 +178,16 @@ async def test_protocol_version_mismatch_is_explained_to_the_peer(old: int) -> N
         kind, header = await asyncio.to_thread(speak_old)
         assert kind is Kind.ERROR
         assert header["code"] == "protocol"
-        assert f"v{old}" in str(header["msg"]) and "v3" in str(header["msg"])
+        assert f"v{old}" in str(header["msg"]) and "v4" in str(header["msg"])
         async with tx.Node(listen=None, transport="tcp") as node:  # still serving
             await node.connect(owner.address)
 
 
 async def test_silent_peer_handshake_times_out_and_node_keeps_serving() -> None:
     async with tx.Node(transport="tcp", timeout=0.5) as owner:
-        silent = await asyncio.to_thread(raw_socket, owner.address)
-        silent.settimeout(30)
-        assert await asyncio.to_thread(silent.recv, 100) == b""  # dropped at its deadline
-        silent.close()
+        with await asyncio.to_thread(raw_socket, owner.address, 30) as silent:
+            refusal = await asyncio.to_thread(recv_refusal, silent)  # dropped at its deadline
+        assert refusal["code"] == "timeout", refusal
         async with tx.Node(listen=None, transport="tcp") as node:
             ep = await node.connect(owner.address)
             out = np.zeros(4, np.uint8)

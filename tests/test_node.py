@@ -13,7 +13,7 @@ import pytest
 import tensorx as tx
 from tensorx.testing import OwnerProcess, pattern, wait_until
 
-from .conftest import assert_lane, lanes, node_transport
+from .conftest import HAVE_UCX, assert_lane, lanes, node_transport, only_warning
 
 
 async def test_info_and_one_log_line_per_endpoint(caplog: pytest.LogCaptureFixture) -> None:
@@ -41,6 +41,33 @@ async def test_require_rdma_fails_instead_of_falling_back(monkeypatch: pytest.Mo
         with pytest.raises(tx.TransportUnavailableError):
             async with tx.Node(listen=None, transport="auto") as node:
                 await node.connect(server.address)
+
+
+@pytest.mark.skipif(not HAVE_UCX, reason="require='ucx' needs ucxx")
+@pytest.mark.parametrize("refuser", ["server", "client"])
+async def test_a_require_refusal_reaches_the_peer_naming_the_cause(
+        refuser: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A node refuses an endpoint that would not meet its ``require=`` once the handshake
+    is done, and the peer hears why: a connecting peer's ``connect`` raises the server's
+    refusal (it used to return an endpoint that then found the connection closed), a
+    server logs the client's refusal once and never hands its handler an endpoint."""
+    handled: list[tx.Endpoint] = []
+
+    async def handler(ep: tx.Endpoint) -> None:
+        handled.append(ep)
+
+    caplog.set_level(logging.WARNING)
+    strict, plain = {"require": "ucx"}, {"transport": "tcp"}
+    async with tx.Node(handler=handler, **(strict if refuser == "server" else plain)) as a, \
+            tx.Node(None, **(plain if refuser == "server" else strict)) as b:  # type: ignore[arg-type]
+        with pytest.raises(tx.TransportUnavailableError, match="require='ucx'"):
+            await b.connect(a.address)
+        await wait_until(lambda: caplog.records, what="the server's log line")
+        await asyncio.sleep(0.1)  # nothing else comes
+        line = only_warning(caplog)
+        assert line.startswith("refused connection from 127.0.0.1") and "require='ucx'" in line
+        assert a.endpoints == b.endpoints == handled == []
+        assert a.disconnected.empty()
 
 
 async def test_bad_arguments_are_usage_errors() -> None:

@@ -172,6 +172,7 @@ async def test_building_a_large_state_does_not_starve_other_handshakes() -> None
                 conn = ControlChannel(sock, "late")
                 try:
                     await handshake.initiate(conn, "late-peer", ps.node._token, {}, 10)
+                    await handshake.conclude(conn, 10)
                     # served while the build still ran (before: only once it was over)
                     assert not built.is_set(), "the handshake waited for the build"
                     served.set()

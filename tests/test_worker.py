@@ -15,12 +15,12 @@ from torch import nn
 
 from tensorx._ps import choose
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, merge_adjacent, together
-from tensorx.errors import UsageError
+from tensorx.errors import TransportUnavailableError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer
 from tensorx.worker import RemoteOptimizer, Worker
 
-from .conftest import assert_link, link_options, links
+from .conftest import HAVE_UCX, assert_link, link_options, links
 from .models import mlp
 
 
@@ -221,6 +221,16 @@ async def test_step_before_start_is_a_clear_error() -> None:
     w = Worker(mlp(), "tcp://127.0.0.1:1", transport="tcp")
     with pytest.raises(UsageError, match="async with"):
         await w.push()
+
+
+@pytest.mark.skipif(not HAVE_UCX, reason="require='ucx' needs ucxx")
+async def test_a_worker_that_a_require_ucx_server_refuses_is_told_why() -> None:
+    """It used to learn nothing: its connect succeeded, then the server closed the
+    connection."""
+    async with ParameterServer(num_workers=1, node_options={"require": "ucx"}) as ps:
+        worker = Worker(mlp(), ps.address, transport="tcp", timeout=10)
+        with pytest.raises(TransportUnavailableError, match="require='ucx'"):
+            await worker.start()
 
 
 def test_server_and_worker_pass_node_options_on() -> None:

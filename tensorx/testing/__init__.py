@@ -7,9 +7,9 @@ running a :class:`tensorx.Node` that exports regions on command (each surrounded
 bands, so a check can prove no byte outside an exported range changed); it can also connect
 to another node and time transfers (the client side of a fault test), optionally inside a
 network namespace. :class:`FaultyProxy` stalls or cuts a TCP link on loopback;
-``raw_socket``, ``authenticate`` and ``recv_frame`` speak the protocol by hand;
-:mod:`tensorx._netns` makes two network namespaces joined by a veth pair whose link can be
-slowed, cut or made lossy.
+``raw_socket``, ``authenticate``, ``recv_frame`` and ``recv_refusal`` speak the protocol by
+hand; :mod:`tensorx._netns` makes two network namespaces joined by a veth pair whose link
+can be slowed, cut or made lossy.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from ._lanes import (
     wait_until,
 )
 from ._owner import GUARD, OwnerProcess, digest, pattern
-from ._raw import FaultyProxy, authenticate, raw_socket, recv_frame
+from ._raw import FaultyProxy, authenticate, raw_socket, recv_frame, recv_refusal
 
 __all__ = ["GUARD", "LANE_CHECKS", "FaultyProxy", "LanePair", "MakePair", "OwnerProcess",
            "authenticate", "check_lane", "check_timed_out_reads", "digest", "owner_pair",
-           "pattern", "raw_socket", "recv_frame", "wait_until"]
+           "pattern", "raw_socket", "recv_frame", "recv_refusal", "wait_until"]

@@ -26,11 +26,21 @@ def recv_frame(sock: socket.socket) -> tuple[_wire.Kind, dict[str, Any]]:
     return kind, header
 
 
+def recv_refusal(sock: socket.socket) -> dict[str, Any]:
+    """The ERROR frame a node sends on a connection it refuses (the header: ``code``,
+    ``msg``), checked to be followed by the end of the connection."""
+    kind, header = recv_frame(sock)
+    assert kind is _wire.Kind.ERROR, (kind, header)
+    assert sock.recv(1) == b"", "the connection goes on after its refusal"
+    return header
+
+
 def authenticate(sock: socket.socket, token: bytes, node_id: str = "raw-client",
                  caps: dict[str, Any] | None = None, then: bytes = b"") -> dict[str, Any]:
     """The client side of the handshake by hand on a blocking socket (for tests that then
-    misbehave); returns the server's WELCOME header. Raises AssertionError if refused.
-    ``then``: frames sent in the same ``sendall`` as the last handshake frame."""
+    misbehave), up to the server's READY; returns the server's WELCOME header. Raises
+    AssertionError if refused. ``then``: frames sent in the same ``sendall`` as the last
+    handshake frame."""
     from tensorx import _auth
 
     nonce = _auth.new_nonce()
@@ -41,7 +51,10 @@ def authenticate(sock: socket.socket, token: bytes, node_id: str = "raw-client",
     sock.sendall(_wire.encode(_wire.Kind.AUTH, {"proof": proof}))
     kind, welcome = recv_frame(sock)
     assert kind is _wire.Kind.WELCOME, (kind, welcome)
-    sock.sendall(_wire.encode(_wire.Kind.CAPS, {"caps": caps or {}}) + then)
+    sock.sendall(_wire.encode(_wire.Kind.CAPS, {"caps": caps or {}})
+                 + _wire.encode(_wire.Kind.READY, {}) + then)
+    kind, ready = recv_frame(sock)
+    assert kind is _wire.Kind.READY, (kind, ready)
     return welcome
 
 

@@ -27,6 +27,7 @@ from tensorx import _wire
 from tensorx._deadline import wait_for
 from tensorx._wire import Kind
 from tensorx.errors import (
+    MESSAGE_LIMIT,
     BrokenError,
     ClosedError,
     ProtocolError,
@@ -52,8 +53,8 @@ logger = logging.getLogger(__name__)
 MAX_IMM = _wire.MAX_HEADER // 2  # a notification small enough to ride in a WRITE header
 MAX_QUEUED_FRAMES = 4096  # answers queued for a peer before we stop reading its requests
 REQUESTS = frozenset({Kind.WRITE, Kind.READ, Kind.VALIDATE, Kind.QUERY})
-# A goodbye (BYE on aclose, ERROR before closing on a bad frame) is best effort and nobody's
-# budget: aclose() takes none, and a peer that does not read must not hold our close up.
+# A goodbye (BYE on aclose, the ERROR of a refusal) is best effort and nobody's budget:
+# aclose() takes none, and a peer that does not read must not hold our close up.
 GOODBYE_TIMEOUT = 1.0
 
 # A frame's header: an op frame's row (a tuple), any other kind's map (tensorx._wire.decode).
@@ -117,6 +118,7 @@ class ControlChannel:
         self._reading = False  # the readiness callback is registered
         self._error: TensorxError | None = None
         self._closing = False  # we said BYE
+        self._refused = False  # a refusal went one way or the other: none goes back
         self._lost = map_exceptions(f"{label}: connection lost")
 
     # -- handshake phase ----------------------------------------------------------------
@@ -125,13 +127,36 @@ class ControlChannel:
             await self._loop.sock_sendall(self.sock, _wire.encode(kind, header))
 
     async def recv_frame(self, expect: Kind) -> dict[str, Any]:
+        """The peer's next handshake frame, of kind ``expect``; its refusal (an ERROR
+        frame) is raised as the error it names."""
         kind, header, payload_len = await self.reader.frame()
         if kind is Kind.ERROR:
-            raise error_from_code(header["code"], header["msg"])
+            self._refused = True
+            raise error_from_code(header["code"], header["msg"],
+                                  f"{self.label}: the peer refused: ")
         if kind is not expect or payload_len:
             raise ProtocolError(f"expected {expect.name} during handshake, got {kind.name}")
         hello: dict[str, Any] = header  # a handshake kind's header is a map
         return hello
+
+    async def refuse(self, exc: TensorxError) -> None:
+        """Tell the peer why we end the connection: an ERROR frame, which it raises as the
+        error ``exc`` is (its handshake's :meth:`recv_frame`), or with which its endpoint
+        breaks once started. Once per connection, and not back to a peer that refused us;
+        best effort and nobody's budget (see GOODBYE_TIMEOUT)."""
+        if self._refused:
+            return
+        self._refused = True
+        with best_effort():
+            await wait_for(self._loop.sock_sendall(self.sock, _refusal(exc)), GOODBYE_TIMEOUT)
+
+    def refuse_now(self, exc: TensorxError) -> None:
+        """:meth:`refuse`, with what the socket takes at once (for a connection about to
+        be shut down under a task that is reading it)."""
+        if not self._refused:
+            self._refused = True
+            with contextlib.suppress(OSError):
+                self.sock.send(_refusal(exc))
 
     def start(self, owner: OwnerService, events: ChannelEvents) -> None:
         """The peer has authenticated: serve it (and only now give it a full-size
@@ -340,10 +365,7 @@ class ControlChannel:
 
     async def _refuse(self, exc: ProtocolError) -> None:
         """Tell the peer why (best effort), then close."""
-        with best_effort():
-            frame = _wire.encode(Kind.ERROR, {"req": 0, "code": error_code(exc),
-                                              "msg": str(exc)})
-            await wait_for(self._loop.sock_sendall(self.sock, frame), GOODBYE_TIMEOUT)
+        await self.refuse(exc)
         self._fail(BrokenError(f"{self.label}: protocol error: {exc}"))
 
     async def land(self, dest: memoryview | StagedRange,
@@ -391,3 +413,10 @@ class ControlChannel:
     def _on_revoke_ack(self, h: dict[str, Any], payload_len: int) -> None:
         assert self._events is not None
         self._events.revoke_acked(h["rid"], h.get("ck"))
+
+
+def _refusal(exc: TensorxError) -> bytes:
+    """The ERROR frame that refuses a peer: the error's wire code and its text, cut to what
+    the peer keeps of it."""
+    return _wire.encode(Kind.ERROR, {"req": 0, "code": error_code(exc),
+                                     "msg": str(exc)[:MESSAGE_LIMIT]})

@@ -4,32 +4,40 @@ client -> HELLO{id, nonce}; server -> CHALLENGE{id, nonce}; client -> AUTH{proof
 server checks it and answers WELCOME{proof, caps}; client checks that and sends CAPS{caps}.
 The client proves first and the server proves only to a client that did, so a peer that has
 proved nothing learns nothing that helps guess the token; capabilities (e.g. a UCX worker
-address) only reach a peer that proved it.
+address) only reach a peer that proved it. Each side then opens its lanes from the other's
+capabilities and :func:`conclude` ends the handshake: both send READY and wait for the
+other's, so a connection either side will not use (its ``require=``, a lane it could not
+open) fails on both.
+
+A side that refuses the other, at any step, tells it why before it closes: an ERROR frame
+(:meth:`ControlChannel.refuse`), which the other side raises as the error it names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tensorx import _auth
 from tensorx._deadline import wait_for
 from tensorx._text import printable
 from tensorx._wire import Kind
-from tensorx.errors import AuthError, ProtocolError, TensorxError, TimeoutError, error_code
+from tensorx.errors import AuthError, ProtocolError, TensorxError, TimeoutError
 from tensorx.transport.control import ControlChannel
 
-__all__ = ["FailureLog", "Hello", "accept", "initiate"]
+__all__ = ["FailureLog", "Hello", "accept", "conclude", "initiate"]
 
 logger = logging.getLogger(__name__)
 
 PEER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+T = TypeVar("T")
 
 
 Caps = dict[str, Any] | Callable[[bytes], dict[str, Any]]
@@ -52,16 +60,38 @@ class Hello:
 async def initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
                    timeout: float | None) -> Hello:
     """Client side; AuthError on a bad token."""
-    return await _within(_initiate(conn, node_id, token, caps), timeout, conn.label)
+    async with _refusing(conn):
+        return await _within(_initiate(conn, node_id, token, caps), timeout, conn.label)
 
 
 async def accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
                  timeout: float | None) -> Hello:
     """Server side; AuthError on a bad proof."""
-    return await _within(_accept(conn, node_id, token, caps), timeout, conn.label)
+    async with _refusing(conn):
+        return await _within(_accept(conn, node_id, token, caps), timeout, conn.label)
 
 
-async def _within(coro: Awaitable[Hello], timeout: float | None, label: str) -> Hello:
+async def conclude(conn: ControlChannel, timeout: float | None) -> None:
+    """The last step, on both sides, once this side has opened its lanes (a side that
+    will not use the connection refuses it instead, :meth:`ControlChannel.refuse`): say
+    READY and wait for the peer's. Raises the peer's refusal as the error it names (a
+    ``TransportUnavailableError`` for its ``require=``)."""
+    async with _refusing(conn):
+        await _within(_conclude(conn), timeout, conn.label)
+
+
+@contextlib.asynccontextmanager
+async def _refusing(conn: ControlChannel) -> AsyncIterator[None]:
+    """A step of the handshake that fails refuses the peer, telling it why (not when the
+    refusal is the peer's own)."""
+    try:
+        yield
+    except TensorxError as exc:
+        await conn.refuse(exc)
+        raise
+
+
+async def _within(coro: Awaitable[T], timeout: float | None, label: str) -> T:
     try:
         return await wait_for(coro, timeout)
     except asyncio.TimeoutError:
@@ -102,18 +132,14 @@ async def _initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps
 
 
 async def _accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps) -> Hello:
-    try:
-        hello = await conn.recv_frame(Kind.HELLO)
-        peer = _peer_id(hello["id"], node_id)
-    except ProtocolError as exc:  # e.g. another protocol version: tell the peer why
-        await _refuse(conn, exc)
-        raise
+    hello = await conn.recv_frame(Kind.HELLO)
+    peer = _peer_id(hello["id"], node_id)
     nonce = _auth.new_nonce()
     await conn.send_now(Kind.CHALLENGE, {"id": node_id, "nonce": nonce})
     auth = await conn.recv_frame(Kind.AUTH)
     expected = _auth.make_proof(token, b"client", hello["nonce"], nonce, peer, node_id)
     if not _auth.verify_proof(expected, auth["proof"]):
-        await _refuse(conn, AuthError("authentication failed: wrong token"))
+        await conn.refuse(AuthError("authentication failed: wrong token"))
         raise AuthError(f"{conn.label}: peer {peer} failed authentication (wrong token)")
     proof = _auth.make_proof(token, b"server", hello["nonce"], nonce, peer, node_id)
     binding = hello["nonce"] + nonce
@@ -121,11 +147,9 @@ async def _accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps) 
     return Hello(peer, (await conn.recv_frame(Kind.CAPS))["caps"], binding)
 
 
-async def _refuse(conn: ControlChannel, exc: TensorxError) -> None:
-    try:
-        await conn.send_now(Kind.ERROR, {"req": 0, "code": error_code(exc), "msg": str(exc)})
-    except TensorxError:
-        logger.debug("%s: could not deliver the refusal", conn.label)
+async def _conclude(conn: ControlChannel) -> None:
+    await conn.send_now(Kind.READY, {})
+    await conn.recv_frame(Kind.READY)
 
 
 class FailureLog:
