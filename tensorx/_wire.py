@@ -43,7 +43,8 @@ __all__ = [
 MAGIC = b"TX"
 # 2: the client proves the token first (v1 servers proved first); 3: the op frames' headers
 # are fixed binary layouts (they were msgpack maps); 4: the handshake ends with READY from
-# each side once its lanes are open (or the ERROR that refuses the peer)
+# each side once its lanes are open (or the ERROR that refuses the peer), and a revocation
+# names the export (its cookie)
 PROTOCOL_VERSION = 4
 PREFIX = struct.Struct("!2sBBIQ")
 MAX_HEADER = 64 * 1024
@@ -95,9 +96,8 @@ SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
     Kind.BYE: {},
     Kind.QUERY: {"req": _U, "what": _CODE},
     Kind.ANSWER: {"req": _U, "data": table(64)},
-    # "ck": the cookie of the export revoked (an older owner names none: every export)
-    Kind.REVOKE: {"rid": _U, "ck": _U | None},
-    Kind.REVOKE_ACK: {"rid": _U, "ck": _U | None},
+    Kind.REVOKE: {"rid": _U, "ck": _U},
+    Kind.REVOKE_ACK: {"rid": _U, "ck": _U},
 }.items()}
 # The op frames: fixed layouts. A WRITE's "n" is its payload's length (not on the wire);
 # "last": the write's last frame; "imm": a notification it carries (on the last frame only).

@@ -73,10 +73,8 @@ class Endpoint:
         self.bypassed = lane.bypasses_owner or bypassed
         self._validated: dict[tuple[int, int], tuple[int, str]] = {}
         # Exports the owner revoked, as (region id, cookie): an export of the region made
-        # since has a cookie of its own and is usable. Regions whose every export is
-        # revoked for good: an owner that names no cookie (an older tensorx) meant that.
+        # since has a cookie of its own and is usable.
         self._revoked: set[tuple[int, int]] = set()
-        self._revoked_regions: set[int] = set()
         self._acks: set[asyncio.Task[None]] = set()
         self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
@@ -313,23 +311,19 @@ class Endpoint:
         check_bounds(size, remote_offset, nbytes)
         return Op(region, desc, offset, remote_offset, nbytes)
 
-    def _revoke(self, region_id: int, cookie: int | None) -> None:
-        """The owner closed or unexported an export of a region (``cookie`` None: every
-        export of it, for good): refuse its descriptors from now on. Over a lane that
-        bypasses the owner, the owner keeps the memory until we acknowledge, which we do
-        once every op issued before (on any region) has completed."""
-        if cookie is None:
-            self._revoked_regions.add(region_id)
-        else:
-            self._revoked.add((region_id, cookie))
-        for key in [k for k in self._validated if k[0] == region_id and cookie in (None, k[1])]:
-            del self._validated[key]
+    def _revoke(self, region_id: int, cookie: int) -> None:
+        """The owner closed or unexported an export of a region: refuse its descriptor
+        from now on. Over a lane that bypasses the owner, the owner keeps the memory until
+        we acknowledge, which we do once every op issued before (on any region) has
+        completed."""
+        self._revoked.add((region_id, cookie))
+        self._validated.pop((region_id, cookie), None)
         if self.bypassed:
             task = asyncio.get_running_loop().create_task(self._ack_revoke(region_id, cookie))
             self._acks.add(task)
             task.add_done_callback(self._acks.discard)
 
-    async def _ack_revoke(self, region_id: int, cookie: int | None) -> None:
+    async def _ack_revoke(self, region_id: int, cookie: int) -> None:
         try:
             await self._lane.flush(timeout=self._node.timeout)
         except TensorxError as exc:  # a broken or closed lane has nothing in flight either
@@ -338,8 +332,7 @@ class Endpoint:
             self._channel.revoke_ack(region_id, cookie)
 
     def _check_not_revoked(self, desc: RegionDescriptor) -> None:
-        if (desc.region_id, desc.cookie) in self._revoked or \
-                desc.region_id in self._revoked_regions:
+        if (desc.region_id, desc.cookie) in self._revoked:
             raise RegionError(f"region {desc.region_id:#x} was closed by its owner (or "
                               "exported again, under a new descriptor)")
 

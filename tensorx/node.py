@@ -363,15 +363,10 @@ class Node:
             factory.hold(region)
         self._held[(export.region_id, export.cookie)] = (region, holders)
 
-    def _revoke_acked(self, ep: Endpoint, region_id: int, cookie: int | None) -> None:
-        """``ep``'s peer has no op on that export of the region in flight any more (or is
-        gone); ``cookie`` None (an older tensorx): on any export of it."""
-        if cookie is not None:
-            if (region_id, cookie) in self._held:
-                self._release(ep, (region_id, cookie))
-            return
-        for key in [k for k in self._held if k[0] == region_id]:
-            self._release(ep, key)
+    def _revoke_acked(self, ep: Endpoint, region_id: int, cookie: int) -> None:
+        """``ep``'s peer has no op on that export of the region in flight any more."""
+        if (region_id, cookie) in self._held:
+            self._release(ep, (region_id, cookie))
 
     def _release(self, ep: Endpoint, key: tuple[int, int]) -> None:
         region, holders = self._held[key]

@@ -224,23 +224,6 @@ async def test_each_revocation_holds_the_memory_until_its_own_acknowledgement(
         assert await owner.call("held") == 0
 
 
-async def test_a_revocation_that_names_no_export_refuses_the_region_for_good() -> None:
-    """An owner of an older tensorx revokes a region without naming the export: its peer
-    refuses every descriptor of that region from then on, as that owner means."""
-    from tensorx._wire import Kind
-
-    async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
-        region = tx.MemoryRegion.allocate(64)
-        desc = a.export(region)
-        ep = await b.connect(a.address)
-        await wait_until(lambda: a.endpoints, what="the owner's endpoint")
-        a.endpoints[0]._channel.out.post(Kind.REVOKE, {"rid": desc.region_id})
-        await ep.query("exports")  # the revocation is ahead of the answer
-        for each in (desc, a.export(region)):
-            with pytest.raises(tx.RegionError, match="closed by its owner"):
-                await ep.write(tx.MemoryRegion.allocate(64), each)
-
-
 @pytest.mark.parametrize("op", ["write_many", "reads", "queries"])
 async def test_an_op_that_finds_its_peer_dead_leaves_no_unretrieved_error(
         op: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -66,15 +66,15 @@ class ChannelEvents:
     """What a started channel tells its one owner (the endpoint), given to
     :meth:`ControlChannel.start` once: a notification to deliver (awaited: the channel
     stops reading while it waits; ``deliver_now``: the same where it would not wait, else
-    False and nothing done), an export of the peer's revoked (region id and cookie; None:
-    every export of the region), the peer's acknowledgement of a revocation of ours (the
-    same), and the end of the channel (``None``: a clean close)."""
+    False and nothing done), an export of the peer's revoked (region id and cookie), the
+    peer's acknowledgement of a revocation of ours (the same), and the end of the channel
+    (``None``: a clean close)."""
 
     __slots__ = ("deliver", "deliver_now", "ended", "revoke_acked", "revoked")
 
     def __init__(self, deliver: Callable[[bytes], Awaitable[None]],
-                 revoked: Callable[[int, int | None], None],
-                 revoke_acked: Callable[[int, int | None], None],
+                 revoked: Callable[[int, int], None],
+                 revoke_acked: Callable[[int, int], None],
                  ended: Callable[[BaseException | None], None],
                  deliver_now: Callable[[bytes], bool] | None = None) -> None:
         self.deliver = deliver
@@ -236,7 +236,7 @@ class ControlChannel:
         """Tell the peer (best effort, without waiting) that an export of ours is gone."""
         self._best_effort(Kind.REVOKE, {"rid": region_id, "ck": cookie})
 
-    def revoke_ack(self, region_id: int, cookie: int | None) -> None:
+    def revoke_ack(self, region_id: int, cookie: int) -> None:
         """Tell the owner that none of our ops on its export is in flight any more."""
         self._best_effort(Kind.REVOKE_ACK, {"rid": region_id, "ck": cookie})
 
@@ -408,11 +408,11 @@ class ControlChannel:
 
     def _on_revoke(self, h: dict[str, Any], payload_len: int) -> None:
         assert self._events is not None
-        self._events.revoked(h["rid"], h.get("ck"))
+        self._events.revoked(h["rid"], h["ck"])
 
     def _on_revoke_ack(self, h: dict[str, Any], payload_len: int) -> None:
         assert self._events is not None
-        self._events.revoke_acked(h["rid"], h.get("ck"))
+        self._events.revoke_acked(h["rid"], h["ck"])
 
 
 def _refusal(exc: TensorxError) -> bytes:
