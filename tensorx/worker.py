@@ -23,14 +23,14 @@ import logging
 import random
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from tensorx._deadline import Deadline, wait_for
 from tensorx._ps import optim_state, protocol
-from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, together, windowed
+from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, windowed
 from tensorx._ps.checksum import checksum
 from tensorx._ps.hyper import snapshot as hyper_snapshot
 from tensorx._ps.optim import plan_params
@@ -130,6 +130,10 @@ class Worker:
         self._pusher: BucketPusher | None = None
         self._sparse: SparseSender | None = None
         self._notes: dict[int, str] = {}  # shard -> why its sync barrier holds us (latest)
+        # the step in progress (self.steps), for a retry after a timeout: the shards that
+        # have its push, and those whose answer we took
+        self._sent: set[int] = set()
+        self._answered: set[int] = set()
         self._closed = False
         self.stats: dict[str, float] = {"push_s": 0.0, "wait_s": 0.0, "steps": 0,
                                         "rejoins": 0, "rejoin_s": 0.0}
@@ -188,6 +192,8 @@ class Worker:
                 delay, attempt = min(2 * delay, BACKOFF_CAP), attempt + 1
 
     async def _handshake(self, eps: list[Endpoint] | None = None) -> None:
+        self._sent.clear()  # new connections: no shard holds anything of ours
+        self._answered.clear()
         self._eps = eps if eps is not None else await self._connect_all(self.timeout)
         await asyncio.gather(*(self._hello(s) for s in range(self.num_shards)))
         welcomes = await asyncio.gather(*(self._expect(s, "welcome")
@@ -308,7 +314,13 @@ class Worker:
     async def step(self, hyper: list[dict[str, Any]] | None = None) -> None:
         """Push this step's gradients, wait as the mode requires, pull fresh parameters.
         ``hyper``: per param group, hyperparameters to change before this step's update (see
-        :mod:`tensorx._ps.hyper`; :class:`RemoteOptimizer` computes them)."""
+        :mod:`tensorx._ps.hyper`; :class:`RemoteOptimizer` computes them).
+
+        A step that raised :class:`~tensorx.errors.TimeoutError` may be retried as it is
+        (``await worker.step()`` again, no ``zero_grad``/``backward`` in between): the
+        retry pushes only to the shards that did not get the push, waits for the answers
+        not yet taken, and returns with the parameters of that step's update. A shard
+        that got the push twice takes it once."""
         t0 = time.perf_counter()
         try:
             await self.push(hyper)
@@ -335,8 +347,8 @@ class Worker:
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("re-bound %s to the arenas (copied once)", ", ".join(copied))
         rest = await self._pusher.settle()
-        await together([self._push(s, [b for b in rest if b.shard == s], hyper or [])
-                        for s in range(self.num_shards)])
+        await self._each([s for s in range(self.num_shards) if s not in self._sent],
+                         lambda s: self._push(s, [b for b in rest if b.shard == s], hyper or []))
 
     def _mapped(self, shard: int) -> bool:
         return self._shared is not None and self._shared.mapped[shard]
@@ -382,11 +394,24 @@ class Worker:
         with self._naming(shard):
             if by_part is None:
                 await ep.write_many(ops, notify=msg, timeout=self.timeout)
-                return
-            await ep.notify(msg, timeout=self.timeout)
-            await windowed([functools.partial(ep.write_many, part_ops, timeout=self.timeout,
-                                              notify=protocol.encode("part", k=k))
-                            for k, part_ops in sorted(by_part.items())], PARTS_IN_FLIGHT)
+            else:
+                await ep.notify(msg, timeout=self.timeout)
+                await windowed([functools.partial(ep.write_many, part_ops,
+                                                  timeout=self.timeout,
+                                                  notify=protocol.encode("part", k=k))
+                                for k, part_ops in sorted(by_part.items())], PARTS_IN_FLIGHT)
+        self._sent.add(shard)
+
+    async def _each(self, shards: list[int], call: Callable[[int], Awaitable[None]]) -> None:
+        """``call(s)`` for each of ``shards``, every one run to its end (a retry then goes
+        on where each stopped), then the first error raised; one shard is called in place
+        (no task, as :func:`tensorx._ps.buckets.together`)."""
+        if len(shards) == 1:
+            await call(shards[0])
+            return
+        for result in await asyncio.gather(*(call(s) for s in shards), return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
 
     def _lost(self, shard: int, detail: str = "") -> BrokenError:
         return BrokenError(f"lost the connection to ps shard {shard} "
@@ -411,10 +436,15 @@ class Worker:
             for s in range(self.num_shards):
                 if self._shared.mapped[s]:
                     self._shared.refresh(s)
-        replies = await together([self._expect(s, "params") for s in range(self.num_shards)])
-        for s, msg in enumerate(replies):
-            self._accept_params(s, msg)
+        await self._each([s for s in range(self.num_shards) if s not in self._answered],
+                         self._pull)
         self.steps += 1
+        self._sent.clear()
+        self._answered.clear()
+
+    async def _pull(self, shard: int) -> None:
+        self._accept_params(shard, await self._expect(shard, "params"))
+        self._answered.add(shard)
 
     def zero_grad(self) -> None:
         """Zero the gradient arenas in place (keeps ``param.grad`` bound to them); not the

@@ -60,6 +60,23 @@ def test_double_push_and_unknown_rank_are_protocol_errors() -> None:
         s.push(1)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async", "bounded"])
+def test_a_push_of_the_same_step_again_is_taken_once(mode: str) -> None:
+    """A worker retrying a step that timed out pushes that step again: the scheduler sees
+    it as the push it has (pending or answered), never as a second one."""
+    s = Scheduler(mode, 2)
+    s.join(0)
+    s.join(1)
+    assert not s.again(0, 7)
+    s.push(0, 7)
+    assert s.again(0, 7) and not s.again(0, 8) and not s.again(1, 7)
+    s.push(1, 3)
+    assert s.again(0, 7)  # answered: a late retry is still the same push
+    s.leave(0)
+    s.join(0)  # a new connection: its first push is new, whatever its step
+    assert not s.again(0, 7)
+
+
 def test_bad_mode_is_usage_error() -> None:
     with pytest.raises(UsageError, match="mode"):
         Scheduler("eventually", 2)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tensorx import _shm
-from tensorx.errors import RegionError
+from tensorx.errors import RegionError, TimeoutError
 from tensorx.memregion import RegionDescriptor, host_id
 from tensorx.ps import ParameterServer
 from tensorx.testing import wait_until
@@ -181,6 +181,20 @@ def loss_records(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.Lo
     return [r for r in caplog.records if text in r.getMessage()]
 
 
+async def step(w: Worker, m: Params, rank: int) -> None:
+    """One step of an in-loop worker: rank ``rank``'s known gradient, pushed and pulled."""
+    w.zero_grad()
+    (m.a * ((rank + 1) * SCALE)).sum().backward()
+    await w.step()
+
+
+async def step_together(ws: list[Worker], models: list[Params]) -> list[float]:
+    await asyncio.gather(*(step(w, m, r) for r, (w, m) in enumerate(zip(ws, models,
+                                                                         strict=True))))
+    assert values(models[0].a) == values(models[1].a)
+    return values(models[0].a)
+
+
 # -- the tests -----------------------------------------------------------------------------
 async def test_continue_goes_on_without_a_worker_killed_mid_push(
         caplog: pytest.LogCaptureFixture) -> None:
@@ -302,12 +316,6 @@ async def test_a_resumed_server_goes_on_without_a_rank_that_never_returns(
     the one rank that comes back trains alone once the others' timeout has run out."""
     caplog.set_level(logging.INFO, logger="tensorx")
     models = [Params(), Params()]
-
-    async def step(w: Worker, m: Params, rank: int) -> None:
-        w.zero_grad()
-        (m.a * ((rank + 1) * SCALE)).sum().backward()
-        await w.step()
-
     async with ParameterServer(num_workers=2, optimizer=sgd, transport="tcp",
                                checkpoint_dir=tmp_path) as ps:
         ws = [Worker(m, ps.address, rank=r, num_workers=2, transport="tcp")
@@ -367,3 +375,76 @@ async def test_a_worker_killed_just_before_the_answer_leaves_the_others_served(
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert any("rank 1" in r.getMessage() for r in caplog.records
                if r.levelno == logging.WARNING)
+
+
+# -- a rank that hangs with its connection open; a step retried after its timeout -----------
+def hung_pair(ps: ParameterServer, models: list[Params],
+              reconnect: float | None = None) -> list[Worker]:
+    """Rank 0 and rank 1 in this loop, over the defaults (rank 1 with ``reconnect``). A rank
+    "hangs" by not stepping: its node goes on answering (its connection stays open), it
+    just never pushes."""
+    return [Worker(m, ps.address, rank=r, num_workers=2, timeout=5.0,
+                   reconnect=reconnect if r == 1 else None) for r, m in enumerate(models)]
+
+
+def push_times_out_once(ep: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ep``'s next write raises TimeoutError after it has gone out, notification and all
+    (a push whose write timed out although the shard got it)."""
+    real = ep.write_many
+
+    async def write_many(*args: Any, **kw: Any) -> None:
+        monkeypatch.setattr(ep, "write_many", real)
+        await real(*args, **kw)
+        raise TimeoutError("the push timed out (after its notification had left)")
+
+    monkeypatch.setattr(ep, "write_many", write_many)
+
+
+@pytest.mark.parametrize("timed_out", ["pull", "push"])
+async def test_a_step_retried_after_it_timed_out_gets_the_answer_to_that_step(
+        timed_out: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default policy ("wait"): rank 1 hangs with its connection open, so rank 0's step
+    times out (waiting for its answer, or in its push after the push had reached the
+    shard). Rank 0 retries the same step as it is while rank 1 comes back to life and
+    pushes: the barrier completes once, with both gradients, the retry gets its answer,
+    and the next step finds no answer left over (before: "rank 0 pushed twice")."""
+    models = [Params(), Params()]
+    async with ParameterServer(num_workers=2, optimizer=sgd) as ps:
+        ws = hung_pair(ps, models)
+        async with ws[0], ws[1]:
+            assert await step_together(ws, models) == [-BOTH]
+            if timed_out == "push":
+                push_times_out_once(ws[0]._eps[0], monkeypatch)
+            ws[0].timeout = 0.5  # shorter than the hang
+            with pytest.raises(TimeoutError):
+                await step(ws[0], models[0], 0)
+            ws[0].timeout = 5.0
+            await asyncio.gather(ws[0].step(), step(ws[1], models[1], 1))
+            assert values(models[0].a) == values(models[1].a) == [-2 * BOTH]
+            assert ps.version == 2
+            assert await step_together(ws, models) == [-3 * BOTH]
+
+
+async def test_continue_a_retried_step_survives_the_hung_rank_being_killed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """on_worker_loss="continue", rank 0's timeout shorter than worker_loss_timeout: its step
+    times out while rank 1 hangs; rank 1 is then killed and rank 0 retries: the retry is
+    taken as the same step and gets the update made without rank 1 (before: ProtocolError
+    "rank 0 pushed twice")."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    models = [Params(), Params()]
+    async with ParameterServer(num_workers=2, optimizer=sgd, on_worker_loss="continue",
+                               worker_loss_timeout=LOSS_TIMEOUT) as ps:
+        ws = hung_pair(ps, models)
+        async with ws[0], ws[1]:
+            assert await step_together(ws, models) == [-BOTH]
+            ws[0].timeout = 0.5  # shorter than the hang
+            with pytest.raises(TimeoutError):
+                await step(ws[0], models[0], 0)
+            ws[1].node.abort()  # killed: its connection ends without a goodbye
+            ws[0].timeout = 5.0
+            await ws[0].step()
+            assert values(models[0].a) == [-BOTH - ALONE] and ps.version == 2
+            await step(ws[0], models[0], 0)
+            assert values(models[0].a) == [-BOTH - 2 * ALONE] and ps.version == 3
+    assert len(loss_records(caplog, "go on without it")) == 1

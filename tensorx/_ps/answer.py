@@ -33,6 +33,7 @@ class Peer:
     params: RegionDescriptor
     step: int = 0
     held: int = -1  # the version its latest push says its arena holds (-1: unknown)
+    retried: int = -1  # the latest step it pushed again (logged once)
     offered: bool = False  # we offered it our arenas in /dev/shm
     mapped: bool = False   # it said it mapped them: its arena is ours, nothing to write
 

@@ -11,6 +11,10 @@ Three modes:
 * ``bounded``: applied as in ``async``, but a worker that has done more than ``staleness``
   steps beyond the slowest active worker is answered only once the slowest catches up
   (stale synchronous parallel).
+
+In every mode a rank's push of the step it pushed last (since it joined) is that push
+again, from a worker retrying a step that timed out: it is taken once (:meth:`Scheduler.again`)
+and the worker gets the one answer to that step.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Scheduler:
         self.pending: set[int] = set()       # pushed, not answered yet
         self.clock: dict[int, int] = {}      # bounded: steps done per active worker
         self.excused: set[int] = set()       # sync: lost ranks the barrier goes on without
+        self.last: dict[int, int] = {}       # the step of each rank's latest push since it joined
         self.max_gap = 0                     # instrumentation: worst clock gap ever released
 
     def join(self, rank: int) -> Decision:
@@ -54,6 +59,7 @@ class Scheduler:
             raise UsageError(f"rank {rank} outside 0..{self.num_workers - 1}")
         self.active.add(rank)
         self.pending.discard(rank)
+        self.last.pop(rank, None)
         # Counted again at once: its welcome carries the parameters that the barrier in
         # progress (if any) was computed on, so its first gradient belongs to that barrier.
         self.excused.discard(rank)
@@ -63,6 +69,7 @@ class Scheduler:
     def leave(self, rank: int) -> Decision:
         self.active.discard(rank)
         self.pending.discard(rank)
+        self.last.pop(rank, None)
         self.clock.pop(rank, None)
         return self._release_bounded() if self.mode == "bounded" else Decision()
 
@@ -85,11 +92,18 @@ class Scheduler:
             return []
         return sorted(set(range(self.num_workers)) - self.excused - self.pending)
 
-    def push(self, rank: int) -> Decision:
+    def again(self, rank: int, step: int) -> bool:
+        """Is ``rank``'s push of ``step`` the push it made last (a worker retrying a step
+        that timed out)? Then it changes nothing: that push stands, or was answered."""
+        return self.last.get(rank) == step
+
+    def push(self, rank: int, step: int | None = None) -> Decision:
         if rank not in self.active:
             raise ProtocolError(f"push from rank {rank}, which has not joined")
         if rank in self.pending:
             raise ProtocolError(f"rank {rank} pushed twice before its answer")
+        if step is not None:
+            self.last[rank] = step
         self.pending.add(rank)
         if self.mode == "sync":
             return self._sync_ready()

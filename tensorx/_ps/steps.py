@@ -29,6 +29,9 @@ class Steps(ShardCore):
             return  # the last words of a connection that has left: never applied
         if peer is None or self.state is None or not self._initialised:
             raise ProtocolError("push before a completed handshake")
+        if self.scheduler.again(peer.rank, msg["step"]):
+            self._again(peer, msg["step"])
+            return
         self.sharing.check_mapped(peer, msg["mapped"])
         await self.optim.stepping(peer.rank, msg["step"], self.timeout)
         self.optim.pushed(peer.rank, msg["hyper"], self.state)
@@ -45,9 +48,21 @@ class Steps(ShardCore):
             rows = await self._sparse.receive(ep, peer.rank, self.timeout)
             self.state.put_rows(peer.rank, rows)
             self.stats["sparse_rows"] += rows.num_rows
-        await self._act(self.scheduler.push(peer.rank))
+        await self._act(self.scheduler.push(peer.rank, msg["step"]))
         if self.mode == "sync" and peer.rank in self.scheduler.pending:
             await self._tell_waiting([peer])
+
+    def _again(self, peer: Peer, step: int) -> None:
+        """``peer`` pushed ``step`` again (its step timed out and it retried it): taken
+        once, the retry changes nothing here (a worker retries with the gradient it pushed)
+        and the worker gets the one answer to that step. One INFO line per step retried."""
+        if peer.retried == step:
+            return
+        peer.retried = step
+        logger.info("ps shard %d: rank %d pushed its step %d again (a retry after a timeout); "
+                    "taken once: %s", self.shard, peer.rank, step,
+                    "it waits for the barrier" if peer.rank in self.scheduler.pending
+                    else "its answer has been sent")
 
     async def _act(self, decision: Decision) -> None:
         assert self.state is not None
