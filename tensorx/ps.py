@@ -127,12 +127,17 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     ``worker_loss_timeout`` (seconds, default 30; None: no timer, wait silently): in sync
     mode, once a worker has been disconnected that long, keep waiting for it to rejoin (one
     WARNING) or complete barriers with the ranks still connected until it rejoins (one
-    WARNING). See :mod:`tensorx._ps.losses`; async and bounded modes never wait for a
-    departed worker. A departed worker's pushed gradient for the barrier in progress is
-    dropped, never applied. A worker that *said goodbye* (``aclose()``) is finished, not
-    lost: sync barriers go on without it at once (uneven step counts just work: the last
-    rounds average over the ranks still training) until it joins again. A worker held at
-    the barrier by an absent rank is told which and why, and its TimeoutError says so.
+    WARNING). Under ``"continue"`` a rank that stays connected but has not pushed that long
+    after a barrier's first push is lost too (one WARNING): the barrier goes on without it,
+    and its late push is refused (:class:`~tensorx.errors.BrokenError`, its connection
+    closed; with ``reconnect`` it rejoins). See :mod:`tensorx._ps.losses`; async and
+    bounded modes never wait for a departed worker. A worker retrying a step that timed out
+    is taken once (:mod:`tensorx._ps.schedule`). A departed worker's pushed gradient for the
+    barrier in progress is dropped, never applied. A worker that *said goodbye*
+    (``aclose()``) is finished, not lost: sync barriers go on without it at once (uneven
+    step counts just work: the last rounds average over the ranks still training) until it
+    joins again. A worker held at the barrier by an absent rank is told which and why, and
+    its TimeoutError says so.
     ``clip_grad_norm`` (sync mode): clip the averaged gradient to this global 2-norm, over
     all shards, as ``torch.nn.utils.clip_grad_norm_`` would on one process (the shards
     exchange their partial sums of squares, see :mod:`tensorx._ps.normx`).
@@ -210,7 +215,8 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self._optimizer = optimizer or _default_optimizer
         self._lr_scheduler = lr_scheduler
         self.scheduler = Scheduler(mode, num_workers, staleness)
-        self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost)
+        self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost,
+                                self._post_overdue)
         self.nonfinite = NonFiniteGuard(shard, on_nonfinite)
         self.node = Node(listen, transport=transport, token=token, timeout=timeout,
                          insecure=insecure, handler=self._session, **(node_options or {}))

@@ -403,3 +403,55 @@ async def test_loss_timer_fires_once_and_rejoining_cancels_it() -> None:
     assert fired == [1]
     with pytest.raises(UsageError):
         LossWatch(0, "panic", 1.0, fired.append)
+
+
+def test_a_connected_rank_that_missed_a_barrier_is_late_until_it_joins_again() -> None:
+    s = Scheduler("sync", 3)
+    for r in range(3):
+        s.join(r)
+    s.push(0, 0)
+    s.push(1, 0)
+    assert s.barrier == 0 and s.waiting_for() == [2]
+    d = s.miss([2])  # connected, and it has not pushed: the barrier goes on without it
+    assert (d.apply, d.release, s.barrier) == ([0, 1], [0, 1], 1)
+    assert s.late(2) and not s.late(0)
+    s.push(0, 1)
+    assert s.push(1, 1).apply == [0, 1]  # later barriers too
+    s.leave(2)
+    assert not s.late(2)  # gone: a disconnected lost rank, as after its timer
+    s.join(2)  # rejoined: counted again
+    assert not s.late(2)
+    s.push(0, 2)
+    s.push(1, 2)
+    assert s.push(2, 2).apply == [0, 1, 2]
+
+
+async def test_a_barriers_clock_finds_the_connected_ranks_that_missed_it() -> None:
+    overdue: list[int] = []
+    s = Scheduler("sync", 3)
+    watch = LossWatch(0, "continue", 0.1, lambda rank: None, overdue.append)
+    for r in range(3):
+        s.join(r)
+        watch.back(r)
+    s.push(0, 0)
+    watch.opened(s.barrier)
+    await asyncio.sleep(0.05)
+    s.leave(1)  # disconnected: its own timer decides about it, not the barrier's clock
+    s.join(2)
+    watch.back(2)  # joined again after the barrier opened: its 0.1 s run from then
+    await wait_until(lambda: overdue, what="the barrier's clock")
+    assert overdue == [0]
+    assert watch.overdue(0, s, [0, 2]).apply == []  # rank 2 still has time
+    await wait_until(lambda: len(overdue) == 2, what="the clock, again for rank 2")
+    d = watch.overdue(0, s, [0, 2])
+    assert not s.late(1) and s.late(2) and watch.declared == 1
+    assert d.apply == []  # it still waits for rank 1, disconnected: its own timer's job
+    assert s.excuse(1).apply == [0] and s.barrier == 1  # rank 1's timer ran out
+    assert watch.overdue(0, s, [0, 2]).apply == []  # a stale clock changes nothing
+    watch.close()
+    for policy, timeout in (("wait", 0.01), ("continue", None)):  # no clock at all
+        fired: list[int] = []
+        idle = LossWatch(0, policy, timeout, fired.append, fired.append)
+        idle.opened(0)
+        await asyncio.sleep(0.05)
+        assert fired == []

@@ -247,13 +247,18 @@ async def _rank_1_stops_after_2_parts(ps: ParameterServer, ws: list[Worker],
     return first
 
 
+# Long enough for rank 1's push to follow rank 0's (its header queues behind rank 0's many
+# tiny parts): under "continue" a connected rank that has not pushed by then misses the round.
+LOSS_TIMEOUT = 0.5
+
+
 async def _dies_mid_push(policy: str, lane: str) -> tuple[list[torch.Tensor], int]:
     """Rank 1 dies after 2 of its parts at step 2 (its parts 0 and 1 already applied);
     then, under "wait", a new rank 1 redoes its step, under "continue" rank 0 goes on
     alone. Rank 0's parameters after 4 steps, and the shard's rollbacks."""
     data = batches(4, 2)
     models = [make_model(), make_model(seed=99)]
-    server = {"on_worker_loss": policy, "worker_loss_timeout": 0.05}
+    server = {"on_worker_loss": policy, "worker_loss_timeout": LOSS_TIMEOUT}
     async with cluster(lane, SGD_MOMENTUM, models, **server) as (ps, ws):
         await _steps(ws, models, data[:2])
         first = await _rank_1_stops_after_2_parts(ps, ws, models, data[2])
@@ -280,7 +285,7 @@ async def _never_pushed(policy: str) -> list[torch.Tensor]:
     done whole, under "continue" it leaves before pushing."""
     data = batches(4, 2)
     models = [make_model(), make_model(seed=99)]
-    server = {"on_worker_loss": policy, "worker_loss_timeout": 0.05}
+    server = {"on_worker_loss": policy, "worker_loss_timeout": LOSS_TIMEOUT}
     async with cluster("tcp", SGD_MOMENTUM, models, **server) as (_, ws):
         if policy == "wait":
             await _steps(ws, models, data)

@@ -387,6 +387,46 @@ def hung_pair(ps: ParameterServer, models: list[Params],
                    reconnect=reconnect if r == 1 else None) for r, m in enumerate(models)]
 
 
+async def test_continue_goes_on_without_a_connected_rank_that_never_pushes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """on_worker_loss="continue": rank 1 hangs with its connection open. The barrier goes on
+    without it worker_loss_timeout after rank 0's push (one WARNING naming rank 1), the next
+    ones at once; when rank 1 comes back to life its late push (computed on parameters an
+    update has replaced) is refused, saying why, and with reconnect it rejoins and trains
+    with rank 0 again."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    models = [Params(), Params()]
+    async with ParameterServer(num_workers=2, optimizer=sgd, on_worker_loss="continue",
+                               worker_loss_timeout=LOSS_TIMEOUT) as ps:
+        ws = hung_pair(ps, models, reconnect=10.0)
+        async with ws[0], ws[1]:
+            want = -BOTH
+            assert await step_together(ws, models) == [want]
+            t0 = time.monotonic()
+            await step(ws[0], models[0], 0)  # before: TimeoutError after 5 s
+            waited = time.monotonic() - t0
+            want -= ALONE
+            assert values(models[0].a) == [want] and waited >= LOSS_TIMEOUT, waited
+            t0 = time.monotonic()
+            await step(ws[0], models[0], 0)  # rank 1 is lost: nobody waits for it now
+            want -= ALONE
+            assert values(models[0].a) == [want] and time.monotonic() - t0 < LOSS_TIMEOUT
+            (lost,) = loss_records(caplog, "has not pushed")
+            assert lost.levelno == logging.WARNING and "rank 1" in lost.getMessage()
+            assert ps.stats["worker_losses"] == 1
+
+            await step(ws[1], models[1], 1)  # back to life: late, refused, rejoins
+            assert ws[1].stats["rejoins"] == 1 and values(models[1].a) == [want]
+            (refused,) = loss_records(caplog, "rejoining")
+            assert "rank 1's push of step 1 came after" in refused.getMessage(), refused
+            want -= BOTH
+            assert await step_together(ws, models) == [want]
+            assert ps.version == 4 and shard_values(ps) == [want]
+    assert len(loss_records(caplog, "has not pushed")) == 1
+    print(f"\ncontinue, hung rank: rank 0's step went on {waited:.2f} s after its push "
+          f"(worker_loss_timeout={LOSS_TIMEOUT} s)")
+
+
 def push_times_out_once(ep: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``ep``'s next write raises TimeoutError after it has gone out, notification and all
     (a push whose write timed out although the shard got it)."""

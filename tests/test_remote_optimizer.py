@@ -399,8 +399,10 @@ async def test_a_bad_hyperparameter_fails_the_step_of_its_rank_alone() -> None:
     refused push is, nothing of its change is applied, and rank 0 trains on."""
     models = [make_model(), make_model()]
     kw: dict[str, Any] = {"transport": "tcp", "share_memory": False, "timeout": 20}
+    # a timeout beyond the two ranks' pushes' skew (with 0 each barrier would go on with
+    # whichever rank pushed first, the other one missing it)
     async with ParameterServer("tcp://127.0.0.1:0", num_workers=2, optimizer=adam,
-                               on_worker_loss="continue", worker_loss_timeout=0,
+                               on_worker_loss="continue", worker_loss_timeout=0.5,
                                log_every=None, transport="tcp") as ps:
         async with Worker(models[0], ps.address, 0, 2, **kw) as honest:
             for i, (change, key, shown) in enumerate(BAD_HYPER):

@@ -8,7 +8,9 @@ checkpoint (with ``--checkpoint-dir``) and exits 0; started again with the same 
 resumes; killed (SIGKILL, a crash), it resumes from the last ``--checkpoint-every``
 checkpoint and workers started with ``reconnect`` rejoin it. ``--on-worker-loss`` says what
 a sync barrier does once a worker has been gone ``--worker-loss-timeout`` seconds: keep
-waiting for it (``wait``, the default) or go on with the others (``continue``).
+waiting for it (``wait``, the default) or go on with the others (``continue``, which also
+goes on without a connected worker that has not pushed that long after the barrier's
+first push).
 ``--shards N`` runs N shards in this process (ports PORT..PORT+N-1), ``--shard I``
 only shard I (one process per shard). ``--rendezvous`` publishes the addresses in the
 torchrun store (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for workers.
@@ -85,8 +87,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-worker-loss", choices=POLICIES, default="wait",
                    help="sync mode, once a worker has been disconnected --worker-loss-timeout "
                         "seconds: keep waiting for it to rejoin (wait) or complete barriers "
-                        "with the connected workers until it does (continue); one WARNING "
-                        "either way")
+                        "with the connected workers until it does (continue; a connected "
+                        "worker that has not pushed that long after a barrier's first push "
+                        "is lost too); one WARNING either way")
     p.add_argument("--worker-loss-timeout", type=_seconds_or_none, default=30.0,
                    help="seconds (default 30; 'none': wait silently forever)")
     p.add_argument("--send-timeout", type=_seconds_or_none, default=10.0,

@@ -5,8 +5,10 @@ Three modes:
 * ``sync``: every rank ``0..num_workers-1`` pushes, the gradients are averaged, one update,
   then everybody gets the new parameters. Same result as one process on the union of the
   batches. A rank the shard has excused (lost under ``on_worker_loss="continue"``, see
-  :mod:`tensorx._ps.losses`) is not waited for until it joins again; the update is then
-  the average over the ranks that pushed.
+  :mod:`tensorx._ps.losses`: disconnected, or connected but missing a barrier) is not
+  waited for until it joins again; the update is then the average over the ranks that
+  pushed. A connected rank that missed a barrier and pushes before it joins again is
+  :meth:`~Scheduler.late`.
 * ``async``: each gradient is applied as it arrives and its sender is answered at once.
 * ``bounded``: applied as in ``async``, but a worker that has done more than ``staleness``
   steps beyond the slowest active worker is answered only once the slowest catches up
@@ -52,6 +54,7 @@ class Scheduler:
         self.clock: dict[int, int] = {}      # bounded: steps done per active worker
         self.excused: set[int] = set()       # sync: lost ranks the barrier goes on without
         self.last: dict[int, int] = {}       # the step of each rank's latest push since it joined
+        self.barrier = 0                     # sync: barriers completed (the one open is next)
         self.max_gap = 0                     # instrumentation: worst clock gap ever released
 
     def join(self, rank: int) -> Decision:
@@ -80,6 +83,19 @@ class Scheduler:
             return Decision()  # it came back meanwhile
         self.excused.add(rank)
         return self._sync_ready() if self.mode == "sync" else Decision()
+
+    def miss(self, ranks: list[int]) -> Decision:
+        """Sync: ``ranks``, connected, missed the barrier in progress (the loss policy's
+        clock ran out on them): it goes on without them, as without lost ranks, until each
+        joins again; completes it when every other counted rank has pushed."""
+        self.excused.update(ranks)
+        return self._sync_ready() if self.mode == "sync" else Decision()
+
+    def late(self, rank: int) -> bool:
+        """Sync: did ``rank`` miss a barrier while connected, and not join again since? A
+        push of it is then late: computed on parameters that an update without it has
+        replaced."""
+        return rank in self.excused and rank in self.active
 
     def reopen(self, ranks: list[int]) -> None:
         """Sync: a barrier that was complete is not any more (one of its ranks went away
@@ -120,6 +136,7 @@ class Scheduler:
             return Decision()
         ranks = sorted(self.pending)  # fixed order: the same float sums every step
         self.pending.clear()
+        self.barrier += 1
         return Decision(apply=ranks, release=ranks)
 
     def _release_bounded(self) -> Decision:

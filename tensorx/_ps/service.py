@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from tensorx._ps import protocol
 from tensorx._ps.core import ShardCore
+from tensorx._ps.schedule import Decision
 from tensorx.endpoint import Endpoint
 from tensorx.errors import ProtocolError, TensorxError, error_code
 
@@ -68,19 +69,27 @@ class ServiceLoop(ShardCore):
 
     def _post_lost(self, rank: int) -> None:
         """``rank``'s ``worker_loss_timeout`` ran out: act on it in a turn of its own."""
-        self._spawn(self._lost(rank))
+        self._spawn(self._policy(
+            lambda: self.losses.declare(rank, self.scheduler, self._connected()),
+            f"the loss of rank {rank}"))
 
-    async def _lost(self, rank: int) -> None:
+    def _post_overdue(self, barrier: int) -> None:
+        """The clock of sync barrier ``barrier`` ran out: act on it in a turn of its own."""
+        self._spawn(self._policy(
+            lambda: self.losses.overdue(barrier, self.scheduler, self._connected()),
+            f"the ranks late for barrier {barrier}"))
+
+    async def _policy(self, decide: Callable[[], Decision], what: str) -> None:
+        """Apply what ``on_worker_loss`` decides (``decide()``, called in the turn)."""
         async with self._turn:
             if self._closed:
                 return
             try:
-                decision = self.losses.declare(rank, self.scheduler, self._connected())
+                decision = decide()
                 self.stats["worker_losses"] = self.losses.declared
                 await self._act(decision)
             except Exception:
-                logger.exception("ps shard %d: failed acting on the loss of rank %d",
-                                 self.shard, rank)
+                logger.exception("ps shard %d: failed acting on %s", self.shard, what)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -32,6 +32,8 @@ class Steps(ShardCore):
         if self.scheduler.again(peer.rank, msg["step"]):
             self._again(peer, msg["step"])
             return
+        if self.scheduler.late(peer.rank):  # it missed a barrier: see tensorx._ps.losses
+            raise self.losses.late(peer.rank, msg["step"])
         self.sharing.check_mapped(peer, msg["mapped"])
         await self.optim.stepping(peer.rank, msg["step"], self.timeout)
         self.optim.pushed(peer.rank, msg["hyper"], self.state)
@@ -48,8 +50,11 @@ class Steps(ShardCore):
             rows = await self._sparse.receive(ep, peer.rank, self.timeout)
             self.state.put_rows(peer.rank, rows)
             self.stats["sparse_rows"] += rows.num_rows
+        opens = not self.scheduler.pending
         await self._act(self.scheduler.push(peer.rank, msg["step"]))
         if self.mode == "sync" and peer.rank in self.scheduler.pending:
+            if opens:  # the barrier's first push: its clock starts (_ps.losses)
+                self.losses.opened(self.scheduler.barrier)
             await self._tell_waiting([peer])
 
     def _again(self, peer: Peer, step: int) -> None:
