@@ -7,6 +7,11 @@ on the shard (half of it over the wire, or all of it straight into the mapped sl
 killed before its push notification: the poison must never be applied. A fresh process with
 the same rank then re-handshakes and must get a fresh slot (the dead one's descriptor is
 refused). The shard runs in this test's event loop, so its state can be checked directly.
+
+The last tests keep a rank connected but hung (a worker in this loop that stops stepping:
+its node goes on answering, it just never pushes): under "continue" the barrier goes on
+without it after worker_loss_timeout, and a step that timed out meanwhile is retried as
+the same step, under either policy.
 """
 
 from __future__ import annotations
