@@ -13,6 +13,7 @@ import torch
 
 from tensorx._analyzer.sparse import SparseStaging, read_header, read_headers
 from tensorx._ps import optim_state
+from tensorx._ps.optim_check import check_state
 from tensorx._ps.shard import ShardLayout, ShardState
 from tensorx._ps.sparse import SparseReceiver
 from tensorx.errors import BrokenError, RegionError
@@ -107,6 +108,16 @@ def test_per_row_state_survives_a_checkpoint(factory: Callable[..., torch.optim.
     table = dict(b.named_parameters())["emb.weight"]
     want = (1000,) if isinstance(b.optimizer, RowWiseAdagrad) else (1000, 16)
     assert tuple(b.optimizer.state[table]["sum"].shape) == want  # type: ignore[union-attr]
+
+
+def test_a_row_wise_state_passes_the_state_checks() -> None:
+    """Its dense steps keep nothing: what it keeps for a table is learnt from a step over
+    rows, as a table's gradient arrives (its own state is not refused)."""
+    state = state_of(lambda p: RowWiseAdagrad(p))
+    train(state, [1])
+    opt, label_of = state.optimizer, state.param_labels()
+    assert opt is not None and label_of is not None
+    check_state(opt, label_of, [{}], optim_state.state_of(opt, label_of))
 
 
 def test_tables_get_the_mean_of_the_ranks_rows() -> None:

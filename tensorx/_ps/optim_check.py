@@ -16,7 +16,8 @@ size fails (or crashes) every later update. So:
 * **State**: each entry against its parameter and against what the optimizer keeps for
   one like it: a throwaway optimizer (same class, the group's new values) stepped once with
   a zero gradient over a small stand-in with the parameter's number of dimensions (sizes
-  2, 3, 4, ...), whose state gives the keys to expect and each tensor's shape as a
+  2, 3, 4, ...; a dense gradient, or, when that fails or keeps nothing, one sparse over
+  rows, as a table's arrives), whose state gives the keys to expect and each tensor's shape as a
   function of the parameter's (``exp_avg``: the parameter's shape; ``step``: a scalar;
   Adafactor's ``row_var``: the parameter's with its last dimension 1; a tensor of the
   parameter's shape may come flat, as RemoteOptimizer sends a split tensor's chunk) and
@@ -186,8 +187,11 @@ def _template(optimizer: torch.optim.Optimizer, values: dict[str, Any],
     for a tensor, else the value; None when a throwaway one cannot be built and stepped."""
     sizes = tuple(range(2, 2 + p.dim()))
     grads = [torch.zeros(sizes, dtype=p.dtype, device=p.device)]
-    if p.dim():
-        grads.append(grads[0].to_sparse())  # SparseAdam takes nothing else
+    if p.dim():  # a table's: sparse over rows, as the shard gives it (SparseAdam takes
+        # nothing else); one row, so that a step over the rows it names has one to step
+        index = torch.zeros((1, 1), dtype=torch.long, device=p.device)
+        grads.append(torch.sparse_coo_tensor(index, grads[0][:1], sizes, check_invariants=True))
+    found: dict[str, Any] | None = None
     for grad in grads:
         stand_in = torch.nn.Parameter(torch.zeros(sizes, dtype=p.dtype, device=p.device))
         try:
@@ -197,8 +201,10 @@ def _template(optimizer: torch.optim.Optimizer, values: dict[str, Any],
                 built.step()
         except Exception:
             continue
-        return {k: _pattern(v, sizes) for k, v in built.state.get(stand_in, {}).items()}
-    return None
+        found = {k: _pattern(v, sizes) for k, v in built.state.get(stand_in, {}).items()}
+        if found:  # none kept: a table's optimizer may keep state for sparse steps alone
+            return found
+    return found
 
 
 def _pattern(value: Any, sizes: tuple[int, ...]) -> Any:
