@@ -93,7 +93,13 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     from worker rank 0. ``checkpoint_every``: also checkpoint every N updates;
     ``checkpoint_keep``: checkpoints kept (a damaged newest one falls back to the one before;
     see :mod:`tensorx._ps.checkpoint` for durability and permissions). A checkpoint that
-    fails (disk full) is logged and counted; training goes on.
+    fails (disk full) is logged and counted; training goes on. Resuming restores the
+    optimizer's state with its hyperparameters, as torch's ``load_state_dict`` does: the
+    checkpoint's ``lr`` wins over the factory's (one WARNING per value the factory gives
+    differently), and an optimizer of another class, or one the state does not fit, is
+    refused (UsageError) before anything is replaced. ``resume_optimizer=False`` resumes
+    the parameters (and version) alone, with a fresh optimizer and LR schedule from the
+    factories. See :mod:`tensorx._ps.resume`.
     ``token`` (default ``$TENSORX_TOKEN``) is required to listen beyond loopback, unless
     ``insecure=True``. ``log_every``: seconds between throughput log lines (None: never).
     ``flat``: how the update runs. ``None`` (the default): when the optimizer is
@@ -174,6 +180,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
                  shard: int = 0, num_shards: int = 1,
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int | None = None, checkpoint_keep: int = 2,
+                 resume_optimizer: bool = True,
                  token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 30.0,
                  insecure: bool = False, log_every: float | None = 60.0,
@@ -208,6 +215,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.checkpoint_keep = checkpoint_keep
+        self.resume_optimizer = resume_optimizer
         self._saved_version = None  # the version the newest checkpoint holds
         self.log_every = log_every
         self.flat = flat

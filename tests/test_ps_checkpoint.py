@@ -5,21 +5,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import stat
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tensorx._ps.shard import load_checkpoint
+from tensorx._ps.shard import ShardLayout, ShardState, load_checkpoint
 from tensorx.errors import UsageError
+from tensorx.graph_analyzer import TransferPlan
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 
-from .conftest import NOBODY, as_root
+from .conftest import NOBODY, as_root, only_warning
 from .test_ps_train import backward, batches, make_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -42,6 +44,14 @@ async def resume(directory: Path) -> int:
     async with ParameterServer(num_workers=1, transport="tcp",
                                checkpoint_dir=directory) as ps:
         return ps.version
+
+
+def sgd(lr: float) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
 
 
 def mode(path: Path) -> int:
@@ -180,3 +190,98 @@ async def test_a_full_disk_fails_the_checkpoint_not_the_training(
             await w.step()  # and once there is room again, checkpoints resume
     saved = load_checkpoint(disk / "ps-shard0-of1.pt")
     assert saved is not None and saved["version"] == 5
+
+
+# -- resuming with another optimizer configuration ------------------------------------------
+async def test_the_checkpoints_hyperparameters_win_and_a_new_value_is_named(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """As torch's ``optimizer.load_state_dict``: the checkpoint's lr is used, and the lr
+    the factory (the command line) gives instead is named in one WARNING with the way to
+    set it."""
+    caplog.set_level(logging.INFO, logger="tensorx")
+    directory = tmp_path / "ckpt"
+    await train(directory, 2, optimizer=sgd(0.1))
+    caplog.clear()
+    async with ParameterServer(num_workers=1, transport="tcp", checkpoint_dir=directory,
+                               optimizer=sgd(0.1)) as ps:
+        assert ps.state is not None and ps.state.optimizer is not None
+        assert ps.state.optimizer.param_groups[0]["lr"] == 0.1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    async with ParameterServer(num_workers=1, transport="tcp", checkpoint_dir=directory,
+                               optimizer=sgd(0.5)) as ps:
+        assert ps.state is not None and ps.state.optimizer is not None
+        assert ps.state.optimizer.param_groups[0]["lr"] == 0.1
+    line = only_warning(caplog)
+    assert "param_groups[0]['lr'] = 0.1" in line and "0.5" in line, line
+    assert "resume_optimizer=False" in line and "RemoteOptimizer" in line, line
+
+
+async def test_another_optimizer_class_is_refused_in_one_line(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    await train(directory, 1, optimizer=sgd(0.1))
+    with pytest.raises(UsageError) as refused:
+        async with ParameterServer(num_workers=1, transport="tcp", checkpoint_dir=directory,
+                                   optimizer=adam):
+            pass
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "SGD" in message and "Adam" in message and "resume_optimizer=False" in message
+
+
+async def test_a_run_that_changed_its_own_lr_resumes_it_silently(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An LR schedule moved the lr: the same command line resumes where it had got to,
+    with no line about it."""
+    def halving(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    directory = tmp_path / "ckpt"
+    await train(directory, 3, optimizer=sgd(0.1), lr_scheduler=halving)
+    caplog.set_level(logging.INFO, logger="tensorx")
+    async with ParameterServer(num_workers=1, transport="tcp", checkpoint_dir=directory,
+                               optimizer=sgd(0.1), lr_scheduler=halving) as ps:
+        assert ps.state is not None and ps.state.optimizer is not None
+        assert ps.state.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 8)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_resume_optimizer_false_resumes_the_parameters_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tensorx")
+    directory = tmp_path / "ckpt"
+    await train(directory, 2, optimizer=sgd(0.1))
+    saved = load_checkpoint(directory / "ps-shard0-of1.pt")
+    assert saved is not None
+    async with ParameterServer(num_workers=1, transport="tcp", checkpoint_dir=directory,
+                               optimizer=adam, resume_optimizer=False) as ps:
+        assert ps.state is not None and ps.state.optimizer is not None
+        assert ps.version == 2 and not ps.state.optimizer.state
+        assert ps.state.optimizer.param_groups[0]["lr"] == 0.01
+        for slot, view in zip(ps.state.layout.slots, ps.state.views, strict=True):
+            assert torch.equal(view, saved["params"][slot.key])
+    assert "the parameters alone" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_a_refused_optimizer_state_replaces_nothing(tmp_path: Path) -> None:
+    """Refusals come before anything is replaced: an lr the optimizer refuses, and the
+    momentum buffers of a checkpoint written before tensorx recorded the optimizer's class
+    (judged by its state alone)."""
+    directory = tmp_path / "ckpt"
+    await train(directory, 1, optimizer=sgd(0.1))
+    saved = load_checkpoint(directory / "ps-shard0-of1.pt")
+    assert saved is not None
+    layout = ShardLayout.from_plan(TransferPlan.from_bytes(saved["plan"]), 0)
+    nan_lr = {**saved, "optimizer": {**saved["optimizer"], "param_groups": [
+        {**saved["optimizer"]["param_groups"][0], "lr": math.nan}]}}
+    unrecorded = {k: v for k, v in saved.items() if k != "optimizer_class"}
+    for make, state, refused in ((sgd(0.1), nan_lr, r"\['lr'\] = nan refused"),
+                                 (adam, unrecorded, r"\['exp_avg'\] refused: missing")):
+        shard = ShardState(layout, 1, make)
+        try:
+            with pytest.raises(UsageError, match=refused):
+                shard.load_state_dict(state)
+            assert shard.version == 0 and not shard.optimizer.state  # type: ignore[union-attr]
+            assert not any(bool(v.any()) for v in shard.views)
+        finally:
+            shard.close()

@@ -5,8 +5,10 @@
 
 Logs to stderr, prints each shard's address on stdout, and on SIGTERM or SIGINT writes a
 checkpoint (with ``--checkpoint-dir``) and exits 0; started again with the same directory it
-resumes; killed (SIGKILL, a crash), it resumes from the last ``--checkpoint-every``
-checkpoint and workers started with ``reconnect`` rejoin it. ``--on-worker-loss`` says what
+resumes (the checkpoint's optimizer state and hyperparameters win over ``--optimizer``'s, as
+with torch's ``load_state_dict``; ``--no-resume-optimizer``: the parameters alone); killed
+(SIGKILL, a crash), it resumes from the last ``--checkpoint-every`` checkpoint and workers
+started with ``reconnect`` rejoin it. ``--on-worker-loss`` says what
 a sync barrier does once a worker has been gone ``--worker-loss-timeout`` seconds: keep
 waiting for it (``wait``, the default) or go on with the others (``continue``, which also
 goes on without a connected worker that has not pushed that long after the barrier's
@@ -81,6 +83,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-keep", type=_count(1), default=2,
                    help="checkpoints kept; a damaged newest one falls back to the one before "
                         "(default 2)")
+    p.add_argument("--resume-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="resuming from --checkpoint-dir: restore the optimizer's state, its "
+                        "hyperparameters (the checkpoint's lr wins over --optimizer's) and the "
+                        "LR schedule (default), or the parameters alone, with a fresh "
+                        "--optimizer (--no-resume-optimizer)")
     p.add_argument("--exit-when-done", action="store_true",
                    help="checkpoint and exit 0 once every worker has said goodbye (closed "
                         "its Worker or RemoteOptimizer); a crashed worker has not")
@@ -299,7 +306,8 @@ async def serve(args: argparse.Namespace) -> None:
         staleness=args.staleness, optimizer=optimizer, shard=s, num_shards=args.shards,
         lr_scheduler=lr_scheduler,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        checkpoint_keep=args.checkpoint_keep, share_memory=args.share_memory,
+        checkpoint_keep=args.checkpoint_keep, resume_optimizer=args.resume_optimizer,
+        share_memory=args.share_memory,
         token=args.token, transport=args.transport, insecure=args.insecure,
         log_every=args.log_every or None, flat=args.flat, pipeline=args.pipeline,
         on_worker_loss=args.on_worker_loss, worker_loss_timeout=args.worker_loss_timeout,

@@ -53,6 +53,7 @@ class ShardCore(abc.ABC):
     checkpoint_dir: str | os.PathLike[str] | None
     checkpoint_every: int | None
     checkpoint_keep: int
+    resume_optimizer: bool  # resume the checkpoint's optimizer state, or parameters alone
     flat: bool | None  # None: flat update when it gives the same result (see _ps.flat)
     share_memory: bool
     device: str  # "cpu" or "cuda:N", see tensorx._ps.device

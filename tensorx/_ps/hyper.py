@@ -31,7 +31,7 @@ from typing import Any
 from tensorx._text import printable
 from tensorx.errors import ProtocolError, UsageError
 
-__all__ = ["MAX_KEYS", "Pending", "changes", "check", "encodable", "refusal", "shown",
+__all__ = ["MAX_KEYS", "Pending", "changes", "check", "encodable", "refusal", "same", "shown",
            "snapshot"]
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ def snapshot(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for g in groups]
 
 
-def _same(a: Any, b: Any) -> bool:
+def same(a: Any, b: Any) -> bool:
+    """One hyperparameter value as another (NaN as NaN; a bool only as a bool)."""
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     if isinstance(a, int | float) and isinstance(b, int | float):
@@ -92,7 +93,7 @@ def changes(groups: list[dict[str, Any]], known: list[dict[str, Any]]) -> list[d
             raise UsageError(f"param_groups[{i}] lost key(s) {gone}: hyperparameters cannot "
                              "be removed from a RemoteOptimizer group")
         diff = {k: v for k, v in group.items()
-                if k not in SKIP and (k not in was or not _same(normal(v), was[k]))}
+                if k not in SKIP and (k not in was or not same(normal(v), was[k]))}
         bad = [k for k, v in diff.items() if not encodable(v) or not isinstance(k, str)]
         if bad:
             raise UsageError(f"{shown(i, bad[0], diff[bad[0]])} cannot be "
@@ -142,7 +143,7 @@ def shown(group: int, key: Any, value: Any) -> str:
 def refusal(old: Any, new: Any) -> str | None:
     """Why ``new`` cannot replace ``old`` (:data:`MISSING`: a new key), or None. An
     unchanged value always may stay."""
-    if old is not MISSING and _same(old, new):
+    if old is not MISSING and same(old, new):
         return None
     if not _finite(new):
         return "not a finite number"
@@ -203,7 +204,7 @@ class Pending:
             for i, group in enumerate(self._by_rank.pop(rank, [])):
                 for key, value in group.items():
                     won = winners.setdefault((i, key), (rank, value))
-                    if won[0] != rank and not _same(won[1], value):
+                    if won[0] != rank and not same(won[1], value):
                         logger.warning("ps shard %d: ranks %d and %d set param_groups[%d][%r] "
                                        "to %r and %r in the same update; rank %d wins",
                                        self.shard, won[0], rank, i, key, won[1], value,

@@ -28,13 +28,20 @@ class PlanHolder(ShardCore):
         saved = load_checkpoint(path, self.checkpoint_keep)
         if saved is None:
             return
-        self._adopt_plan(bytes(saved["plan"]))
-        assert self.state is not None
-        self.state.load_state_dict(saved)
+        plan, plan_bytes, state, sparse = self._build(bytes(saved["plan"]))
+        try:  # refused (another optimizer): nothing of the server's changed, nothing left open
+            state.load_state_dict(saved, optimizer=self.resume_optimizer)
+        except BaseException:
+            state.close()
+            if sparse is not None:
+                sparse.close()
+            raise
+        self._set_plan(plan, plan_bytes, state, sparse)
         self._initialised = self._resumed = True
-        self._saved_version = self.state.version
-        logger.info("ps shard %d resumed from %s at version %d", self.shard, path,
-                    self.state.version)
+        self._saved_version = state.version
+        logger.info("ps shard %d resumed from %s at version %d%s", self.shard, path,
+                    state.version, "" if self.resume_optimizer else
+                    " (the parameters alone: a fresh optimizer, resume_optimizer=False)")
 
     def _adopt_plan(self, plan_bytes: bytes) -> TransferPlan:
         return self._set_plan(*self._build(plan_bytes))

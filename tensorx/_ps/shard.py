@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import checkpoint, parts
+from tensorx._ps import checkpoint, parts, resume
 from tensorx._ps.changed import ChangedRows, row_local
 from tensorx._ps.checksum import checksum
 from tensorx._ps.device import allocate_arenas, fence
@@ -105,6 +105,8 @@ class ShardState:
         # a shard the plan left empty still counts versions, with nothing to optimize
         self.optimizer = build_optimizer(optimizer, self.named_parameters()) \
             if self.params else None
+        # what the factory gave, before a schedule changes it: see tensorx._ps.resume
+        self._given = resume.given(self.optimizer) if self.optimizer is not None else []
         self._fast: FlatUpdate | None = None
         self._row_sgd = RowSGD.build(self.optimizer, self.params, self.rows, device)
         self.update = self._choose_update(flat)
@@ -489,27 +491,48 @@ class ShardState:
             "params": {s.key: v.detach().to("cpu", copy=True)
                        for s, v in zip(self.layout.slots, self.views, strict=True)},
             "optimizer": to_cpu(self._optimizer_state()),
+            "optimizer_class": resume.kind(self.optimizer) if self.optimizer else None,
+            "optimizer_given": self._given,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.changed.forget()
+    def load_state_dict(self, state: dict[str, Any], optimizer: bool = True) -> None:
+        """Resume from a checkpoint: its parameters and version, and (``optimizer``) its
+        optimizer state, hyperparameters included, and LR schedule, each judged before
+        anything is replaced (see :mod:`tensorx._ps.resume`); UsageError in one line."""
         if state.get("fingerprint") != self.layout.fingerprint:
             raise UsageError("checkpoint was taken for a different plan")
-        if bool(state.get("flat")) != self.flat:
-            raise UsageError(f"checkpoint was taken with flat={bool(state.get('flat'))}; "
-                             f"this server runs flat={self.flat}")
-        if not self.flat and state.get("param_names") != self.names:
-            raise UsageError("checkpoint's optimizer parameters differ from this shard's")
+        loaded, notes = self._resumable(state) if optimizer else (None, [])
+        self.changed.forget()
         self.load_params(state["params"])
-        if self.optimizer is not None:
-            saved = state["optimizer"]
-            self.optimizer.load_state_dict(
-                parts.split_state(saved, self._part_sizes()) if self.flat else saved)
-        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        if loaded is not None:
+            assert self.optimizer is not None
+            self.optimizer.load_state_dict(loaded)
+            self._given = state.get("optimizer_given") or self._given
+        if optimizer and self.lr_scheduler is not None and state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         fence(self.device)  # the optimizer's load_state_dict copied to the GPU
         self.version = int(state["version"])
+        for note in notes:
+            logger.warning("ps shard %d: %s", self.layout.shard, note)
+
+    def _resumable(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+        """The checkpoint's optimizer state as this optimizer loads it, and the lines to
+        log; UsageError when this optimizer cannot resume it."""
+        if bool(state.get("flat")) != self.flat:
+            raise UsageError(f"checkpoint was taken with flat={bool(state.get('flat'))}; "
+                             f"this server runs flat={self.flat}: run it with "
+                             f"flat={bool(state.get('flat'))}, or {resume.FRESH}")
+        if not self.flat and state.get("param_names") != self.names:
+            raise UsageError("checkpoint's optimizer parameters differ from this shard's")
+        saved = state.get("optimizer")
+        if self.optimizer is None or saved is None:
+            return None, []
+        if self.flat:
+            saved = parts.split_state(saved, self._part_sizes())
+        label_of = self.param_labels() or {id(p): n for n, p in self.named_parameters()}
+        return resume.check(self.optimizer, label_of, saved, state.get("optimizer_class"),
+                            state.get("optimizer_given"), self._given)
 
     def _part_sizes(self) -> list[int]:
         return [p.numel() for p in self.params]
