@@ -201,7 +201,7 @@ async def test_a_nan_in_a_dense_tensor_is_named(
     caplog.set_level(logging.WARNING, logger="tensorx")
     async with servers(1, 2, mode="sync", optimizer=sgd, on_nonfinite=policy,
                        share_memory=share_memory, on_worker_loss="continue",
-                       worker_loss_timeout=0.2) as (ps,), \
+                       worker_loss_timeout=1.0) as (ps,), \
             workers(models, [ps.address], share_memory=share_memory, timeout=20) as ws:
         assert [w.mapped == [True] for w in ws] == [share_memory] * 2
         for r, (w, m) in enumerate(zip(ws, models, strict=True)):
@@ -231,7 +231,7 @@ async def test_an_inf_in_a_sparse_tables_rows_is_named(
     caplog.set_level(logging.WARNING, logger="tensorx")
     async with servers(1, 2, mode="sync", optimizer=sgd, on_nonfinite=policy,
                        share_memory=share_memory, on_worker_loss="continue",
-                       worker_loss_timeout=0.2) as (ps,), \
+                       worker_loss_timeout=1.0) as (ps,), \
             workers(models, [ps.address], share_memory=share_memory, timeout=60) as ws:
         for w, m, ids in zip(ws, models, batches, strict=True):
             w.zero_grad()
@@ -250,7 +250,7 @@ async def test_many_tensors_are_named_a_few_then_counted(
     ids = torch.randint(0, 1000, (8, 4), generator=torch.Generator().manual_seed(3))
     caplog.set_level(logging.WARNING, logger="tensorx")
     async with servers(1, 2, mode="sync", optimizer=sgd, on_nonfinite="refuse",
-                       on_worker_loss="continue", worker_loss_timeout=0.2) as (ps,), \
+                       on_worker_loss="continue", worker_loss_timeout=1.0) as (ps,), \
             workers(models, [ps.address], share_memory=False, timeout=60) as ws:
         for w, m in zip(ws, models, strict=True):
             w.zero_grad()
@@ -276,7 +276,7 @@ async def test_a_nan_in_a_late_part_of_a_pipelined_round_is_named(
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
     caplog.set_level(logging.WARNING, logger="tensorx")
     async with cluster("tcp", SGD_MOMENTUM, models, on_nonfinite=policy,
-                       on_worker_loss="continue", worker_loss_timeout=0.2) as (ps, ws):
+                       on_worker_loss="continue", worker_loss_timeout=1.0) as (ps, ws):
         for w, m in zip(ws, models, strict=True):
             w.zero_grad()
             xent_backward(m, x, y)
