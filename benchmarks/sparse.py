@@ -9,7 +9,9 @@ Placements: one host, and two network namespaces joined by a veth pair (where pe
 All systems of a model are started, run unmeasured warm-up steps, then are measured in
 alternating blocks (4 x 20 steps each by default: a step's time swings 11-22 ms here, so
 fewer steps give a median that moves by 20%); a step's time is the slower worker's. Prints
-a markdown table with the ratios and issue 17's targets; results go to ``OUT/sparse.json``.
+a markdown table with the ratios and the project's goals (a step in at most 0.5x the RPC PS's
+time, within 1.2x of it with ten times the rows, a server apply rate of at least 1e7 rows/s);
+results go to ``OUT/sparse.json``.
 
     python benchmarks/sparse.py
     python benchmarks/sparse.py --models dlrm --placements same --blocks 2

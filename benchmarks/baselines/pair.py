@@ -141,7 +141,7 @@ class Pair:
     def _defaults_env(self) -> dict[str, str]:
         """A system on ``transport="auto"`` measures what users get: ``make bench`` allows
         UCX's tcp (TENSORX_UCX_TCP=1) for the UCX rows, which a default node leaves out,
-        and across hosts ``auto`` would then pick it (#15: defaults first)."""
+        and across hosts ``auto`` would then pick it."""
         opts = self.system.options
         auto = any(a == "--transport" and b == "auto" for a, b in itertools.pairwise(opts))
         return {UCX_TCP: "0"} if auto else {}
