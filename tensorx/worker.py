@@ -17,13 +17,12 @@ from /dev/shm, see :mod:`tensorx._ps.shared`) and a step only exchanges notifica
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import random
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from tensorx._ps import optim_state, protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, windowed
 from tensorx._ps.checksum import checksum
 from tensorx._ps.hyper import snapshot as hyper_snapshot
+from tensorx._ps.links import ShardLinks
 from tensorx._ps.optim import plan_params
 from tensorx._ps.parts import check_parts, split_ops
 from tensorx._ps.shared import SharedArenas
@@ -46,7 +46,6 @@ from tensorx.errors import (
     TensorxError,
     TimeoutError,
     UsageError,
-    error_from_code,
 )
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
@@ -61,9 +60,6 @@ BACKOFF_CAP = 2.0
 # first waits for its acknowledgement, and a same-host lane's two copy threads land them
 # nearly in order (all at once, they landed in any order: the shard waited for the first)
 PARTS_IN_FLIGHT = 2
-# A goodbye is best effort and nobody's budget (aclose() takes none): a shard that does not
-# read must not hold the worker's exit up for longer than this.
-BYE_TIMEOUT = 5.0
 
 
 class Worker:
@@ -117,7 +113,7 @@ class Worker:
         self.mode = ""
         self.optim: list[dict[str, Any]] = []        # per shard: its optimizer, at welcome
         self.hyper: list[list[dict[str, Any]]] = []  # per shard: group values it last told us
-        self._eps: list[Endpoint] = []
+        self._links = ShardLinks(self.node, rank)  # our endpoints, and the replies on them
         self._slots: list[RegionDescriptor] = []
         self._parts: list[list[tuple[int, int]]] = []  # per shard: its pipelined parts
         self._headers: list[bytes] = []
@@ -129,7 +125,6 @@ class Worker:
         self._dense_cache: dict[int, list[tuple[int, int]]] = {}
         self._pusher: BucketPusher | None = None
         self._sparse: SparseSender | None = None
-        self._notes: dict[int, str] = {}  # shard -> why its sync barrier holds us (latest)
         # the step in progress (self.steps), for a retry after a timeout: the shards that
         # have its push, and those whose answer we took
         self._sent: set[int] = set()
@@ -142,6 +137,10 @@ class Worker:
     @property
     def num_shards(self) -> int:
         return len(self.addresses)
+
+    @property
+    def _eps(self) -> list[Endpoint]:
+        return self._links.eps
 
     @property
     def mapped(self) -> list[bool]:
@@ -194,7 +193,7 @@ class Worker:
     async def _handshake(self, eps: list[Endpoint] | None = None) -> None:
         self._sent.clear()  # new connections: no shard holds anything of ours
         self._answered.clear()
-        self._eps = eps if eps is not None else await self._connect_all(self.timeout)
+        self._links.eps = eps if eps is not None else await self._connect_all(self.timeout)
         await asyncio.gather(*(self._hello(s) for s in range(self.num_shards)))
         welcomes = await asyncio.gather(*(self._expect(s, "welcome")
                                           for s in range(self.num_shards)))
@@ -221,21 +220,7 @@ class Worker:
 
     async def _connect_all(self, timeout: float | None) -> list[Endpoint]:
         """One endpoint per shard, or none: a partial set is closed before raising."""
-        got = await asyncio.gather(*(self._connect(a, timeout) for a in self.addresses),
-                                   return_exceptions=True)
-        failed = [r for r in got if isinstance(r, BaseException)]
-        if failed:
-            for ep in got:
-                if isinstance(ep, Endpoint):
-                    with contextlib.suppress(TensorxError):
-                        await ep.aclose()
-            raise failed[0]
-        return [ep for ep in got if isinstance(ep, Endpoint)]
-
-    async def _connect(self, address: str, timeout: float | None) -> Endpoint:
-        ep = await self.node.connect(address, timeout=timeout)
-        ep.messages  # noqa: B018  # the shard's messages come to us, in order, with its end
-        return ep
+        return await self._links.connect_all(self.addresses, timeout)
 
     async def _rejoin(self, why: BaseException, budget: float) -> None:
         """Drop every endpoint and handshake again, with exponential backoff and jitter,
@@ -274,10 +259,7 @@ class Worker:
             raise TimeoutError("the rejoin budget ran out during a handshake") from None
 
     async def _drop_endpoints(self) -> None:
-        for ep in self._eps:
-            with contextlib.suppress(TensorxError):
-                await ep.aclose()
-        self._eps = []
+        await self._links.drop()
         if self._sparse is not None:
             self._sparse.forget_exports()
 
@@ -297,9 +279,7 @@ class Worker:
         if self._pusher is not None:
             self._pusher.close()
         self._unmap()  # before bye: the model keeps the parameters, in its own memory
-        for ep in self._eps:
-            with contextlib.suppress(TensorxError):
-                await ep.notify(protocol.encode("bye"), timeout=BYE_TIMEOUT)
+        await self._links.bye()
         await self.node.aclose()
         if self._sparse is not None:
             self._sparse.close()
@@ -368,7 +348,7 @@ class Worker:
     async def _write_bucket(self, bucket: Bucket) -> None:
         if self._mapped(bucket.shard):
             return  # autograd wrote the gradient into the shard's slot itself
-        with self._naming(bucket.shard):
+        with self._links.naming(bucket.shard):
             await self._eps[bucket.shard].write_many([self._bucket_op(bucket)],
                                                      timeout=self.timeout)
 
@@ -391,7 +371,7 @@ class Worker:
                               inbox=inbox, parts=[k for k in range(len(self._parts[shard]))
                                      if by_part is not None and k not in by_part])
         ep = self._eps[shard]
-        with self._naming(shard):
+        with self._links.naming(shard):
             if by_part is None:
                 await ep.write_many(ops, notify=msg, timeout=self.timeout)
             else:
@@ -413,20 +393,6 @@ class Worker:
             if isinstance(result, BaseException):
                 raise result
 
-    def _lost(self, shard: int, detail: str = "") -> BrokenError:
-        return BrokenError(f"lost the connection to ps shard {shard} "
-                           f"({self.addresses[shard]}){': ' if detail else ''}{detail}")
-
-    @contextlib.contextmanager
-    def _naming(self, shard: int) -> Iterator[None]:
-        """A broken endpoint's error says which shard (and where) it was."""
-        try:
-            yield
-        except BrokenError as exc:
-            if str(exc).startswith("lost the connection to ps shard"):
-                raise
-            raise self._lost(shard, str(exc)) from exc
-
     async def pull(self) -> None:
         """Wait until every shard has written its answer to our push into our arenas. A
         mapped arena drops our edits in place first, while the shards work (a walk of its
@@ -445,6 +411,9 @@ class Worker:
     async def _pull(self, shard: int) -> None:
         self._accept_params(shard, await self._expect(shard, "params"))
         self._answered.add(shard)
+
+    async def _expect(self, shard: int, kind: str) -> dict[str, Any]:
+        return await self._links.expect(shard, kind, self.timeout)
 
     def zero_grad(self) -> None:
         """Zero the gradient arenas in place (keeps ``param.grad`` bound to them); not the
@@ -521,7 +490,7 @@ class Worker:
 
     async def _fetch_state(self, shard: int) -> tuple[dict[str, Any], optim_state.State]:
         ep = self._eps[shard]
-        with self._naming(shard):
+        with self._links.naming(shard):
             await ep.notify(protocol.encode("state_get"), timeout=self.timeout)
             msg = await self._expect(shard, "state")
             desc = RegionDescriptor.from_bytes(msg["region"])
@@ -568,7 +537,7 @@ class Worker:
         """Phase one: ``shard`` has read and checked its part (see _ps.optim_load)."""
         groups = [{"hp": hp, "params": []} for hp in hps] if self.optim[shard]["groups"] else []
         desc = self.node.export(region, access="r")
-        with self._naming(shard):
+        with self._links.naming(shard):
             await self._eps[shard].notify(protocol.encode(
                 "state_put", manifest=packed.manifest(groups), region=desc.to_bytes(),
                 digest=optim_state.digest(region)), timeout=self.timeout)
@@ -576,7 +545,7 @@ class Worker:
 
     async def _commit_state(self, shard: int, load: bool) -> None:
         """Phase two: load it (every shard checked its part) or drop it."""
-        with self._naming(shard):
+        with self._links.naming(shard):
             await self._eps[shard].notify(protocol.encode("state_commit", load=load),
                                           timeout=self.timeout)
             try:
@@ -587,43 +556,6 @@ class Worker:
                 return  # dropped, as asked: the refusal that made us ask is raised instead
         if self.hyper[shard]:
             self._heard(shard, msg["hyper"])
-
-    async def _expect(self, shard: int, kind: str) -> dict[str, Any]:
-        """The shard's next message, which must be ``kind``: its error, its end (a
-        BrokenError naming it) or silence past ``timeout`` raise instead."""
-        deadline = Deadline(self.timeout)
-        while True:
-            msg = await self._next(shard, kind, deadline)
-            if msg["t"] == "waiting":
-                self._held(shard, msg["why"])
-                continue
-            if msg["t"] == kind:
-                self._notes.pop(shard, None)
-                return msg
-            if msg["t"] == "error":
-                raise error_from_code(msg["code"], msg["msg"], f"ps shard {shard}: ")
-            raise ProtocolError(f"shard {shard} sent {msg['t']!r} while we waited for {kind!r}")
-
-    async def _next(self, shard: int, kind: str, deadline: Deadline) -> dict[str, Any]:
-        try:
-            payload = await self._eps[shard].messages.get(deadline.left())
-        except TimeoutError:
-            note = self._notes.get(shard)
-            raise TimeoutError(f"ps shard {shard} ({self.addresses[shard]}) sent no {kind!r} "
-                                 f"within {self.timeout} s"
-                                 + (f": {note}" if note else "")) from None
-        except (BrokenError, ClosedError) as exc:
-            raise self._lost(shard, str(exc)) from None
-        try:
-            return protocol.decode(payload)
-        except ProtocolError as exc:
-            logger.warning("bad message from ps shard %d: %s", shard, exc)
-            raise self._lost(shard, f"bad message: {exc}") from exc
-
-    def _held(self, shard: int, why: str) -> None:
-        if self._notes.get(shard) != why:
-            logger.info("worker rank %d: ps shard %d holds our step: %r", self.rank, shard, why)
-        self._notes[shard] = why
 
 
 def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:
