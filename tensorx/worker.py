@@ -31,9 +31,10 @@ from tensorx._deadline import Deadline, wait_for
 from tensorx._ps import optim_state, protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, windowed
 from tensorx._ps.checksum import checksum
+from tensorx._ps.hyper import heard as hyper_heard
 from tensorx._ps.hyper import snapshot as hyper_snapshot
 from tensorx._ps.links import ShardLinks
-from tensorx._ps.optim import plan_params
+from tensorx._ps.optim_client import OptimStates
 from tensorx._ps.parts import check_parts, split_ops
 from tensorx._ps.shared import SharedArenas
 from tensorx._ps.sparse import SparseSender, dynamic_path_ok
@@ -43,7 +44,6 @@ from tensorx.errors import (
     BrokenError,
     ClosedError,
     ProtocolError,
-    TensorxError,
     TimeoutError,
     UsageError,
 )
@@ -114,6 +114,7 @@ class Worker:
         self.optim: list[dict[str, Any]] = []        # per shard: its optimizer, at welcome
         self.hyper: list[list[dict[str, Any]]] = []  # per shard: group values it last told us
         self._links = ShardLinks(self.node, rank)  # our endpoints, and the replies on them
+        self._states = OptimStates(self._links, self.node)  # RemoteOptimizer's state dicts
         self._slots: list[RegionDescriptor] = []
         self._parts: list[list[tuple[int, int]]] = []  # per shard: its pipelined parts
         self._headers: list[bytes] = []
@@ -140,6 +141,7 @@ class Worker:
 
     @property
     def _eps(self) -> list[Endpoint]:
+        """Our endpoint to each shard, in shard order (the links own them)."""
         return self._links.eps
 
     @property
@@ -412,9 +414,6 @@ class Worker:
         self._accept_params(shard, await self._expect(shard, "params"))
         self._answered.add(shard)
 
-    async def _expect(self, shard: int, kind: str) -> dict[str, Any]:
-        return await self._links.expect(shard, kind, self.timeout)
-
     def zero_grad(self) -> None:
         """Zero the gradient arenas in place (keeps ``param.grad`` bound to them); not the
         parts of sparse tables, whose gradients are rows outside the arenas (an arena of
@@ -458,6 +457,9 @@ class Worker:
             if self._pusher is not None:
                 self._pusher.reset()
 
+    async def _expect(self, shard: int, kind: str) -> dict[str, Any]:
+        return await self._links.expect(shard, kind, self.timeout)
+
     def _region(self, shard: int, arena: str) -> MemoryRegion:
         region: MemoryRegion = self.binding.regions[(shard, arena)]
         return region
@@ -467,7 +469,7 @@ class Worker:
             self._sparse.accept(shard, msg)  # rows the shard wrote into our inbox
         self.version[shard] = msg["version"]
         if msg.get("hyper"):
-            self._heard(shard, msg["hyper"])
+            self.hyper[shard] = hyper_heard(shard, self.hyper[shard], msg["hyper"])
         expected = msg["checksum"]
         if self.verify and expected is not None:
             got = checksum(self._region(shard, "params"))  # on the arena's device
@@ -475,38 +477,10 @@ class Worker:
                 raise ProtocolError(f"shard {shard}: parameters of version {msg['version']} "
                                     f"fail their checksum ({got:#x} != {expected:#x})")
 
-    def _heard(self, shard: int, values: Any) -> None:
-        if not isinstance(values, list) or len(values) != len(self.hyper[shard]) or \
-                not all(isinstance(g, dict) for g in values):
-            raise ProtocolError(f"shard {shard} sent hyperparameters for {len(values)} groups; "
-                                f"its optimizer has {len(self.hyper[shard])}")
-        self.hyper[shard] = hyper_snapshot(values)
-
     # -- optimizer state (RemoteOptimizer.state_dict / load_state_dict) -------------------
     async def fetch_optimizer_state(self) -> list[tuple[dict[str, Any], optim_state.State]]:
         """Every shard's optimizer state: (manifest, state by entry label) per shard."""
-        return list(await asyncio.gather(*(self._fetch_state(s)
-                                           for s in range(self.num_shards))))
-
-    async def _fetch_state(self, shard: int) -> tuple[dict[str, Any], optim_state.State]:
-        ep = self._eps[shard]
-        with self._links.naming(shard):
-            await ep.notify(protocol.encode("state_get"), timeout=self.timeout)
-            msg = await self._expect(shard, "state")
-            desc = RegionDescriptor.from_bytes(msg["region"])
-            numels = {e.label: e.numel for e in plan_params(self.plan) if e.shard == shard}
-            if desc.nbytes > optim_state.bound(numels) + optim_state.ALIGN:
-                raise ProtocolError(f"shard {shard} lends {desc.nbytes} B of optimizer state, "
-                                    "more than its parameters can have")
-            optim_state.check_manifest(msg["manifest"], numels, desc.nbytes)
-            region = MemoryRegion.allocate(desc.nbytes)
-            try:
-                await ep.read(region, desc, timeout=self.timeout)
-                state = optim_state.unpack(msg["manifest"], region)
-            finally:
-                region.close()
-            await ep.notify(protocol.encode("state_done"), timeout=self.timeout)
-        return msg["manifest"], state
+        return await self._states.fetch(self.num_shards, self.plan, self.timeout)
 
     async def load_optimizer_state(self, hps: list[dict[str, Any]],
                                    states: list[optim_state.State]) -> None:
@@ -514,48 +488,7 @@ class Worker:
         hyperparameters ``hps``: into every shard, or (the first shard's error) into none.
         Every rank loads the same state between the same two steps (see
         :mod:`tensorx._ps.optim_load`)."""
-        packed = [optim_state.pack(state) for state in states]
-        regions = [p.region() for p in packed]
-        try:
-            checked = await asyncio.gather(*(self._put_state(s, hps, packed[s], regions[s])
-                                             for s in range(self.num_shards)),
-                                           return_exceptions=True)
-            refused = [r for r in checked if isinstance(r, BaseException)]
-            done = await asyncio.gather(*(self._commit_state(s, not refused)
-                                          for s, r in enumerate(checked)
-                                          if not isinstance(r, BaseException)),
-                                        return_exceptions=True)
-        finally:
-            for region in regions:
-                region.close()
-        for result in (*refused, *done):
-            if isinstance(result, BaseException):
-                raise result
-
-    async def _put_state(self, shard: int, hps: list[dict[str, Any]],
-                         packed: optim_state.Packed, region: MemoryRegion) -> None:
-        """Phase one: ``shard`` has read and checked its part (see _ps.optim_load)."""
-        groups = [{"hp": hp, "params": []} for hp in hps] if self.optim[shard]["groups"] else []
-        desc = self.node.export(region, access="r")
-        with self._links.naming(shard):
-            await self._eps[shard].notify(protocol.encode(
-                "state_put", manifest=packed.manifest(groups), region=desc.to_bytes(),
-                digest=optim_state.digest(region)), timeout=self.timeout)
-            await self._expect(shard, "state_checked")
-
-    async def _commit_state(self, shard: int, load: bool) -> None:
-        """Phase two: load it (every shard checked its part) or drop it."""
-        with self._links.naming(shard):
-            await self._eps[shard].notify(protocol.encode("state_commit", load=load),
-                                          timeout=self.timeout)
-            try:
-                msg = await self._expect(shard, "state_loaded")
-            except TensorxError:
-                if load:
-                    raise
-                return  # dropped, as asked: the refusal that made us ask is raised instead
-        if self.hyper[shard]:
-            self._heard(shard, msg["hyper"])
+        await self._states.load(self.num_shards, hps, states, self.hyper, self.timeout)
 
 
 def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:

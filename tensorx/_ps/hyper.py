@@ -31,8 +31,8 @@ from typing import Any
 from tensorx._text import printable
 from tensorx.errors import ProtocolError, UsageError
 
-__all__ = ["MAX_KEYS", "Pending", "changes", "check", "encodable", "refusal", "same", "shown",
-           "snapshot"]
+__all__ = ["MAX_KEYS", "Pending", "changes", "check", "encodable", "heard", "refusal", "same",
+           "shown", "snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,16 @@ def changes(groups: list[dict[str, Any]], known: list[dict[str, Any]]) -> list[d
                 raise UsageError(f"{shown(i, k, v)} cannot be used: {why}")
         out.append({k: normal(v) for k, v in diff.items()})
     return out if any(out) else []
+
+
+def heard(shard: int, known: list[dict[str, Any]], values: Any) -> list[dict[str, Any]]:
+    """Worker side: the values ``shard`` reports for its groups (an answer's or a load's
+    ``hyper``), for the ``known`` groups; ProtocolError when they do not match."""
+    if not isinstance(values, list) or len(values) != len(known) or \
+            not all(isinstance(g, dict) for g in values):
+        raise ProtocolError(f"shard {shard} sent hyperparameters for {len(values)} groups; "
+                            f"its optimizer has {len(known)}")
+    return snapshot(values)
 
 
 def check(sent: Any, current: list[dict[str, Any]]) -> list[dict[str, Any]]:
