@@ -33,7 +33,7 @@ from typing import Any
 from tensorx.errors import TransportUnavailableError
 
 __all__ = ["DriverEvent", "IpcMapping", "available", "copy_async", "ipc_export",
-           "make_current", "primary_context", "ready", "record", "wait", "wait_sync"]
+           "make_current", "primary_context", "ready", "record", "spin", "wait", "wait_sync"]
 
 _lock = threading.Lock()
 _driver: Any = None
@@ -287,18 +287,24 @@ async def wait(events: list[Any]) -> None:
     written."""
     try:
         for event in events:
-            if event.query():
-                continue
-            end = time.perf_counter() + SPIN_S
-            while time.perf_counter() < end:
-                await asyncio.sleep(0)
-                if event.query():
-                    break
-            else:
+            if not await spin(event):
                 await asyncio.to_thread(event.synchronize)
     except BaseException:
         wait_sync(events)
         raise
+
+
+async def spin(event: Any) -> bool:
+    """Whether ``event`` completed while it was polled once a loop turn for up to
+    :data:`SPIN_S` (no selector sleep between polls; see :func:`wait`)."""
+    if event.query():
+        return True
+    end = time.perf_counter() + SPIN_S
+    while time.perf_counter() < end:
+        await asyncio.sleep(0)
+        if event.query():
+            return True
+    return False
 
 
 def wait_sync(events: list[Any]) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -76,14 +75,12 @@ class Event(Protocol):
 
 async def wait_event(event: Event) -> None:
     """Wait for a copy without blocking the loop (see the module docstring)."""
-    spin_until = time.perf_counter() + _cuda.SPIN_S
-    delay = 0.0
+    if await _cuda.spin(event):  # most copies end here
+        return
+    delay = 5e-5
     while not event.query():
-        if time.perf_counter() < spin_until:
-            await asyncio.sleep(0)  # a loop turn, no selector sleep: most copies end here
-            continue
         await asyncio.sleep(delay)
-        delay = min(max(delay * 2, 5e-5), 1e-3)
+        delay = min(delay * 2, 1e-3)
 
 
 class StagedRange:
