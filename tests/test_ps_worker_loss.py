@@ -383,13 +383,14 @@ async def test_a_worker_killed_just_before_the_answer_leaves_the_others_served(
 
 
 # -- a rank that hangs with its connection open; a step retried after its timeout -----------
-def hung_pair(ps: ParameterServer, models: list[Params],
-              reconnect: float | None = None) -> list[Worker]:
-    """Rank 0 and rank 1 in this loop, over the defaults (rank 1 with ``reconnect``). A rank
-    "hangs" by not stepping: its node goes on answering (its connection stays open), it
-    just never pushes."""
+def hung_pair(ps: ParameterServer, models: list[Params], reconnect: float | None = None,
+              **options: Any) -> list[Worker]:
+    """Rank 0 and rank 1 in this loop, over the defaults or ``options`` (rank 1 with
+    ``reconnect``). A rank "hangs" by not stepping: its node goes on answering (its
+    connection stays open), it just never pushes."""
     return [Worker(m, ps.address, rank=r, num_workers=2, timeout=5.0,
-                   reconnect=reconnect if r == 1 else None) for r, m in enumerate(models)]
+                   reconnect=reconnect if r == 1 else None, **options)
+            for r, m in enumerate(models)]
 
 
 async def test_continue_goes_on_without_a_connected_rank_that_never_pushes(
@@ -445,17 +446,20 @@ def push_times_out_once(ep: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ep, "write_many", write_many)
 
 
+@pytest.mark.parametrize("share_memory", [True, False], ids=["default", "copies"])
 @pytest.mark.parametrize("timed_out", ["pull", "push"])
 async def test_a_step_retried_after_it_timed_out_gets_the_answer_to_that_step(
-        timed_out: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        timed_out: str, share_memory: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Default policy ("wait"): rank 1 hangs with its connection open, so rank 0's step
     times out (waiting for its answer, or in its push after the push had reached the
     shard). Rank 0 retries the same step as it is while rank 1 comes back to life and
     pushes: the barrier completes once, with both gradients, the retry gets its answer,
-    and the next step finds no answer left over (before: "rank 0 pushed twice")."""
+    and the next step finds no answer left over (before: "rank 0 pushed twice"). Over the
+    defaults (same host: the arenas mapped) and with every push and pull copied over the
+    same-host lane (``share_memory=False``)."""
     models = [Params(), Params()]
-    async with ParameterServer(num_workers=2, optimizer=sgd) as ps:
-        ws = hung_pair(ps, models)
+    async with ParameterServer(num_workers=2, optimizer=sgd, share_memory=share_memory) as ps:
+        ws = hung_pair(ps, models, share_memory=share_memory)
         async with ws[0], ws[1]:
             assert await step_together(ws, models) == [-BOTH]
             if timed_out == "push":
