@@ -41,6 +41,8 @@ LAYERS: dict[str, float] = {
     # exporters read nodes, shards and workers through protocols of their own
     "tensorx._prometheus": 4.5, "tensorx.metrics": 4.5,
     "tensorx._ps": 5, "tensorx.ps": 5, "tensorx.worker": 5, "tensorx.remote_optimizer": 5,
+    # pipeline stages: beside the parameter server (the launcher's store is shared)
+    "tensorx.pipelining": 5,
     "tensorx": 6,  # the public facade
     "tensorx.testing": 7, "tensorx._commands": 7, "tensorx.cli": 7, "tensorx.__main__": 7,
 }
@@ -48,7 +50,7 @@ LAYERS: dict[str, float] = {
 APART = [
     ("tensorx.transport", "tensorx._analyzer"), ("tensorx.transport", "tensorx.graph_analyzer"),
     ("tensorx._ps", "tensorx.transport"), ("tensorx.ps", "tensorx.transport"),
-    ("tensorx.worker", "tensorx.transport"),
+    ("tensorx.worker", "tensorx.transport"), ("tensorx.pipelining", "tensorx.transport"),
 ]
 # Cores that do no I/O (STYLE.md 6): tested without sockets or an event loop.
 PURE = ["tensorx.errors", "tensorx._text", "tensorx._counters", "tensorx._schema",

@@ -1,0 +1,1060 @@
+"""One pipeline stage: its module, its node, and the boundaries it shares with other stages.
+
+Threads: the stage's node runs on an event loop of its own (a daemon thread), so that the
+lanes keep moving bytes while the caller's thread computes; every boundary's state lives on
+that loop. The caller's thread (the schedule) computes and, per micro-batch, asks the loop
+for what it needs: the activations of transfer ``n`` (a wait), to send its outputs (not a
+wait: the write is issued on the loop while the next micro-batch computes).
+
+Per boundary (a pair of stages, the lower one the sender of activations):
+
+* the receiver registers a ring of activation slots (the schedule's in-flight bound) and
+  the sender a ring of gradient slots; each learns the other's descriptor once, at the
+  first step, with the boundary's tensors (``meta``/``accept``/``grads``);
+* transfer ``n`` (the ``n``-th micro-batch to cross, counted over every step) goes into
+  slot ``n % slots`` of the peer's ring, written one-sided from a registered staging slot
+  with the ``F``/``B`` mark ordered after the data;
+* the receiver uses the slot in place until it is done with it (after the micro-batch's
+  backward; right away in ``eval``), then hands it back (``FR``/``BR``); a sender waits for
+  that credit only when every slot is taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from tensorx._deadline import Deadline, wait_for
+from tensorx._text import printable
+from tensorx.endpoint import Endpoint
+from tensorx.errors import (
+    BrokenError,
+    ClosedError,
+    PlanMismatchError,
+    ProtocolError,
+    TensorxError,
+    TimeoutError,
+    UsageError,
+)
+from tensorx.memregion import RegionDescriptor
+from tensorx.node import Node
+from tensorx.pipelining._protocol import (
+    DTYPES,
+    TensorMeta,
+    decode,
+    encode,
+    integer,
+    meta_from,
+    shapes_from,
+    text,
+)
+from tensorx.pipelining._rings import Layout, Ring, nbytes_of
+
+__all__ = ["PipelineStage", "StagePlan"]
+
+logger = logging.getLogger("tensorx.pipelining")
+
+T = TypeVar("T")
+STORE_KEY = "tensorx/pp/{}"
+STAGING = 2  # staging slots per boundary and direction on the sending side
+
+
+@dataclass
+class BoundaryRow:
+    """One boundary as planned: who sends, what, how many slots, how many bytes."""
+
+    src: int
+    dst: int
+    tensors: list[TensorMeta]
+    slots: int
+    grad_slots: int
+    slot_bytes: int
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.grad_slots * self.slot_bytes if any(t.grad for t in self.tensors) else 0
+
+
+@dataclass
+class StagePlan:
+    """The boundaries of one stage, as registered: ``rows`` (one per boundary it shares),
+    ``registered_bytes`` (receive rings this stage registered: activations it receives and
+    gradients it gets back) and :meth:`describe`."""
+
+    stage: int
+    rows: list[BoundaryRow] = field(default_factory=list)
+
+    @property
+    def registered_bytes(self) -> int:
+        own = sum(r.activation_bytes for r in self.rows if r.dst == self.stage)
+        return own + sum(r.gradient_bytes for r in self.rows if r.src == self.stage)
+
+    def describe(self) -> str:
+        lines = [f"stage {self.stage}: {len(self.rows)} boundaries, "
+                 f"{self.registered_bytes} B of receive slots registered here"]
+        for r in self.rows:
+            shapes = ", ".join(f"{t.dtype}{list(t.shape)}" for t in r.tensors)
+            lines.append(f"  {r.src} -> {r.dst}: {shapes}; {r.slots} activation slots, "
+                         f"{r.grad_slots} gradient slots of {r.slot_bytes} B")
+        return "\n".join(lines)
+
+
+class _Edge:
+    """A boundary as one of its two stages sees it (state lives on the stage's loop)."""
+
+    def __init__(self, src: int, dst: int, me: int) -> None:
+        self.src, self.dst = src, dst
+        self.sending = src == me  # we send activations (and get gradients back)
+        self.peer = dst if self.sending else src
+        self.layout: Layout | None = None
+        self.slots = 0
+        self.grad_slots = 0
+        self.mine: Ring | None = None  # the ring we receive into (activations or grads)
+        self.staging: Ring | None = None  # where what we send is copied first
+        self.theirs: RegionDescriptor | None = None  # the peer's receive ring
+        self.planned = asyncio.Event()  # layout, rings and the peer's descriptor known
+        self.meta_msg: dict[str, Any] | None = None  # receiver: the sender's meta, pending
+        self.sent = 0  # transfers we issued (F if sending, else B)
+        self.credits = 0  # transfers the peer handed back
+        self.inbox: dict[int, dict[str, Any]] = {}  # F (receiver) or B (sender) by n
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.credit_waits: list[tuple[int, asyncio.Future[None]]] = []
+        self.expect = 0  # next transfer we expect from the peer
+        self.done: set[int] = set()  # transfers we are done with, not yet handed back
+        self.handed = 0  # transfers handed back (all below it)
+        self.pending: list[concurrent.futures.Future[None] | None] = [None] * STAGING
+        self.taken = 0  # receiver: transfers the schedule took (caller's thread)
+        self.shapes: dict[int, list[tuple[int, ...]]] = {}  # sender: shapes of transfer n
+        self.bytes = 0
+
+    @property
+    def name(self) -> str:
+        return f"boundary {self.src} -> {self.dst}"
+
+    def fail(self, exc: BaseException) -> None:
+        futures: list[asyncio.Future[Any]] = [*self.waiting.values()]
+        futures += [f for _, f in self.credit_waits]
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(exc)
+        self.waiting.clear()
+        self.credit_waits.clear()
+
+    def close(self) -> None:
+        for ring in (self.mine, self.staging):
+            if ring is not None:
+                ring.close()
+
+
+class PipelineStage:
+    """One stage of a model split across processes, as ``torch.distributed.pipelining``'s
+    ``PipelineStage`` (the same positional arguments), without a process group.
+
+    ``submodule`` runs this stage's part of the model (its own ``Parameter`` objects are
+    trained in place: an optimizer over ``stage.submod.parameters()`` steps what the stage
+    trains); ``stage_index`` of ``num_stages``; ``device`` holds the module and the receive
+    slots. The first stage's forward takes the micro-batch; every other stage's takes what
+    the previous stage's forward returned (a tensor or a tuple of tensors), positionally.
+
+    ``input_args``: an example micro-batch input of this stage, whose shapes size the
+    receive slots (default: the first micro-batch's). ``peers``: ``{stage_index:
+    address}`` of every stage (this one's is where it listens); default: the torchrun
+    environment, meeting through the launcher's store (``tx.launcher_store()``), in any
+    launch order. ``transport``, ``require``, ``token``: as :class:`tensorx.Node`.
+    ``dynamic``: the dimensions of this stage's inputs that may differ per micro-batch
+    (e.g. ``(1,)`` for a sequence length), up to ``max_shapes`` (one shape per input).
+    Without them only dimension 0 may shrink (an uneven last micro-batch). ``slots``:
+    activation slots per incoming boundary (default: the schedule's in-flight bound).
+    ``timeout``: seconds any wait on another stage may take before a
+    :class:`~tensorx.errors.TimeoutError` naming whom it waits for.
+    """
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device | str | int, input_args: Any = None, *,
+                 peers: Mapping[int, str] | None = None, transport: str = "auto",
+                 require: str | None = None, token: str | bytes | None = None,
+                 dynamic: Sequence[int] | None = None,
+                 max_shapes: Sequence[Sequence[int]] | None = None,
+                 slots: int | None = None, timeout: float = 60.0,
+                 listen: str | None = None, store: Any = None,
+                 _routes: Any = None) -> None:
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise UsageError(f"num_stages must be an int >= 1, got {num_stages!r}")
+        if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
+            raise UsageError(f"stage_index must be an int in [0, {num_stages}), got "
+                             f"{stage_index!r}")
+        if slots is not None and (not isinstance(slots, int) or slots < 1):
+            raise UsageError(f"slots must be an int >= 1, got {slots!r}")
+        if timeout is None or timeout <= 0:
+            raise UsageError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.submod = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.timeout = float(timeout)
+        self.dynamic = tuple(dynamic or ())
+        self.max_shapes = [tuple(int(d) for d in s) for s in max_shapes] if max_shapes else None
+        if self.dynamic and self.max_shapes is None and input_args is None:
+            raise UsageError("dynamic dimensions need max_shapes (one shape per input of this "
+                             "stage: the largest each may be) or input_args at that size")
+        self.example = _as_tuple(input_args) if input_args is not None else None
+        self.slots_override = slots
+        # routes: which stages this one receives from and sends to, and which of its inputs
+        # and outputs each boundary carries (None: all, in order: the manual frontend)
+        self._routes: _Routes = _routes or _Routes.chain(stage_index, num_stages)
+        self._peers = dict(peers) if peers is not None else None
+        self._store = store
+        if self._peers is not None:
+            missing = [s for s in self._routes.neighbours if s not in self._peers]
+            if missing or (listen is None and stage_index not in self._peers):
+                raise UsageError(f"peers must give the address of stage {stage_index} (this "
+                                 f"one) and of stages {self._routes.neighbours}; missing "
+                                 f"{sorted({*missing, stage_index} - set(self._peers))}")
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._failed: asyncio.Event | None = None  # made on the loop
+        self._schedule: tuple[str, int] | None = None  # (name, n_microbatches) once known
+        self._edges: dict[tuple[int, int], _Edge] = {}
+        self._links: dict[int, Endpoint] = {}
+        self._link_waits: dict[int, asyncio.Future[Endpoint]] = {}
+        self._addresses: dict[int, str] = {}
+        self._lanes: dict[int, dict[str, Any]] = {}  # per peer stage, as linked
+        self._gone: dict[int, str] = {}  # stages that said bye
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._connected = False
+        self._stats = {"transfers_sent": 0, "transfers_received": 0, "bytes_sent": 0,
+                       "bytes_received": 0, "wait_s": 0.0, "credit_wait_s": 0.0, "steps": 0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name=f"tensorx-pp-stage{stage_index}")
+        self._thread.start()
+        try:
+            self.node = self._call(self._start_node(listen, transport, require, token))
+            self._publish()
+        except BaseException:
+            self._stop_loop()
+            raise
+        for src, dst in self._routes.pairs(stage_index):
+            self._edges[(src, dst)] = self._call(self._make_edge(src, dst))
+
+    # -- the loop thread ------------------------------------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if not self._thread.is_alive():
+            coro.close()
+            raise ClosedError(f"stage {self.stage_index} is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"stage {self.stage_index}: a call into its loop took over "
+                               f"{timeout} s") from None
+
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _make_edge(self, src: int, dst: int) -> _Edge:
+        return _Edge(src, dst, self.stage_index)
+
+    async def _start_node(self, listen: str | None, transport: str, require: str | None,
+                          token: str | bytes | None) -> Node:
+        if listen is None:
+            if self._peers is not None:
+                listen = _listen_of(self._peers[self.stage_index])
+            else:
+                master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+                loopback = master in ("127.0.0.1", "localhost", "::1")
+                listen = "tcp://127.0.0.1:0" if loopback else "tcp://0.0.0.0:0"
+        node = Node(listen, transport=transport, require=require, token=token,
+                    timeout=self.timeout, handler=self._accepted)
+        await node.start()
+        return node
+
+    def _publish(self) -> None:
+        if self._peers is not None:
+            self._addresses = dict(self._peers)
+            return
+        from tensorx._ps.rendezvous import advertised, connect_store
+
+        if self._store is None:
+            self._store = connect_store(self.timeout)
+        self._store.set(STORE_KEY.format(self.stage_index), advertised(self.node.address))
+
+    def _address_of(self, stage: int) -> str:
+        if stage not in self._addresses:
+            from datetime import timedelta
+
+            key = STORE_KEY.format(stage)
+            try:
+                self._store.wait([key], timedelta(seconds=self.timeout))
+            except Exception as exc:  # torch raises its own store errors
+                raise TimeoutError(f"stage {self.stage_index}: stage {stage} did not publish "
+                                   f"its address ({key}) within {self.timeout} s: is it "
+                                   f"running?") from exc
+            self._addresses[stage] = self._store.get(key).decode()
+        return self._addresses[stage]
+
+    # -- meeting the other stages ---------------------------------------------------------
+    def _connect(self) -> None:
+        """Open the endpoints to the later stages this one shares a boundary with (an
+        earlier stage opens the one to us), retrying while they are not up yet."""
+        if self._connected:
+            return
+        for stage in self._routes.neighbours:
+            if stage > self.stage_index:
+                self._call(self._open(stage, self._address_of(stage)))
+        self._connected = True
+
+    async def _open(self, stage: int, address: str) -> None:
+        deadline = Deadline(self.timeout)
+        delay = 0.05
+        while True:
+            try:
+                ep = await self.node.connect(address, timeout=deadline.least(10.0))
+                break
+            except (BrokenError, TimeoutError, ClosedError) as exc:
+                if deadline.expired:
+                    raise TimeoutError(f"stage {self.stage_index} could not reach stage "
+                                       f"{stage} at {address} within {self.timeout} s: "
+                                       f"{exc}") from None
+                await asyncio.sleep(min(delay, deadline.left() or 0.0))
+                delay = min(delay * 2, 1.0)
+        messages = ep.messages
+        await ep.notify(encode("hello", stage=self.stage_index, stages=self.num_stages))
+        self._linked(stage, ep)
+        self._watch(self._read(stage, ep, messages))
+
+    async def _accepted(self, ep: Endpoint) -> None:
+        """An earlier stage opened an endpoint to us: its first message says which."""
+        messages = ep.messages
+        try:
+            first = decode(await messages.get(self.timeout), f"peer {ep.peer}")
+        except TensorxError as exc:
+            logger.warning("stage %d: a peer at %s did not introduce itself: %s",
+                           self.stage_index, printable(ep.address), exc)
+            ep.abort()
+            return
+        peer = f"peer {printable(ep.peer)}"
+        stage = integer(first, "stage", peer, 0, self.num_stages - 1) \
+            if first["t"] == "hello" else -1
+        if (first["t"] != "hello" or stage >= self.stage_index
+                or stage not in self._routes.neighbours or stage in self._links
+                or first.get("stages") != self.num_stages):
+            logger.warning("stage %d: refused %s at %s: it introduced itself as %s",
+                           self.stage_index, peer, printable(ep.address),
+                           printable(repr({k: first.get(k) for k in ("t", "stage", "stages")})))
+            ep.abort()
+            return
+        self._linked(stage, ep)
+        await self._read(stage, ep, messages)
+
+    def _linked(self, stage: int, ep: Endpoint) -> None:
+        self._links[stage] = ep
+        info = ep.info
+        self._lanes[stage] = {"address": ep.address, "transport": info.get("transport"),
+                              "host": info.get("host"), "lanes": info.get("lanes"),
+                              "gpu": info.get("gpu")}
+        host = f", host memory {info['host']}" if info.get("host") else ""
+        logger.info("stage %d <-> stage %d at %s: %s%s", self.stage_index, stage,
+                    printable(ep.address), info.get("transport"), printable(host, 120))
+        waiter = self._link_waits.pop(stage, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(ep)
+
+    def _watch(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _link(self, stage: int, deadline: Deadline, why: str) -> Endpoint:
+        if stage in self._links:
+            return self._links[stage]
+        self._check_failed()
+        waiter = self._link_waits.setdefault(stage, self._loop.create_future())
+        try:
+            return await wait_for(asyncio.shield(waiter), deadline.left())
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"stage {self.stage_index} waited {self.timeout:g} s for "
+                               f"stage {stage} to connect ({why}); is it running, with "
+                               f"num_stages={self.num_stages} and the same peers?") from None
+
+    # -- messages ---------------------------------------------------------------------------
+    async def _read(self, stage: int, ep: Endpoint, messages: Any) -> None:
+        who = f"stage {stage}"
+        try:
+            while True:
+                payload = await messages.get(None)
+                msg = decode(payload, who)
+                if msg["t"] == "bye":
+                    self._gone[stage] = "closed"
+                    continue
+                self._on_message(stage, msg, who)
+        except ClosedError:
+            self._lost(stage, ep, None)
+        except BrokenError as exc:
+            self._lost(stage, ep, exc)
+        except ProtocolError as exc:
+            logger.error("stage %d: %s", self.stage_index, exc)
+            self._set_failure(exc)
+            ep.abort()
+        except asyncio.CancelledError:
+            raise
+
+    def _lost(self, stage: int, ep: Endpoint, exc: BaseException | None) -> None:
+        self._links.pop(stage, None)
+        if stage in self._gone or self._closed:
+            self._gone.setdefault(stage, "closed")
+            return
+        how = f"broke ({exc})" if exc is not None else "closed"
+        self._gone[stage] = how
+        self._set_failure(BrokenError(
+            f"stage {stage} at {printable(ep.address)} is gone (its connection {how}); "
+            f"stage {self.stage_index} stops: restart every stage"))
+
+    def _on_message(self, stage: int, msg: dict[str, Any], who: str) -> None:
+        kind = msg["t"]
+        if kind == "abort":
+            origin = integer(msg, "origin", who, 0, self.num_stages - 1)
+            why = text(msg, "why", who)
+            self._set_failure(BrokenError(f"stage {origin} failed: {why}"), origin)
+            return
+        if kind == "hello":
+            raise ProtocolError(f"{who} introduced itself twice")
+        key = (stage, self.stage_index) if stage < self.stage_index else (self.stage_index,
+                                                                          stage)
+        edge = self._edges.get(key)
+        if edge is None:
+            raise ProtocolError(f"{who} sent {kind!r} but stage {self.stage_index} shares "
+                                "no boundary with it")
+        if kind == "meta" and not edge.sending and edge.meta_msg is None \
+                and edge.layout is None:
+            edge.meta_msg = msg
+            self._maybe_accept(edge)
+        elif kind == "accept" and edge.sending and edge.layout is None:
+            self._on_accept(edge, msg, who)
+        elif kind == "grads" and not edge.sending and edge.theirs is None \
+                and edge.layout is not None:
+            edge.theirs = _descriptor(msg, who)
+            edge.planned.set()
+        elif (kind == "F" and not edge.sending) or (kind == "B" and edge.sending):
+            n = integer(msg, "n", who)
+            if n < edge.expect or n in edge.inbox or n >= edge.expect + 4 * max(edge.slots,
+                                                                                edge.grad_slots):
+                raise ProtocolError(f"{who} sent {kind!r} for transfer {n}, which is not "
+                                    f"in flight on {edge.name}")
+            waiter = edge.waiting.pop(n, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
+            else:
+                edge.inbox[n] = msg
+        elif (kind == "FR" and edge.sending) or (kind == "BR" and not edge.sending):
+            n = integer(msg, "n", who)
+            if n > edge.sent:
+                raise ProtocolError(f"{who} handed back {n} transfers on {edge.name}, "
+                                    f"{edge.sent} were sent")
+            edge.credits = max(edge.credits, n)
+            for need, fut in list(edge.credit_waits):
+                if edge.credits >= need and not fut.done():
+                    fut.set_result(None)
+            edge.credit_waits = [(k, f) for k, f in edge.credit_waits if not f.done()]
+        else:
+            raise ProtocolError(f"{who} sent {kind!r}, unexpected on {edge.name} now")
+
+    def _set_failure(self, exc: BaseException, origin: int | None = None) -> None:
+        if self._failure is not None:
+            return
+        self._failure = exc
+        if self._failed is not None:
+            self._failed.set()
+        for edge in self._edges.values():
+            edge.fail(exc)
+        for waiter in self._link_waits.values():
+            if not waiter.done():
+                waiter.set_exception(exc)
+        # tell the others (a stage two boundaries away learns who failed, not only that
+        # its neighbour stopped)
+        origin = self.stage_index if origin is None else origin
+        for stage, ep in list(self._links.items()):
+            if stage != origin:
+                self._watch(_quietly(ep.notify(
+                    encode("abort", origin=origin, why=str(exc)[:1500]), timeout=2.0)))
+
+    def _check_failed(self) -> None:
+        if self._failure is not None:
+            raise type(self._failure)(str(self._failure))
+        if self._closed:
+            raise ClosedError(f"stage {self.stage_index} is closed")
+
+    # -- planning a boundary (first step) ----------------------------------------------------
+    def _attach_schedule(self, name: str, n_microbatches: int) -> None:
+        if self._schedule is not None and self._schedule != (name, n_microbatches):
+            raise UsageError(f"stage {self.stage_index} already runs {self._schedule[0]} with "
+                             f"{self._schedule[1]} micro-batches: one schedule per stage (its "
+                             "receive slots are sized for it)")
+        self._schedule = (name, n_microbatches)
+        self._call(self._schedule_known())
+
+    async def _schedule_known(self) -> None:
+        for edge in self._edges.values():
+            if edge.meta_msg is not None:
+                self._maybe_accept(edge)
+
+    def _slot_counts(self, src: int, dst: int) -> tuple[int, int]:
+        """(activation, gradient) slots of the boundary src -> dst under the schedule: the
+        most micro-batches that can be in flight across it."""
+        assert self._schedule is not None
+        name, m = self._schedule
+        act = m if name == "ScheduleGPipe" else min(m, self.num_stages - src)
+        if self.slots_override is not None:
+            act = self.slots_override
+        return max(1, act), max(1, min(m, dst - src + 1))
+
+    def _maybe_accept(self, edge: _Edge) -> None:
+        msg = edge.meta_msg
+        if msg is None or self._schedule is None:
+            return
+        who = f"stage {edge.src}"
+        try:
+            metas = meta_from(msg.get("tensors"), who)
+            schedule = [text(msg, "schedule", who, 40), integer(msg, "microbatches", who, 1)]
+            if tuple(schedule) != self._schedule:
+                raise UsageError(
+                    f"stage {edge.src} runs {schedule[0]} with {schedule[1]} micro-batches "
+                    f"and stage {self.stage_index} {self._schedule[0]} with "
+                    f"{self._schedule[1]}: every stage must build the same schedule")
+            capacity = self._capacities(edge, metas)
+            edge.layout = Layout(capacity)
+            edge.slots, edge.grad_slots = self._slot_counts(edge.src, edge.dst)
+            edge.mine = Ring(edge.layout, edge.slots, self.device)
+            if any(m.grad for m in capacity):
+                edge.staging = Ring(edge.layout, STAGING, self.device)
+            desc = self.node.export(edge.mine.region, access="w")
+        except TensorxError as exc:
+            self._set_failure(exc)
+            return
+        ep = self._links[edge.src]
+        self._watch(self._send_accept(ep, edge, capacity, desc))
+
+    async def _send_accept(self, ep: Endpoint, edge: _Edge, capacity: list[TensorMeta],
+                           desc: RegionDescriptor) -> None:
+        try:
+            await ep.notify(encode("accept", tensors=[m.pack() for m in capacity],
+                                   slots=edge.slots, grad_slots=edge.grad_slots,
+                                   ring=desc.to_bytes()))
+        except TensorxError as exc:
+            self._set_failure(exc)
+        if not any(m.grad for m in capacity):
+            edge.planned.set()
+
+    def _capacities(self, edge: _Edge, metas: list[TensorMeta]) -> list[TensorMeta]:
+        positions = self._routes.inputs_from(edge.src, len(metas))
+        out = []
+        for pos, meta in zip(positions, metas, strict=True):
+            cap = meta.shape
+            if self.max_shapes is not None:
+                if pos >= len(self.max_shapes):
+                    raise UsageError(f"max_shapes gives {len(self.max_shapes)} shapes but "
+                                     f"stage {self.stage_index} takes input {pos}")
+                cap = self.max_shapes[pos]
+            elif self.example is not None and pos < len(self.example):
+                cap = tuple(self.example[pos].shape)
+            if len(cap) != len(meta.shape):
+                raise PlanMismatchError(
+                    f"{edge.name}, input {pos} of stage {self.stage_index}: stage {edge.src} "
+                    f"sends {len(meta.shape)}-d tensors {list(meta.shape)}, the slot is "
+                    f"planned {len(cap)}-d {list(cap)}: fix max_shapes/input_args")
+            out.append(TensorMeta(meta.dtype, cap, meta.grad))
+        return out
+
+    def _on_accept(self, edge: _Edge, msg: dict[str, Any], who: str) -> None:
+        capacity = meta_from(msg.get("tensors"), who)
+        if edge.layout is not None or edge.meta_msg is None:
+            raise ProtocolError(f"{who} accepted {edge.name} before it was offered")
+        offered = edge.meta_msg["metas"]
+        if len(capacity) != len(offered) or any(
+                c.dtype != o.dtype or c.grad != o.grad or len(c.shape) != len(o.shape)
+                for c, o in zip(capacity, offered, strict=True)):
+            raise ProtocolError(f"{who} accepted {edge.name} with other tensors than offered")
+        edge.slots = integer(msg, "slots", who, 1, 1 << 16)
+        edge.grad_slots = integer(msg, "grad_slots", who, 1, 1 << 16)
+        edge.layout = Layout(capacity)
+        edge.theirs = _descriptor(msg, who)
+        try:
+            edge.staging = Ring(edge.layout, STAGING, self.device)
+            grads = any(m.grad for m in capacity)
+            if grads:
+                edge.mine = Ring(edge.layout, edge.grad_slots, self.device)
+                desc = self.node.export(edge.mine.region, access="w")
+                self._watch(_failing(self, self._links[edge.dst].notify(
+                    encode("grads", ring=desc.to_bytes()))))
+        except TensorxError as exc:
+            self._set_failure(exc)
+            return
+        edge.planned.set()
+
+    async def _offer(self, edge: _Edge, metas: list[TensorMeta]) -> None:
+        """Sender, first transfer: offer the boundary's tensors, wait for the slots."""
+        assert self._schedule is not None
+        deadline = Deadline(self.timeout)
+        ep = await self._link(edge.dst, deadline, f"to plan {edge.name}")
+        edge.meta_msg = {"metas": metas}
+        await ep.notify(encode("meta", tensors=[m.pack() for m in metas],
+                               schedule=self._schedule[0], microbatches=self._schedule[1]))
+        await self._planned(edge, deadline, "to accept the boundary's tensors")
+
+    async def _planned(self, edge: _Edge, deadline: Deadline, what: str) -> None:
+        self._check_failed()
+        try:
+            await wait_for(_either(edge.planned.wait(), self._failed_event()), deadline.left())
+        except asyncio.TimeoutError:
+            raise self._timeout(edge.peer, what, edge) from None
+        self._check_failed()
+
+    def _failed_event(self) -> Coroutine[Any, Any, bool]:
+        if self._failed is None:
+            self._failed = asyncio.Event()
+            if self._failure is not None:
+                self._failed.set()
+        return self._failed.wait()
+
+    def _timeout(self, peer: int, what: str, edge: _Edge, mb: str = "") -> TimeoutError:
+        return TimeoutError(f"stage {self.stage_index} waited {self.timeout:g} s for stage "
+                            f"{peer} {what}{mb} ({edge.name}); is stage {peer} running and "
+                            "at the same step?")
+
+    # -- transfers ---------------------------------------------------------------------------
+    async def _await_message(self, edge: _Edge, n: int, what: str, mb: str) -> dict[str, Any]:
+        self._check_failed()
+        if n in edge.inbox:
+            return edge.inbox.pop(n)
+        waiter = edge.waiting.setdefault(n, self._loop.create_future())
+        try:
+            return await wait_for(asyncio.shield(waiter), self.timeout)
+        except asyncio.TimeoutError:
+            edge.waiting.pop(n, None)
+            raise self._timeout(edge.peer, what, edge, mb) from None
+
+    async def _receive(self, edge: _Edge, n: int, mb: str) -> list[torch.Tensor]:
+        """Receiver: transfer ``n``'s activations, in place in their slot."""
+        deadline = Deadline(self.timeout)
+        if not edge.planned.is_set():
+            await self._link(edge.src, deadline, f"to send {edge.name}")
+            await self._planned(edge, deadline, "to offer its tensors")
+        started = time.perf_counter()
+        msg = await self._await_message(edge, n, "to send its activations", mb)
+        self._stats["wait_s"] += time.perf_counter() - started
+        assert edge.layout is not None
+        assert edge.mine is not None
+        who = f"stage {edge.src}"
+        shapes = shapes_from(msg.get("shapes"), edge.layout.capacity, who, "F")
+        edge.expect = max(edge.expect, n + 1)
+        moved = sum(nbytes_of(m.dtype, s) for m, s in zip(edge.layout.metas, shapes,
+                                                          strict=True))
+        edge.bytes += moved
+        self._stats["bytes_received"] += moved
+        self._stats["transfers_received"] += 1
+        return edge.mine.views(n, shapes)
+
+    async def _receive_grads(self, edge: _Edge, n: int, mb: str) -> list[torch.Tensor | None]:
+        """Sender of activations: the gradients of transfer ``n``, in place."""
+        started = time.perf_counter()
+        msg = await self._await_message(edge, n, "to send the gradients", mb)
+        self._stats["wait_s"] += time.perf_counter() - started
+        assert edge.layout is not None
+        who = f"stage {edge.dst}"
+        has = msg.get("has")
+        if not isinstance(has, list) or len(has) != len(edge.layout.metas) or any(
+                not isinstance(h, bool) for h in has):
+            raise ProtocolError(f"{who} sent 'B' with a malformed gradient list")
+        shapes = edge.shapes.pop(n)
+        edge.expect = max(edge.expect, n + 1)
+        if any(has) and edge.mine is None:
+            raise ProtocolError(f"{who} sent gradients on {edge.name}, which has none")
+        views = edge.mine.views(n, shapes) if edge.mine is not None else [None] * len(has)
+        return [v if h else None for v, h in zip(views, has, strict=True)]
+
+    async def _send(self, edge: _Edge, kind: str, n: int, ops: list[tuple[int, int]],
+                    header: dict[str, Any]) -> None:
+        """Write transfer ``n`` from the staging slot into the peer's ring, then mark it."""
+        try:
+            started = time.perf_counter()
+            slots = edge.slots if kind == "F" else edge.grad_slots
+            need = n + 1 - slots
+            if edge.credits < need:
+                fut = self._loop.create_future()
+                edge.credit_waits.append((need, fut))
+                try:
+                    await wait_for(asyncio.shield(fut), self.timeout)
+                except asyncio.TimeoutError:
+                    raise self._timeout(edge.peer, "to hand back a slot", edge,
+                                        f" (transfer {n})") from None
+            self._stats["credit_wait_s"] += time.perf_counter() - started
+            ep = self._links.get(edge.peer)
+            if ep is None:
+                self._check_failed()
+                raise BrokenError(f"stage {edge.peer} is not connected")
+            payload = encode(kind, n=n, **header)
+            if any(nb for _, nb in ops):
+                assert edge.staging is not None
+                assert edge.theirs is not None
+                assert edge.layout is not None
+                base = edge.staging.base(n)
+                remote = (n % slots) * edge.layout.slot_bytes
+                writes = [(edge.staging.region, edge.theirs, off, remote + off - base, nb)
+                          for off, nb in ops if nb]
+                await ep.write_many(writes, notify=payload)
+            else:
+                await ep.notify(payload)
+            moved = sum(nb for _, nb in ops)
+            edge.bytes += moved
+            self._stats["bytes_sent"] += moved
+            self._stats["transfers_sent"] += 1
+        except TensorxError as exc:
+            self._set_failure(exc)
+            raise
+
+    async def _hand_back(self, edge: _Edge, n: int) -> None:
+        """We are done with transfer ``n`` (in any order): hand back every slot below the
+        first transfer still in use."""
+        edge.done.add(n)
+        while edge.handed in edge.done:
+            edge.done.discard(edge.handed)
+            edge.handed += 1
+        ep = self._links.get(edge.peer)
+        if ep is None:
+            return
+        kind = "BR" if edge.sending else "FR"
+        try:
+            await ep.notify(encode(kind, n=edge.handed), timeout=self.timeout)
+        except TensorxError as exc:
+            if edge.peer not in self._gone:
+                logger.debug("stage %d: handing back a slot to stage %d failed: %s",
+                             self.stage_index, edge.peer, exc)
+
+    # -- what a schedule calls (the caller's thread) ---------------------------------------
+    def _prepare(self) -> None:
+        self._check_failed()
+        self._connect()
+
+    def _forward_inputs(self, mb: int, step: int, args: tuple[Any, ...]
+                        ) -> tuple[list[Any], list[bool], list[tuple[_Edge, int]]]:
+        """This micro-batch's positional inputs: the user's (first stage) and each
+        incoming boundary's, in place; whether the sender wants each one's gradient; and
+        the transfers they came in."""
+        inputs: list[Any] = list(args)
+        grads = [False] * len(inputs)
+        received = []
+        for edge in self._incoming():
+            n = edge.taken
+            edge.taken += 1
+            tensors = self._call(self._receive(edge, n, f" for micro-batch {mb} of step "
+                                                        f"{step}"))
+            assert edge.layout is not None
+            positions = self._routes.inputs_from(edge.src, len(tensors))
+            width = max(positions, default=-1) + 1
+            if len(inputs) < width:
+                inputs += [None] * (width - len(inputs))
+                grads += [False] * (width - len(grads))
+            for pos, t, meta in zip(positions, tensors, edge.layout.metas, strict=True):
+                inputs[pos] = t
+                grads[pos] = meta.grad
+            received.append((edge, n))
+        return inputs, grads, received
+
+    def _incoming(self) -> list[_Edge]:
+        return sorted((e for e in self._edges.values() if not e.sending), key=lambda e: e.src)
+
+    def _outgoing(self) -> list[_Edge]:
+        return sorted((e for e in self._edges.values() if e.sending), key=lambda e: e.dst)
+
+    def _send_outputs(self, mb: int, outputs: Sequence[torch.Tensor], train: bool) -> list[
+            tuple[_Edge, int]]:
+        sent = []
+        for edge in self._outgoing():
+            picked = self._routes.outputs_to(edge.dst, len(outputs))
+            tensors = [outputs[i] for i in picked]
+            if not edge.planned.is_set():
+                metas = [_meta_of(t, f"output {i} of stage {self.stage_index}")
+                         for i, t in zip(picked, tensors, strict=True)]
+                self._call(self._offer(edge, metas))
+            assert edge.layout is not None
+            assert edge.staging is not None
+            self._check_fits(edge, tensors, mb)
+            n = edge.sent
+            edge.sent += 1
+            self._staging_free(edge, n)
+            ops = edge.staging.fill(n, tensors)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            if train:
+                edge.shapes[n] = [tuple(t.shape) for t in tensors]
+            header = {"shapes": [list(t.shape) for t in tensors], "mb": mb, "train": train}
+            edge.pending[n % STAGING] = self._spawn(self._send(edge, "F", n, ops, header))
+            sent.append((edge, n))
+        return sent
+
+    def _staging_free(self, edge: _Edge, n: int) -> None:
+        prior = edge.pending[n % STAGING]
+        if prior is not None:
+            self._result(prior)
+            edge.pending[n % STAGING] = None
+
+    def _result(self, fut: concurrent.futures.Future[Any]) -> Any:
+        try:
+            return fut.result(self.timeout + 5.0)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"stage {self.stage_index}: a send did not complete within "
+                               f"{self.timeout} s") from None
+
+    def _check_fits(self, edge: _Edge, tensors: Sequence[torch.Tensor], mb: int) -> None:
+        assert edge.layout is not None
+        for i, (t, m) in enumerate(zip(tensors, edge.layout.metas, strict=True)):
+            dtype = str(t.dtype).removeprefix("torch.")
+            fits = (len(t.shape) == len(m.shape)
+                    and all(d <= c for d, c in zip(t.shape, m.shape, strict=True)))
+            if dtype != m.dtype or not fits:
+                raise PlanMismatchError(
+                    f"{edge.name}, tensor {i}, micro-batch {mb}: stage {self.stage_index} "
+                    f"produced {dtype}{list(t.shape)} but the slot was planned for "
+                    f"{m.dtype}{list(m.shape)}. Give stage {edge.dst} max_shapes= (at least "
+                    f"{list(t.shape)} for this input) and dynamic= (the dimensions that vary), "
+                    "or input_args at the largest size")
+
+    def _send_grads(self, mb: int, received: Sequence[tuple[_Edge, int]],
+                    inputs: Sequence[Any]) -> None:
+        for edge, n in received:
+            positions = self._routes.inputs_from(edge.src, len(edge.layout.metas)
+                                                 if edge.layout else 0)
+            grads = []
+            for pos in positions:
+                x = inputs[pos]
+                g = x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+                grads.append(g)
+            self._staging_free(edge, n)
+            ops: list[tuple[int, int]] = []
+            if edge.staging is not None:
+                ops = edge.staging.fill(n, grads)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+            header = {"has": [g is not None for g in grads], "mb": mb}
+            edge.sent = max(edge.sent, n + 1)
+            edge.pending[n % STAGING] = self._spawn(self._send(edge, "B", n, ops, header))
+            self._spawn(self._hand_back(edge, n))
+
+    def _grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[_Edge, int]],
+                          outputs: Sequence[torch.Tensor]
+                          ) -> tuple[list[torch.Tensor | None], list[tuple[_Edge, int]]]:
+        grads: list[torch.Tensor | None] = [None] * len(outputs)
+        got = []
+        for edge, n in sent:
+            views = self._call(self._receive_grads(edge, n, f" for micro-batch {mb} of step "
+                                                             f"{step}"))
+            for i, g in zip(self._routes.outputs_to(edge.dst, len(outputs)), views,
+                            strict=True):
+                if g is not None:
+                    prior = grads[i]
+                    grads[i] = g if prior is None else prior + g
+            got.append((edge, n))
+        return grads, got
+
+    def _release(self, transfers: Sequence[tuple[_Edge, int]]) -> None:
+        for edge, n in transfers:
+            self._spawn(self._hand_back(edge, n))
+
+    def _flush(self) -> None:
+        """Every send of this step has landed (or raised)."""
+        for edge in self._edges.values():
+            for i, fut in enumerate(edge.pending):
+                if fut is not None:
+                    self._result(fut)
+                    edge.pending[i] = None
+
+    def _fail(self, exc: BaseException) -> None:
+        """A step failed here: tell every other stage, once."""
+        if self._failure is None and self._thread.is_alive():
+            message = f"{type(exc).__name__}: {exc}"
+            err = exc if isinstance(exc, TensorxError) else BrokenError(message)
+            try:
+                self._call(self._fail_async(err), timeout=5.0)
+            except TensorxError:
+                pass
+
+    async def _fail_async(self, exc: BaseException) -> None:
+        self._set_failure(exc)
+        await asyncio.sleep(0)  # let the abort notifications go out
+
+    # -- public ---------------------------------------------------------------------------
+    @property
+    def plan(self) -> StagePlan:
+        """The boundaries of this stage as planned (filled in at the first step)."""
+        plan = StagePlan(self.stage_index)
+        for edge in sorted(self._edges.values(), key=lambda e: (e.src, e.dst)):
+            if edge.layout is not None:
+                plan.rows.append(BoundaryRow(edge.src, edge.dst, edge.layout.metas, edge.slots,
+                                             edge.grad_slots, edge.layout.slot_bytes))
+        return plan
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """``{"stage", "address", "peers": {stage: {"address", "transport", "host",
+        "lanes"}}}``: the lane every other stage is reached over."""
+        peers = {stage: dict(lane) for stage, lane in sorted(self._lanes.items())}
+        return {"stage": self.stage_index, "num_stages": self.num_stages,
+                "address": self.node.address, "peers": peers}
+
+    def stats(self) -> dict[str, Any]:
+        """Transfers and bytes sent and received, seconds waited for other stages'
+        activations or gradients (``wait_s``) and for free slots (``credit_wait_s``)."""
+        return dict(self._stats)
+
+    def close(self) -> None:
+        """Say goodbye to the other stages and release the node and the slots; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            try:
+                self._call(self._aclose(), timeout=10.0)
+            except TensorxError as exc:
+                logger.debug("stage %d: closing: %s", self.stage_index, exc)
+        self._stop_loop()
+
+    async def _aclose(self) -> None:
+        for ep in list(self._links.values()):
+            await _quietly(ep.notify(encode("bye"), timeout=1.0))
+        for task in list(self._tasks):
+            task.cancel()
+        await self.node.aclose()
+        for edge in self._edges.values():
+            edge.fail(ClosedError(f"stage {self.stage_index} is closed"))
+            edge.close()
+
+    def _stop_loop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10.0)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
+
+    def __enter__(self) -> PipelineStage:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> PipelineStage:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __repr__(self) -> str:
+        return (f"<PipelineStage {self.stage_index}/{self.num_stages} "
+                f"{'closed' if self._closed else self.node.address}>")
+
+
+class _Routes:
+    """Which stages a stage exchanges with, and which of its inputs and outputs each
+    boundary carries. The manual frontend chains stage i to i + 1 with every output."""
+
+    def __init__(self, incoming: Mapping[int, Mapping[int, list[int] | None]],
+                 outgoing: Mapping[int, Mapping[int, list[int] | None]]) -> None:
+        # incoming[stage][src] = input positions (None: all, in order)
+        # outgoing[stage][dst] = output indices (None: all, in order)
+        self.incoming = {s: dict(v) for s, v in incoming.items()}
+        self.outgoing = {s: dict(v) for s, v in outgoing.items()}
+        self.stage = -1
+        self.neighbours: list[int] = []
+
+    @classmethod
+    def chain(cls, stage: int, num_stages: int) -> _Routes:
+        routes = cls({s: {s - 1: None} for s in range(1, num_stages)},
+                     {s: {s + 1: None} for s in range(num_stages - 1)})
+        return routes.at(stage)
+
+    def at(self, stage: int) -> _Routes:
+        self.stage = stage
+        self.neighbours = sorted({*self.incoming.get(stage, {}), *self.outgoing.get(stage, {})})
+        return self
+
+    def pairs(self, stage: int) -> Iterator[tuple[int, int]]:
+        for src in self.incoming.get(stage, {}):
+            yield src, stage
+        for dst in self.outgoing.get(stage, {}):
+            yield stage, dst
+
+    def inputs_from(self, src: int, count: int) -> list[int]:
+        given = self.incoming.get(self.stage, {}).get(src)
+        return list(range(count)) if given is None else list(given)
+
+    def outputs_to(self, dst: int, count: int) -> list[int]:
+        given = self.outgoing.get(self.stage, {}).get(dst)
+        return list(range(count)) if given is None else list(given)
+
+
+def _meta_of(t: Any, what: str) -> TensorMeta:
+    if not isinstance(t, torch.Tensor):
+        raise UsageError(f"{what} is a {type(t).__name__}; a stage passes tensors to the next "
+                         "(return a tensor or a tuple of tensors)")
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise UsageError(f"{what} has dtype {dtype}, which cannot cross a stage boundary")
+    return TensorMeta(dtype, tuple(t.shape), bool(t.requires_grad))
+
+
+def _descriptor(msg: dict[str, Any], who: str) -> RegionDescriptor:
+    ring = msg.get("ring")
+    if not isinstance(ring, bytes):
+        raise ProtocolError(f"{who} sent {msg['t']!r} without a ring descriptor")
+    try:
+        return RegionDescriptor.from_bytes(ring)
+    except TensorxError as exc:
+        raise ProtocolError(f"{who} sent a malformed ring descriptor: {exc}") from None
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _listen_of(address: str) -> str:
+    return address
+
+
+async def _quietly(aw: Any) -> None:
+    try:
+        await aw
+    except (TensorxError, OSError):
+        pass
+
+
+async def _failing(stage: PipelineStage, aw: Any) -> None:
+    try:
+        await aw
+    except TensorxError as exc:
+        stage._set_failure(exc)
+
+
+async def _either(a: Coroutine[Any, Any, Any], b: Coroutine[Any, Any, Any]) -> None:
+    tasks = [asyncio.ensure_future(a), asyncio.ensure_future(b)]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
