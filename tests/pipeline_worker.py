@@ -46,7 +46,9 @@ def run(spec: dict[str, Any], run: dict[str, Any], rank: int, store: Any) -> Non
         try:
             for i, (x, y) in enumerate(models.batches(name, run.get("steps", 2), m)):
                 if run.get("die_at") == [i, rank]:
-                    threading_exit(0.3)
+                    die_in_forward(stage.submod, after=2)
+                if run.get("grow_at") == i and rank == 0:
+                    x = torch.cat([x, x])  # micro-batches twice as large as planned
                 opt.zero_grad()
                 step: list[Any] = []
                 if rank == 0:
@@ -71,11 +73,16 @@ def run(spec: dict[str, Any], run: dict[str, Any], rank: int, store: Any) -> Non
     torch.save(out, os.path.join(spec["out"], f"{run['id']}-{rank}.pt"))
 
 
-def threading_exit(after: float) -> None:
-    """Exit hard ``after`` seconds from now, whatever the step is doing."""
-    import threading
+def die_in_forward(module: torch.nn.Module, after: int) -> None:
+    """Exit hard in the forward of micro-batch ``after`` (counted from 0), mid-step."""
+    calls = [0]
 
-    threading.Timer(after, os._exit, (3,)).start()
+    def hook(*_: Any) -> None:
+        calls[0] += 1
+        if calls[0] > after:
+            os._exit(3)
+
+    module.register_forward_pre_hook(hook)
 
 
 def main() -> None:

@@ -54,6 +54,16 @@ def _runs() -> list[dict[str, Any]]:
     return runs
 
 
+# Runs that fail on purpose, after the others in the same processes (the last one ends
+# rank 2's process).
+FAILING = [
+    {"id": "grows", "model": "mlp", "stages": 2, "schedule": "Schedule1F1B", "m": 2,
+     "grow_at": 1, "timeout": 20.0},
+    {"id": "killed", "model": "mlp", "stages": 3, "schedule": "Schedule1F1B", "m": 4,
+     "die_at": [1, 2], "timeout": 20.0},
+]
+
+
 def launch(tmp: Path, runs: list[dict[str, Any]], timeout: float = 240.0
            ) -> dict[str, list[dict[str, Any]]]:
     """Run ``runs`` in real stage processes (as many as the most stages of any run) and
@@ -90,7 +100,7 @@ def launch(tmp: Path, runs: list[dict[str, Any]], timeout: float = 240.0
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return launch(tmp_path_factory.mktemp("pipeline"), _runs())
+    return launch(tmp_path_factory.mktemp("pipeline"), _runs() + FAILING)
 
 
 @pytest.mark.parametrize("run", _runs(), ids=lambda r: r["id"])
@@ -138,3 +148,25 @@ def test_slots_follow_the_schedule(trained: dict[str, Any]) -> None:
     assert slots("cnn-1f1b-4-stages-5-mb", 3) == [(2, 3, 2, 2)]
     # a slot holds the first (largest) micro-batch: 13 rows in 4 micro-batches, 4 x 16 floats
     assert trained["skip-1f1b-tcp"][2]["plan"][0][4] == 4 * 16 * 4
+
+
+def test_a_stage_killed_mid_step_stops_every_other_stage_naming_it(
+        trained: dict[str, Any]) -> None:
+    results = trained["killed"]
+    assert results[2] is None  # it died before saving anything
+    for rank in (0, 1):  # stage 1 lost its endpoint; stage 0 heard it from stage 1
+        error = results[rank]["error"]
+        assert error.startswith("BrokenError"), error
+        assert "stage 2" in error, error
+        assert results[rank]["losses"] == [[]], results[rank]  # step 0 done, not step 1
+
+
+def test_a_tensor_larger_than_its_slot_is_a_plan_mismatch_naming_the_boundary(
+        trained: dict[str, Any]) -> None:
+    sender, receiver = trained["grows"]
+    error = sender["error"]
+    assert error.startswith("PlanMismatchError"), error
+    assert "boundary 0 -> 1" in error and "[7, 16]" in error and "[4, 16]" in error, error
+    assert "max_shapes" in error, error  # the remedy
+    assert receiver["error"].startswith("BrokenError: stage 0 failed: PlanMismatchError"), \
+        receiver["error"]

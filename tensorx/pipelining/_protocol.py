@@ -91,7 +91,7 @@ def text(msg: dict[str, Any], key: str, peer: str, limit: int = 2000) -> str:
     value = msg.get(key)
     if not isinstance(value, str):
         raise ProtocolError(f"{peer} sent {msg['t']!r} without a text {key!r}")
-    return printable(value)[:limit]
+    return printable(value, limit)
 
 
 def meta_from(value: Any, peer: str) -> list[TensorMeta]:

@@ -425,14 +425,15 @@ class PipelineStage:
         self._gone[stage] = how
         self._set_failure(BrokenError(
             f"stage {stage} at {printable(ep.address)} is gone (its connection {how}); "
-            f"stage {self.stage_index} stops: restart every stage"))
+            f"stage {self.stage_index} stops: restart every stage"), stage,
+            f"it is gone (its connection to stage {self.stage_index} {how})")
 
     def _on_message(self, stage: int, msg: dict[str, Any], who: str) -> None:
         kind = msg["t"]
         if kind == "abort":
             origin = integer(msg, "origin", who, 0, self.num_stages - 1)
             why = text(msg, "why", who)
-            self._set_failure(BrokenError(f"stage {origin} failed: {why}"), origin)
+            self._set_failure(BrokenError(f"stage {origin} failed: {why}"), origin, why)
             return
         if kind == "hello":
             raise ProtocolError(f"{who} introduced itself twice")
@@ -476,7 +477,11 @@ class PipelineStage:
         else:
             raise ProtocolError(f"{who} sent {kind!r}, unexpected on {edge.name} now")
 
-    def _set_failure(self, exc: BaseException, origin: int | None = None) -> None:
+    def _set_failure(self, exc: BaseException, origin: int | None = None,
+                     why: str | None = None) -> None:
+        """Fail every wait of this stage with ``exc`` and tell the other stages (``why``:
+        what to tell them, by default ``exc`` itself; ``origin``: the stage that failed
+        first)."""
         if self._failure is not None:
             return
         self._failure = exc
@@ -493,7 +498,9 @@ class PipelineStage:
         for stage, ep in list(self._links.items()):
             if stage != origin:
                 self._watch(_quietly(ep.notify(
-                    encode("abort", origin=origin, why=str(exc)[:1500]), timeout=2.0)))
+                    encode("abort", origin=origin,
+                           why=(why or f"{type(exc).__name__}: {exc}")[:1500]),
+                    timeout=2.0)))
 
     def _check_failed(self) -> None:
         if self._failure is not None:
@@ -725,6 +732,14 @@ class PipelineStage:
             edge.bytes += moved
             self._stats["bytes_sent"] += moved
             self._stats["transfers_sent"] += 1
+        except (BrokenError, ClosedError) as exc:
+            if self._failure is not None:  # (what failed first is what every stage hears)
+                raise type(self._failure)(str(self._failure)) from None
+            where = self._lanes.get(edge.peer, {}).get("address", "?")
+            lost = BrokenError(f"stage {edge.peer} at {where} is gone ({exc}); stage "
+                               f"{self.stage_index} stops: restart every stage")
+            self._set_failure(lost, edge.peer, f"it is gone ({exc})")
+            raise lost from None
         except TensorxError as exc:
             self._set_failure(exc)
             raise
