@@ -8,10 +8,13 @@ EXTRAS := torch,ucx,examples,metrics,bench,dev
 
 .PHONY: demo test test-slow lint bench docs env clean
 
+# The distribution was named `tensorx` before it became `tensorx-rdma`: an older .venv has
+# that one installed too, which the uninstall removes (and does nothing otherwise).
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@echo ">> installing tensorx[$(EXTRAS)] into $(VENV) (first run takes a few minutes)"
+	@echo ">> installing tensorx-rdma[$(EXTRAS)] into $(VENV) (first run takes a few minutes)"
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip uninstall --quiet --yes tensorx 2>/dev/null || true
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 

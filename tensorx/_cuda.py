@@ -65,8 +65,8 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - GPU regions come with torch or cupy
-        raise TransportUnavailableError("GPU regions need torch (pip install tensorx[torch]) "
-                                        "for stream ordering") from exc
+        raise TransportUnavailableError("GPU regions need torch for stream ordering "
+                                        "(pip install 'tensorx-rdma[torch]')") from exc
     return torch
 
 

@@ -3,8 +3,8 @@
 tensorx never installs a loop policy when imported: a library user runs their own loop
 (``uvloop.run(main())`` to opt in). tensorx's own entry points (``tensorx ps``, the
 examples, the benchmarks) call :func:`run`, which takes uvloop when it is installed
-(``pip install 'tensorx[uvloop]'``): it cuts the CPU time of every small op over the TCP
-lane by about a third (``docs/performance.md``). ``TENSORX_LOOP=asyncio`` turns it off,
+(``pip install 'tensorx-rdma[uvloop]'``): it cuts the CPU time of every small op over the
+TCP lane by about a third (``docs/performance.md``). ``TENSORX_LOOP=asyncio`` turns it off,
 ``TENSORX_LOOP=uvloop`` insists on it.
 """
 
@@ -38,7 +38,7 @@ def use_uvloop(choice: str | None = None, default: str = "auto") -> bool:
     except ImportError:
         if name == "uvloop":
             raise UsageError("event loop 'uvloop' asked for, but uvloop is not installed "
-                             "(pip install 'tensorx[uvloop]')") from None
+                             "(pip install 'tensorx-rdma[uvloop]')") from None
         return False
     return True
 

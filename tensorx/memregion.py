@@ -439,7 +439,8 @@ def _cuda_empty(nbytes: int, device: str) -> Any:
     try:
         import torch
     except ImportError as exc:
-        raise UsageError("allocating GPU memory needs torch (pip install tensorx[torch])") from exc
+        raise UsageError("allocating GPU memory needs torch "
+                         "(pip install 'tensorx-rdma[torch]')") from exc
     if not torch.cuda.is_available():
         raise UsageError(f"no CUDA device here to allocate on {device!r}")
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)

@@ -2,8 +2,8 @@
 opt-in Prometheus exporter over nodes, parameter-server shards and workers.
 
 ``serve_prometheus(port, *nodes, servers=..., workers=...)`` exposes them over HTTP (needs
-the ``prometheus-client`` package: ``pip install tensorx[metrics]``); the collectors live in
-:mod:`tensorx._prometheus`. The counters stand alone below everything; this exporter sits
+the ``prometheus-client`` package: ``pip install 'tensorx-rdma[metrics]'``); the collectors
+live in :mod:`tensorx._prometheus`. The counters stand alone below everything; this exporter sits
 above the objects it reads.
 """
 
@@ -36,7 +36,7 @@ def serve_prometheus(port: int, *nodes: CountedNode, addr: str = "127.0.0.1",
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as exc:
         raise UsageError("Prometheus metrics need prometheus-client "
-                         "(pip install tensorx[metrics])") from exc
+                         "(pip install 'tensorx-rdma[metrics]')") from exc
     from tensorx._prometheus import Collector
 
     registry = CollectorRegistry()

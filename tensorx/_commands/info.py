@@ -103,7 +103,7 @@ def _ucx_info() -> dict[str, Any]:
     try:
         import libucx
     except ImportError:
-        out["why"] = "UCX is not installed (pip install 'tensorx[ucx]'); tensorx uses TCP"
+        out["why"] = "UCX is not installed (pip install 'tensorx-rdma[ucx]'); tensorx uses TCP"
         return out
     root = Path(libucx.__file__).parent
     out["version"] = str(getattr(libucx, "__version__", "unknown"))

@@ -20,7 +20,7 @@ The token comes from ``--token`` or, better (not visible in ``ps``), ``$TENSORX_
 ``--metrics-port N`` serves every shard's step timings and endpoint counters for Prometheus
 (one exporter per process; port 0: any free port, printed on stdout as
 ``tensorx ps metrics on http://ADDR:PORT/metrics``). It runs on uvloop where installed
-(``pip install 'tensorx[uvloop]'``; ``--loop asyncio`` or ``TENSORX_LOOP=asyncio`` not).
+(``pip install 'tensorx-rdma[uvloop]'``; ``--loop asyncio`` or ``TENSORX_LOOP=asyncio`` not).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class UcpLib:
 
 def ucx_paths() -> tuple[str, Path, Path]:
     """(version, include dir, lib dir) of the ``libucx`` wheel; TransportUnavailableError."""
-    with map_exceptions("UCX is not installed (pip install 'tensorx[ucx]')", UCX_ERRORS):
+    with map_exceptions("UCX is not installed (pip install 'tensorx-rdma[ucx]')", UCX_ERRORS):
         import libucx
     root = Path(libucx.__file__).parent
     include, lib = root / "include", root / "lib"
