@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 EXTRAS := torch,ucx,examples,metrics,bench,dev
 
-.PHONY: demo test test-slow lint bench docs env clean
+.PHONY: demo test test-slow lint bench docs check-dist env clean
 
 # The distribution was named `tensorx` before it became `tensorx-rdma`: an older .venv has
 # that one installed too, which the uninstall removes (and does nothing otherwise).
@@ -30,7 +30,7 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check tensorx tests benchmarks examples docs/_ext
+	$(BIN)/ruff check tensorx tests benchmarks examples docs/_ext .ci
 	$(BIN)/mypy
 
 # The documentation site (mkdocs.yml), strict: a broken link or unreadable docstring fails.
@@ -41,10 +41,15 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
+# The sdist and wheel, checked file by file, and the wheel installed into a new venv (numpy
+# and msgpack only, from pip's cache) where `import tensorx` and `tensorx info` must work.
+check-dist: $(STAMP)
+	$(BIN)/python .ci/check_dist.py
+
 # The UCX rows on a host without RDMA run UCX's tcp, which a node only runs when allowed.
 bench: $(STAMP)
 	TENSORX_UCX_TCP=1 $(BIN)/python benchmarks/transfer.py --sizes 64K,16M,64M
 	TENSORX_UCX_TCP=1 $(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build site *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info
