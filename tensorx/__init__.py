@@ -1,12 +1,14 @@
 """tensorx: one-sided (RDMA-style) tensor exchange for parameter-server training.
 
-The public surface lives here; everything else may move between releases.
+The public surface lives here; everything else may move between releases. A public name is
+in ``__all__`` (and in ``_LAZY`` when its module is imported on first use); the module's own
+helpers are private (``_importlib``), so ``dir(tensorx)`` lists the public names alone.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 # Errors
 from tensorx.errors import (
@@ -33,7 +35,8 @@ from tensorx.endpoint import Endpoint  # isort: skip
 from tensorx.node import Node  # isort: skip
 
 # Planning and parameter-server training need torch: imported on first use, so that the
-# transport layer works (and imports fast) without it.
+# transport layer works (and imports fast) without it. A name maps to the module that defines
+# it, or a subpackage's name to the subpackage itself.
 _LAZY = {
     "GraphAnalyzer": "tensorx.graph_analyzer",
     "PlanEntry": "tensorx.graph_analyzer",
@@ -46,17 +49,24 @@ _LAZY = {
     "ps_addresses": "tensorx.worker",
 }
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from tensorx.graph_analyzer import GraphAnalyzer, PlanEntry, TransferPlan
     from tensorx.ps import ParameterServer, launcher_store
     from tensorx.remote_optimizer import RemoteOptimizer
     from tensorx.worker import Worker, ps_addresses
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tensorx' has no attribute {name!r}")
+def __getattr__(name: str) -> _typing.Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tensorx' has no attribute {name!r}")
+    module = _importlib.import_module(_LAZY[name])
+    return module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    """The public names and the module's dunders: no helpers, no submodules imported above."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
+
 
 __version__ = "0.1.0"
 
