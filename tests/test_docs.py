@@ -200,3 +200,100 @@ def test_the_api_reference_covers_the_public_surface() -> None:
         documented |= set(tensorx.errors.__all__)
     missing = sorted(set(tensorx.__all__) - documented - {"__version__"})
     assert not missing, f"docs/api.md has no `::: tensorx.NAME` entry for {missing}"
+
+
+REFERENCE = ROOT / "docs" / "reference.md"
+SIGNATURE = re.compile(r"`(?:await )?([\w.]+)\(([^`]*)\)`")
+
+
+def _reference_sections() -> dict[str, tuple[list[str], str]]:
+    """docs/reference.md's ``### `Name` `` sections: title -> (the names it covers, text)."""
+    parts = re.split(r"^(#{2,3} .*)$", REFERENCE.read_text(), flags=re.MULTILINE)
+    return {title: (re.findall(r"`(\w+)`", title), text)
+            for title, text in zip(parts[1::2], parts[2::2], strict=True)
+            if title.startswith("### ") and "`" in title}
+
+
+def test_the_readable_reference_covers_the_public_surface() -> None:
+    """docs/reference.md has a section per public name (errors: a row of its table), and
+    each class's section has an example that runs."""
+    import inspect
+
+    import tensorx
+
+    sections = _reference_sections()
+    covered = {name for names, _ in sections.values() for name in names}
+    errors = REFERENCE.read_text().split("\n## Errors\n", 1)[1]
+    covered |= set(re.findall(r"^\| `(\w+)`", errors, re.MULTILINE))
+    missing = sorted(set(tensorx.__all__) - covered - {"__version__"})
+    assert not missing, f"docs/reference.md has no section for {missing}"
+    runs = {b.line for b in RUN if b.path == REFERENCE}
+    starts = {title: REFERENCE.read_text().splitlines().index(title) + 1 for title in sections}
+    for title, (names, text) in sections.items():
+        if not inspect.isclass(getattr(tensorx, names[0])):
+            continue
+        first = starts[title]
+        last = first + text.count("\n")
+        assert any(first < line <= last for line in runs), f"{title}: no example that runs"
+
+
+def _split_arguments(text: str) -> list[str]:
+    depth, current, parts = 0, "", []
+    for char in text:
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [p.strip() for p in [*parts, current] if p.strip()]
+
+
+def _documented(arguments: str) -> list[str]:
+    return [re.split(r"[=:]", a, maxsplit=1)[0].strip() for a in _split_arguments(arguments)]
+
+
+def _actual(obj: Any) -> list[str]:
+    import inspect
+
+    names: list[str] = []
+    for p in inspect.signature(obj).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and "*" not in names and not any(
+                n.startswith("*") for n in names):
+            names.append("*")
+        names.append({p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name)
+    return names
+
+
+def _signatures(text: str) -> list[tuple[str, str]]:
+    """``(qualified name, arguments)`` of a section's signature blocks and of the first
+    column of its table (the member)."""
+    found = [s for row in re.findall(r"^\|([^|]+)\|", text, re.MULTILINE)
+             for s in SIGNATURE.findall(row)]
+    for block in re.findall(r"^```text\n(.*?)^```", text, re.MULTILINE | re.DOTALL):
+        for signature in re.split(r"\n(?=\S)", block.strip()):
+            head = re.match(r"([\w.]+)\((.*)\)(?:\s*->.*)?$", " ".join(signature.split()))
+            assert head, f"unreadable signature {signature!r}"
+            found.append((head.group(1), head.group(2)))
+    return found
+
+
+def test_the_reference_signatures_match_the_code() -> None:
+    """Every signature in docs/reference.md lists the parameters the code has, in order."""
+    import tensorx
+
+    checked, wrong = 0, []
+    for title, (names, text) in _reference_sections().items():
+        home = getattr(tensorx, names[0])
+        for qualified, arguments in _signatures(text):
+            head, *rest = qualified.split(".")
+            obj = getattr(tensorx, head) if head in tensorx.__all__ else getattr(home, head)
+            for part in rest:
+                obj = getattr(obj, part)
+            actual = [n for n in _actual(obj) if n not in ("self", "cls")]
+            checked += 1
+            if _documented(arguments) != actual:
+                wrong.append(f"{title}: {qualified}({arguments}) but the code has {actual}")
+    assert checked > 50
+    assert not wrong, "\n".join(wrong)
