@@ -261,10 +261,19 @@ class PipelineStage:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
+        except TensorxError:  # (our TimeoutError is a builtins.TimeoutError too)
+            raise
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"stage {self.stage_index}: a call into its loop took over "
                                f"{timeout} s") from None
+
+    def _future(self) -> asyncio.Future[Any]:
+        """A future on the loop whose exception counts as retrieved: a wait that timed out
+        leaves it behind, and a failure later sets one on it."""
+        fut = self._loop.create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return fut
 
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -386,7 +395,7 @@ class PipelineStage:
         if stage in self._links:
             return self._links[stage]
         self._check_failed()
-        waiter = self._link_waits.setdefault(stage, self._loop.create_future())
+        waiter = self._link_waits.setdefault(stage, self._future())
         try:
             return await wait_for(asyncio.shield(waiter), deadline.left())
         except asyncio.TimeoutError:
@@ -650,7 +659,7 @@ class PipelineStage:
         self._check_failed()
         if n in edge.inbox:
             return edge.inbox.pop(n)
-        waiter = edge.waiting.setdefault(n, self._loop.create_future())
+        waiter = edge.waiting.setdefault(n, self._future())
         try:
             return await wait_for(asyncio.shield(waiter), self.timeout)
         except asyncio.TimeoutError:
@@ -704,7 +713,7 @@ class PipelineStage:
             slots = edge.slots if kind == "F" else edge.grad_slots
             need = n + 1 - slots
             if edge.credits < need:
-                fut = self._loop.create_future()
+                fut = self._future()
                 edge.credit_waits.append((need, fut))
                 try:
                     await wait_for(asyncio.shield(fut), self.timeout)
@@ -833,6 +842,8 @@ class PipelineStage:
     def _result(self, fut: concurrent.futures.Future[Any]) -> Any:
         try:
             return fut.result(self.timeout + 5.0)
+        except TensorxError:
+            raise
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"stage {self.stage_index}: a send did not complete within "
                                f"{self.timeout} s") from None
