@@ -20,22 +20,34 @@ import numpy as np
 
 from tensorx import _shm
 from tensorx._backing import Backing
-from tensorx._schema import Record, choice, table, text, uint
+from tensorx._schema import Record, choice, seq, table, text, uint
 from tensorx._shm import host_id
 from tensorx._text import printable
 from tensorx.errors import ClosedError, ProtocolError, UsageError
 
-__all__ = ["ACCESS_MODES", "MemoryRegion", "RegionDescriptor", "host_id"]
+__all__ = ["ACCESS_MODES", "MemoryRegion", "RegionDescriptor", "check_name", "host_id"]
 
-DESCRIPTOR_VERSION = 1
+# 1: the eight fields below; 2: the same and a ninth, a map of what a typed or named
+# export adds (its name, its dtype and shape). A descriptor without them is written as
+# version 1, which every tensorx reads.
+DESCRIPTOR_VERSION = 2
+VERSIONS = (1, 2)
 ACCESS_MODES = ("r", "w", "rw")
 MAX_DESCRIPTOR = 64 << 10  # bytes; a UCX rkey, the largest key, is a few hundred
-# The wire form: a list of these, in this order (the version first, checked on its own).
-DESCRIPTOR = Record("region descriptor", {
+MAX_NAME = 64  # characters of an export's name
+MAX_DIMS = 32
+_FIELDS = {
     "version": uint(8), "owner": text(64), "region_id": uint(64), "cookie": uint(64),
     "nbytes": uint(64), "device": choice("cpu", "cuda"), "access": choice(*ACCESS_MODES),
     "keys": table(16),
+}
+META = Record("region descriptor meta", {
+    "name": text(MAX_NAME) | None, "dtype": text(32) | None,
+    "shape": seq(MAX_DIMS, uint(63)) | None,
 })
+# The wire form: a list of these, in this order (the version first, checked on its own).
+DESCRIPTOR = Record("region descriptor", _FIELDS)
+DESCRIPTOR_V2 = Record("region descriptor", {**_FIELDS, "meta": table(8, META)})
 PAGE = mmap.PAGESIZE
 
 # One id per process: the owner identity of regions that no node exported yet.
@@ -46,9 +58,24 @@ _registered: weakref.WeakValueDictionary[tuple[int, int, str], MemoryRegion] = (
 )
 
 
+def check_name(name: object) -> str:
+    """``name`` if it can name an export (UsageError if not): 1 to 64 printable
+    characters, without spaces at either end."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or not name.isprintable() \
+            or name != name.strip():
+        raise UsageError(f"an export's name is 1 to {MAX_NAME} printable characters without "
+                         f"spaces at either end, not {printable(name)!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class RegionDescriptor:
-    """Everything a peer needs to read or write a region: plain data, safe to send."""
+    """Everything a peer needs to read or write a region: plain data, safe to send.
+
+    ``name``: the name its owner exported it under (``Node.export(..., name=)``), if any.
+    ``dtype`` and ``shape``: of the tensor or array the region was registered from (the
+    dtype as numpy and torch both spell it: ``"float32"``), ``None`` for raw memory;
+    :meth:`Endpoint.read_rows` and :meth:`Endpoint.write_rows` check against them."""
 
     owner: str
     region_id: int
@@ -57,13 +84,23 @@ class RegionDescriptor:
     device: str
     access: str
     keys: Mapping[str, Any] = field(default_factory=dict)
+    name: str | None = None
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+    def _meta(self) -> dict[str, Any]:
+        meta = {"name": self.name, "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape)}
+        return {k: v for k, v in meta.items() if v is not None}
 
     def to_bytes(self) -> bytes:
-        raw: bytes = msgpack.packb(
-            [DESCRIPTOR_VERSION, self.owner, self.region_id, self.cookie, self.nbytes,
-             self.device, self.access, dict(self.keys)],
-            use_bin_type=True,
-        )
+        """The descriptor's wire form (version 1, which every tensorx reads, unless it has a
+        name, a dtype or a shape)."""
+        meta = self._meta()
+        fields = [self.owner, self.region_id, self.cookie, self.nbytes, self.device,
+                  self.access, dict(self.keys)]
+        row = [2, *fields, meta] if meta else [1, *fields]
+        raw: bytes = msgpack.packb(row, use_bin_type=True)
         return raw
 
     @classmethod
@@ -75,20 +112,39 @@ class RegionDescriptor:
             fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
         except Exception as exc:
             raise ProtocolError(f"not a region descriptor: {exc}") from exc
-        if isinstance(fields, list) and fields and fields[0] != DESCRIPTOR_VERSION:
-            raise ProtocolError(f"region descriptor version {printable(fields[0])}; this "
-                                f"tensorx reads {DESCRIPTOR_VERSION}")
-        _, *values = DESCRIPTOR.check_row(fields)
-        return cls(*values)
+        version = fields[0] if isinstance(fields, list) and fields else None
+        if version not in VERSIONS:
+            raise ProtocolError(f"region descriptor version {printable(version)}; this "
+                                f"tensorx reads {' and '.join(map(str, VERSIONS))}")
+        if version == 1:
+            _, *values = DESCRIPTOR.check_row(fields)
+            return cls(*values)
+        _, *values, meta = DESCRIPTOR_V2.check_row(fields)
+        return cls(*values, **_checked_meta(meta))
 
     def validate(self) -> None:
         """Raise ProtocolError unless every field has the right type and range."""
         keys = dict(self.keys) if isinstance(self.keys, Mapping) else self.keys
-        DESCRIPTOR.check_row([DESCRIPTOR_VERSION, self.owner, self.region_id, self.cookie,
-                              self.nbytes, self.device, self.access, keys])
+        DESCRIPTOR_V2.check_row([2, self.owner, self.region_id, self.cookie, self.nbytes,
+                                 self.device, self.access, keys, self._meta()])
+        _checked_meta(self._meta())
 
     def allows(self, need: str) -> bool:
         return need in self.access
+
+
+def _checked_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """A version-2 descriptor's meta map (its schema passed) as the fields it sets (its
+    name must be one an export can have)."""
+    name = meta.get("name")
+    if name is not None:
+        try:
+            check_name(name)
+        except UsageError as exc:
+            raise ProtocolError(f"region descriptor: field 'name': {exc}") from None
+    shape = meta.get("shape")
+    return {"name": name, "dtype": meta.get("dtype"),
+            "shape": None if shape is None else tuple(shape)}
 
 
 class MemoryRegion:
@@ -119,6 +175,10 @@ class MemoryRegion:
         self._private = False  # attached copy-on-write (attach(private=True))
         # the producer's stream from __cuda_array_interface__ (v3): ops wait on it too
         self.stream: int | None = None
+        # of the tensor or array it was registered from (None: raw memory); see
+        # RegionDescriptor
+        self.dtype: str | None = None
+        self.shape: tuple[int, ...] | None = None
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -143,6 +203,7 @@ class MemoryRegion:
                 return cached
             region = cls(obj, address, nbytes, device, readonly, buffer)
             region.stream = _cai_stream(obj)
+            region.dtype, region.shape = _typed(obj)
             if nbytes:
                 _registered[key] = region
         return region
@@ -321,10 +382,26 @@ class MemoryRegion:
             return self._export
         access = access or ("r" if self.readonly else "rw")
         return RegionDescriptor(_PROCESS_OWNER, self.region_id, 0, self.nbytes,
-                                "cuda" if self.is_cuda else "cpu", access, {})
+                                "cuda" if self.is_cuda else "cpu", access, {},
+                                dtype=self.dtype, shape=self.shape)
 
 
 # -- normalisation helpers ---------------------------------------------------------------
+def _typed(obj: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    """(dtype name, shape) of a tensor or array, or (None, None) for other memory. The
+    name is what numpy and torch both call the type (``"float32"``); a numpy dtype that is
+    not in native byte order keeps its full spelling (``">f4"``), so it matches no other."""
+    if _torch_module(obj) is not None:
+        return str(obj.dtype).removeprefix("torch."), tuple(int(d) for d in obj.shape)
+    if isinstance(obj, np.ndarray):
+        return (obj.dtype.name if obj.dtype.isnative else obj.dtype.str), obj.shape
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if isinstance(cai, dict):
+        dt = np.dtype(cai["typestr"])
+        return (dt.name if dt.isnative else dt.str), tuple(cai["shape"])
+    return None, None
+
+
 def _normalise(obj: Any) -> tuple[int, int, str, bool, memoryview | None]:
     """(address, nbytes, device, readonly, host buffer) for any supported object."""
     torch = _torch_module(obj)

@@ -3,6 +3,8 @@ headers, region descriptors, parameter-server messages."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 import msgpack
@@ -102,7 +104,7 @@ def test_any_decoded_value_is_passed_or_refused_with_a_protocol_error(value: Any
 
 # -- the region descriptor: bounded, versioned, on the same mechanism --------------------
 def _descriptor(**change: Any) -> bytes:
-    fields: dict[str, Any] = {"version": DESCRIPTOR_VERSION, "owner": "a" * 16, "rid": 1,
+    fields: dict[str, Any] = {"version": 1, "owner": "a" * 16, "rid": 1,
                               "ck": 2, "n": 64, "device": "cpu", "access": "rw", "keys": {}}
     fields.update(change)
     return bytes(msgpack.packb(list(fields.values()), use_bin_type=True))
@@ -124,8 +126,31 @@ def test_a_descriptor_is_bounded_and_versioned() -> None:
     assert tx.RegionDescriptor.from_bytes(_descriptor()).nbytes == 64
     with pytest.raises(ProtocolError, match="more than"):
         tx.RegionDescriptor.from_bytes(_descriptor(keys={"k": b"x" * MAX_DESCRIPTOR}))
-    with pytest.raises(ProtocolError, match=r"version 2; this tensorx reads 1"):
-        tx.RegionDescriptor.from_bytes(_descriptor(version=2))
+    with pytest.raises(ProtocolError, match=r"version 3; this tensorx reads 1 and 2"):
+        tx.RegionDescriptor.from_bytes(_descriptor(version=3))
+    with pytest.raises(ProtocolError, match="not a list of 9 fields"):  # 2 adds a field
+        tx.RegionDescriptor.from_bytes(_descriptor(version=DESCRIPTOR_VERSION))
+
+
+def test_a_typed_named_descriptor_is_version_2_and_a_plain_one_stays_version_1() -> None:
+    plain = tx.RegionDescriptor("a" * 16, 1, 2, 64, "cpu", "rw")
+    assert msgpack.unpackb(plain.to_bytes())[0] == 1  # what every tensorx reads
+    typed = dataclasses.replace(plain, name="table", dtype="float32", shape=(4, 4))
+    assert msgpack.unpackb(typed.to_bytes())[0] == DESCRIPTOR_VERSION == 2
+    assert tx.RegionDescriptor.from_bytes(typed.to_bytes()) == typed
+    assert tx.RegionDescriptor.from_bytes(_descriptor()) == plain
+
+
+@pytest.mark.parametrize(("meta", "says"), [
+    ({"name": " x"}, "field 'name': an export's name is 1 to 64 printable"),
+    ({"name": "a\nb"}, "field 'name': an export's name"),
+    ({"shape": [-1]}, "field 'meta' field 'shape' item 0: out of range"),
+    ({"dtype": 3}, "field 'meta' field 'dtype' missing or not str"),
+])
+def test_a_malformed_descriptor_meta_is_refused(meta: dict[str, Any], says: str) -> None:
+    raw = _descriptor(version=2, meta=meta)
+    with pytest.raises(ProtocolError, match=re.escape(says)):
+        tx.RegionDescriptor.from_bytes(raw)
 
 
 # -- parameter-server messages: the interface stays encode(kind, **fields) / decode ------
