@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import random
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tensorx._backoff import Backoff
 from tensorx._deadline import Deadline, wait_for
 from tensorx._ps import optim_state, protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, windowed
@@ -54,8 +54,6 @@ __all__ = ["Worker", "ps_addresses"]
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_FIRST = 0.1  # seconds before the second rejoin attempt; doubles up to BACKOFF_CAP
-BACKOFF_CAP = 2.0
 # A pipelined push's part writes in flight at once: two keep a TCP stream full while the
 # first waits for its acknowledgement, and a same-host lane's two copy threads land them
 # nearly in order (all at once, they landed in any order: the shard waited for the first)
@@ -172,25 +170,23 @@ class Worker:
     async def _first_connect(self) -> list[Endpoint]:
         """Connect to every shard, waiting for shards that do not listen yet (processes
         start in any order), with backoff, for up to ``timeout`` seconds; one INFO line."""
-        deadline = Deadline(self.timeout)
-        delay, attempt = BACKOFF_FIRST, 1
+        backoff = Backoff(Deadline(self.timeout))
         while True:
             try:
-                return await self._connect_all(deadline.left())
+                return await self._connect_all(backoff.deadline.left())
             # nothing listens there yet (refused, unreachable), or the budget ran out
             # during the last attempt
             except (BrokenError, TimeoutError) as exc:
-                if deadline.expired:
+                if not backoff.failed(exc):
                     raise BrokenError(f"worker rank {self.rank}: no ps shard of "
                                       f"{self.addresses} answered within {self.timeout:g} s "
-                                      f"({attempt} attempts): {exc}") from exc
-                if attempt == 1:
+                                      f"({backoff.attempts} attempts): {backoff.error}") from exc
+                if backoff.attempts == 1:
                     logger.info("worker rank %d: waiting for the ps shard(s) at %s (%s); "
                                 "retrying with backoff for up to %s", self.rank, self.addresses,
                                 exc, "ever (timeout=None)" if self.timeout is None
                                 else f"{self.timeout:g} s")
-                await asyncio.sleep(deadline.least(delay * random.uniform(0.5, 1.0)))
-                delay, attempt = min(2 * delay, BACKOFF_CAP), attempt + 1
+                await asyncio.sleep(backoff.next_pause())
 
     async def _handshake(self, eps: list[Endpoint] | None = None) -> None:
         self._sent.clear()  # new connections: no shard holds anything of ours
@@ -228,30 +224,28 @@ class Worker:
         """Drop every endpoint and handshake again, with exponential backoff and jitter,
         until ``budget`` seconds are spent."""
         logger.warning("worker rank %d: %s; rejoining for up to %g s", self.rank, why, budget)
-        started, deadline = time.monotonic(), Deadline(budget)
+        started, backoff = time.monotonic(), Backoff(Deadline(budget))
         self._unmap()  # the next hello offers our own arena again; the shard may be new
-        delay, attempt = BACKOFF_FIRST, 1
         while True:
             await self._drop_endpoints()
             try:
-                await self._attempt_handshake(deadline)
+                await self._attempt_handshake(backoff.deadline)
                 break
             except (BrokenError, ClosedError, TimeoutError, OSError) as exc:
-                if deadline.expired:
+                if not backoff.failed(exc):
                     raise BrokenError(f"worker rank {self.rank} could not rejoin "
                                       f"{self.addresses} within {budget:g} s "
-                                      f"({attempt} attempts): {exc}") from exc
-                pause = deadline.least(delay * random.uniform(0.5, 1.0))
+                                      f"({backoff.attempts} attempts): {backoff.error}") from exc
+                pause = backoff.next_pause()
                 logger.info("worker rank %d: rejoin attempt %d failed (%s); next in %.2f s",
-                            self.rank, attempt, exc, pause)
+                            self.rank, backoff.attempts, exc, pause)
                 await asyncio.sleep(pause)
-                delay, attempt = min(2 * delay, BACKOFF_CAP), attempt + 1
         assert self._pusher is not None
         self._pusher.reset()
         self.stats["rejoins"] += 1
         self.stats["rejoin_s"] = time.monotonic() - started
         logger.warning("worker rank %d rejoined after %.2f s (%d attempts) at version %s",
-                       self.rank, self.stats["rejoin_s"], attempt, self.version)
+                       self.rank, self.stats["rejoin_s"], backoff.attempts + 1, self.version)
 
     async def _attempt_handshake(self, deadline: Deadline) -> None:
         """One handshake, cut short where the rejoin budget ends."""
