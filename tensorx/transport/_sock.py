@@ -55,7 +55,11 @@ async def open_socket(host: str, port: int) -> socket.socket:
     try:
         with map_exceptions(f"cannot connect to {host}:{port}"):
             tune(sock)
-            await loop.sock_connect(sock, addr)
+            try:
+                await loop.sock_connect(sock, addr)
+            except ConnectionRefusedError as exc:
+                raise BrokenError(f"connection refused: nothing listens at {host}:{port} "
+                                  "(not started yet, stopped, or another port?)") from exc
     except BaseException:
         sock.close()
         raise
