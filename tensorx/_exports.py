@@ -12,8 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tensorx._text import printable
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import ACCESS_MODES, MemoryRegion, RegionDescriptor
+
+MAX_LISTED = 16  # names of exports an unknown name's error lists
 
 __all__ = ["ExportTable", "check_bounds"]
 
@@ -30,23 +33,54 @@ class ExportTable:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self._by_id: dict[int, _Export] = {}
+        self._by_name: dict[str, int] = {}  # the region id exported under each name
 
     def add(self, region: MemoryRegion, access: str,
-            keys: Mapping[str, Any] | None = None) -> RegionDescriptor:
+            keys: Mapping[str, Any] | None = None, name: str | None = None
+            ) -> RegionDescriptor:
+        """Export ``region`` (not exported now) as ``access``, under ``name`` if given
+        (which no other export holds now: see :meth:`holder`)."""
         if access not in ACCESS_MODES:
             raise UsageError(f"access must be one of {ACCESS_MODES}, got {access!r}")
         if "w" in access and region.readonly:
             raise UsageError("cannot export read-only memory for writing; use access='r'")
         desc = RegionDescriptor(self.owner, region.region_id, secrets.randbits(63), region.nbytes,
-                                "cuda" if region.is_cuda else "cpu", access, dict(keys or {}))
+                                "cuda" if region.is_cuda else "cpu", access, dict(keys or {}),
+                                name=name, dtype=region.dtype, shape=region.shape)
         self._by_id[region.region_id] = _Export(region, desc)
+        if name is not None:
+            self._by_name[name] = region.region_id
         region._exported(desc)
         return desc
 
     def remove(self, region: MemoryRegion) -> RegionDescriptor | None:
-        """Stop serving ``region``; the descriptor of its export here, if it had one."""
+        """Stop serving ``region`` (and free its name); the descriptor of its export here,
+        if it had one."""
         export = self._by_id.pop(region.region_id, None)
-        return None if export is None else export.descriptor
+        if export is None:
+            return None
+        if export.descriptor.name is not None:
+            del self._by_name[export.descriptor.name]
+        return export.descriptor
+
+    def holder(self, name: str) -> MemoryRegion | None:
+        """The region exported under ``name`` now, if any."""
+        rid = self._by_name.get(name)
+        return None if rid is None else self._by_id[rid].region
+
+    def named(self, name: str) -> RegionDescriptor:
+        """The descriptor of the export named ``name``; RegionError (naming the exports
+        there are, never their cookies) if there is none."""
+        rid = self._by_name.get(name)
+        if rid is not None:
+            return self._by_id[rid].descriptor
+        names = sorted(self._by_name)
+        there = ", ".join(f"'{printable(n, 64)}'" for n in names[:MAX_LISTED]) + \
+            (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
+        raise RegionError(f"node {self.owner} exports no region named "
+                          f"'{printable(name, 64)}'; "
+                          + (f"its named exports: {there}" if names else
+                             "it has no named exports (Node.export(region, name=...))"))
 
     def __len__(self) -> int:
         return len(self._by_id)

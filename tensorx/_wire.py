@@ -94,7 +94,7 @@ SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
     Kind.VALIDATE: {"req": _U, "rid": _U, "ck": _U},
     Kind.VALID: {"req": _U, "n": _U, "access": choice("r", "w", "rw")},
     Kind.BYE: {},
-    Kind.QUERY: {"req": _U, "what": _CODE},
+    Kind.QUERY: {"req": _U, "what": _CODE, "name": text(64) | None},  # name: a lookup's
     Kind.ANSWER: {"req": _U, "data": table(64)},
     Kind.REVOKE: {"rid": _U, "ck": _U},
     Kind.REVOKE_ACK: {"rid": _U, "ck": _U},

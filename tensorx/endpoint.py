@@ -14,20 +14,35 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tensorx import _cuda
+from tensorx import _cuda, _rows
 from tensorx._counters import OpStats
-from tensorx._deadline import Deadline
+from tensorx._deadline import Deadline, wait_for
 from tensorx._exports import check_bounds
+from tensorx._opcheck import (
+    check_local,
+    check_payload,
+    descriptor,
+    foreign,
+    get_again,
+    is_cuda,
+    named,
+    spec,
+)
 from tensorx._queues import MessageStream
+from tensorx._redial import redial
+from tensorx._text import printable
 from tensorx.errors import (
+    BrokenError,
     ClosedError,
+    ProtocolError,
     RegionError,
     TensorxError,
-    UsageError,
+    TimeoutError,
 )
-from tensorx.memregion import MemoryRegion, RegionDescriptor
+from tensorx.memregion import MemoryRegion, RegionDescriptor, check_name
 from tensorx.transport.base import DataLane, Op
 from tensorx.transport.control import ChannelEvents, ControlChannel
 from tensorx.transport.owner import OwnerService
@@ -35,9 +50,11 @@ from tensorx.transport.owner import OwnerService
 if TYPE_CHECKING:
     from tensorx.node import Node
 
-__all__ = ["DEFAULT", "Endpoint"]
+__all__ = ["DEFAULT", "Connection", "Endpoint"]
 
 logger = logging.getLogger(__name__)
+
+ROW_READS_IN_FLIGHT = 256  # read_rows: reads of runs of rows issued at once
 
 
 class _Default:
@@ -48,30 +65,45 @@ class _Default:
 DEFAULT: Any = _Default()
 """Timeout sentinel: use the node's ``timeout``. ``None`` means wait forever."""
 
-OpSpec = tuple[MemoryRegion, "RegionDescriptor | bytes", int, int, "int | None"]
+
+
+@dataclass(eq=False)
+class Connection:
+    """One authenticated connection's parts, made by the node once the handshake is done
+    and the lanes are open: what an endpoint uses (and replaces when it reconnects)."""
+
+    channel: ControlChannel
+    owner: OwnerService  # serves the peer's requests on the channel
+    lane: DataLane  # the lane the node chose (see ``transport/auto.py``)
+    peer: str  # the peer node's id
+    notes: dict[str, Any]  # e.g. why there is no same-host lane
+    bypassed: bool  # the peer's lane may reach our memory without us
+    binding: bytes  # the handshake's, under which the factories keep what they offered
 
 
 class Endpoint:
-    """A connection to one peer; both sides of a connection get one and can use it fully."""
+    """A connection to one peer; both sides of a connection get one and can use it fully.
 
-    def __init__(self, node: Node, channel: ControlChannel, owner: OwnerService,
-                 lane: DataLane, *, peer: str, address: str, notes: dict[str, Any] | None = None,
-                 bypassed: bool = False, claimed: bool = False) -> None:
+    An endpoint made by ``Node.connect(address, reconnect=seconds)`` outlives its
+    connection: when the connection ends (the peer node closed, died or restarted, or the
+    link broke), ops in flight fail with :class:`~tensorx.errors.BrokenError` and it
+    connects again in the background, with the backoff of ``Worker(reconnect=)``; ops
+    issued meanwhile wait for it (within their timeout). A peer that restarted is a new
+    node (:attr:`peer` changes) whose exports are new: look them up again
+    (:meth:`lookup`). Once ``reconnect`` seconds pass without a connection, the endpoint
+    is broken for good (every op raises BrokenError saying why, ``messages`` ends, the node
+    puts it on ``node.disconnected``)."""
+
+    def __init__(self, node: Node, conn: Connection, *, address: str,
+                 claimed: bool = False, reconnect: float | None = None) -> None:
         """Made by the node once the handshake is done and the lanes are open; starts
         serving the peer (``claimed``: its notifications go to :attr:`messages` from the
         first one)."""
         self._node = node
-        self._channel = channel
-        self._owner = owner
-        self._lane = lane
-        self._peer = peer
         self.address = address
-        self._notes = dict(notes or {})  # e.g. why there is no same-host lane
-        # Whether either side's lane may reach the other's memory without its code (UCX,
-        # CMA). Symmetric by construction: each owner then holds closed regions until the
-        # peer acknowledges, and each peer acknowledges (after its ops on them finished).
-        self.bypassed = lane.bypasses_owner or bypassed
-        self._validated: dict[tuple[int, int], tuple[int, str]] = {}
+        self._reconnect = reconnect
+        self._rejoin: asyncio.Task[None] | None = None  # reconnecting now
+        self._gone: BrokenError | None = None  # could not reconnect: why
         # Exports the owner revoked, as (region id, cookie): an export of the region made
         # since has a cookie of its own and is usable.
         self._revoked: set[tuple[int, int]] = set()
@@ -79,11 +111,26 @@ class Endpoint:
         self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
         self.stats = OpStats()
-        self._stream = MessageStream(f"endpoint to {peer}")
+        self._stream = MessageStream(f"endpoint to {conn.peer}")
         self._claimed = claimed  # our notifications go to _stream, not node.notifications
-        channel.start(owner, ChannelEvents(
-            deliver=self._deliver, revoked=self._revoke, ended=self._ended,
-            revoke_acked=lambda rid, cookie: node._revoke_acked(self, rid, cookie),
+        self._use(conn)
+
+    def _use(self, conn: Connection) -> None:
+        """Serve the peer on ``conn`` and send our ops over it from now on."""
+        self._conn = conn
+        self._channel, self._lane, self._peer = conn.channel, conn.lane, conn.peer
+        self._notes = dict(conn.notes)
+        # Whether either side's lane may reach the other's memory without its code (UCX,
+        # CMA). Symmetric by construction: each owner then holds closed regions until the
+        # peer acknowledges, and each peer acknowledges (after its ops on them finished).
+        self.bypassed = conn.lane.bypasses_owner or conn.bypassed
+        # descriptors the owner confirmed on this connection: (region id, cookie) ->
+        # (nbytes, access)
+        self._validated: dict[tuple[int, int], tuple[int, str]] = {}
+        conn.channel.start(conn.owner, ChannelEvents(
+            deliver=self._deliver, revoked=self._revoke,
+            ended=lambda exc: self._ended(conn, exc),
+            revoke_acked=lambda rid, cookie: self._node._revoke_acked(self, rid, cookie),
             deliver_now=self._deliver_now))
 
     @property
@@ -113,13 +160,60 @@ class Endpoint:
         queue.put_nowait((self, payload))
         return True
 
-    def _ended(self, exc: BaseException | None) -> None:
-        """The control channel ended (the peer left or broke it, or we closed it): release
-        the lanes too (a UCX endpoint would otherwise keep its socket and state forever),
-        end the message stream, tell the node."""
+    def _ended(self, conn: Connection, exc: BaseException | None) -> None:
+        """``conn``'s control channel ended (the peer left or broke it, or we closed it):
+        release the lanes too (a UCX endpoint would otherwise keep its socket and state
+        forever); then reconnect, or end the message stream and tell the node."""
+        if conn is not self._conn:
+            return
         self._lane.peer_gone(str(exc or "the peer closed the endpoint"))
+        if self._reconnect is not None and not self._closed:
+            self._node._link_lost(self, exc)
+            self._rejoin = asyncio.get_running_loop().create_task(
+                self._redial(exc), name=f"tx-reconnect {self.address}")
+            return
         self._stream.end(exc)
         self._node._endpoint_ended(self, exc)
+
+    async def _redial(self, why: BaseException | None) -> None:
+        """Connect to :attr:`address` again (see :func:`tensorx._redial.redial`); then
+        serve the new connection, or end as broken for good."""
+        assert self._reconnect is not None
+        try:
+            conn = await redial(self.address, self._reconnect, self._node._dial)
+        except BrokenError as exc:
+            self._rejoin = None
+            self._gone = BrokenError(f"endpoint to {self.address}: the connection ended "
+                                     f"({printable(str(why or 'the peer closed it'))}) and "
+                                     f"{exc}")
+            self._stream.end(self._gone)
+            self._node._endpoint_ended(self, self._gone)
+            return
+        self._rejoin = None
+        former = self._peer
+        self._use(conn)
+        self._node._relinked(self, conn.binding)
+        logger.warning("endpoint to %s reconnected%s", self.address,
+                       "" if conn.peer == former else f"; node {former} there restarted as "
+                       f"node {conn.peer}: its exports have new descriptors")
+
+    async def _rejoined(self, timeout: float | None) -> float | None:
+        """Wait (within ``timeout``) for the reconnection in progress; the time left."""
+        task = self._rejoin
+        if task is None:
+            return timeout
+        deadline = Deadline(timeout)
+        try:
+            await wait_for(asyncio.shield(task), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"endpoint to {self.address} is still reconnecting after "
+                               f"{timeout} s") from None
+        return deadline.left()
+
+    @property
+    def reconnecting(self) -> bool:
+        """Whether the connection ended and the endpoint is connecting again now."""
+        return self._rejoin is not None
 
     def _unexported(self, desc: RegionDescriptor) -> None:
         """The node stopped serving an export: tell the peer (best effort, no wait)."""
@@ -131,7 +225,8 @@ class Endpoint:
     # -- state --------------------------------------------------------------------------
     @property
     def peer(self) -> str:
-        """The peer node's id (``Node.id`` on the other side)."""
+        """The peer node's id (``Node.id`` on the other side; a new one once the endpoint
+        reconnected to a node that restarted)."""
         return self._peer
 
     @property
@@ -158,11 +253,15 @@ class Endpoint:
 
     @property
     def closed(self) -> bool:
+        """Whether it has no connection: closed, broken, or (see :attr:`reconnecting`)
+        connecting again."""
         return self._closed or self._channel.broken is not None
 
     def _check_usable(self) -> None:
         if self._closed:
             raise ClosedError(f"endpoint to {self.peer} is closed")
+        if self._gone is not None:
+            raise BrokenError(str(self._gone))
         if self._channel.broken is not None:
             raise type(self._channel.broken)(str(self._channel.broken))
 
@@ -173,8 +272,10 @@ class Endpoint:
     async def write(self, region: MemoryRegion, remote: RegionDescriptor | bytes,
                     offset: int = 0, remote_offset: int = 0, nbytes: int | None = None, *,
                     notify: bytes | None = None, timeout: float | None = DEFAULT) -> None:
-        """Write ``nbytes`` (default: the rest of ``region`` from ``offset``) into the peer's
-        region at ``remote_offset``. Returns when the data is in the peer's memory.
+        """Write ``nbytes`` bytes (default: the rest of ``region`` from ``offset``) into the
+        peer's region at ``remote_offset``. Returns when the data is in the peer's memory.
+        Offsets and sizes are in bytes, whatever the regions hold (for rows of a tensor,
+        see :meth:`write_rows`); the owner checks them against its export.
 
         ``notify``: also deliver these bytes to the peer's ``node.notifications`` once the
         data has landed (a write with immediate data): never before the data, and not at all
@@ -184,8 +285,10 @@ class Endpoint:
             await self.write_many([(region, remote, offset, remote_offset, nbytes)],
                                   notify=notify, timeout=timeout)
             return
-        produced = _cuda.ready((region,)) if _is_cuda(region) else []  # recorded at the call
+        produced = _cuda.ready((region,)) if is_cuda(region) else []  # recorded at the call
         t = self._timeout(timeout)
+        if self._rejoin is not None:
+            t = await self._rejoined(t)
         op = self._op_now(region, remote, offset, remote_offset, nbytes, "w")
         if op is None or produced:  # it may wait before the lane has it: notify waits too
             deadline = Deadline(t)  # one budget for asking the owner and the write
@@ -206,11 +309,14 @@ class Endpoint:
     async def read(self, region: MemoryRegion, remote: RegionDescriptor | bytes,
                    offset: int = 0, remote_offset: int = 0, nbytes: int | None = None, *,
                    timeout: float | None = DEFAULT) -> None:
-        """Read ``nbytes`` (default: the rest of ``region`` from ``offset``) from the peer's
-        region at ``remote_offset`` into ``region``. Returns when the data is local."""
+        """Read ``nbytes`` bytes (default: the rest of ``region`` from ``offset``) from the
+        peer's region at ``remote_offset`` into ``region``. Returns when the data is local.
+        Offsets and sizes are in bytes (for rows of a tensor, see :meth:`read_rows`)."""
         # kernels enqueued before the call that still use the destination finish first
-        used = _cuda.ready((region,)) if _is_cuda(region) else []
+        used = _cuda.ready((region,)) if is_cuda(region) else []
         t = self._timeout(timeout)
+        if self._rejoin is not None:
+            t = await self._rejoined(t)
         op = self._op_now(region, remote, offset, remote_offset, nbytes, "r")
         if op is None:
             deadline = Deadline(t)  # one budget for asking the owner and the read
@@ -227,16 +333,19 @@ class Endpoint:
 
     async def write_many(self, ops: Iterable[Sequence[Any]], *, notify: bytes | None = None,
                          timeout: float | None = DEFAULT) -> None:
-        """Issue several writes ``(region, desc, offset, remote_offset, nbytes)``; one
-        completion covers them all. Raises the first error. ``notify``: as for
+        """Issue several writes ``(region, desc, offset, remote_offset, nbytes)`` (bytes, as
+        :meth:`write`); one completion covers them all. Raises the first error. ``notify``: as for
         :meth:`write`, delivered once all of them have landed."""
         if notify is not None:
-            _check_payload(notify)
-        specs = [_spec(spec) for spec in ops]
-        produced = _cuda.ready(s[0] for s in specs if _is_cuda(s[0]))  # recorded at the call
-        deadline = Deadline(self._timeout(timeout))  # checks, writes and notify: one budget
+            check_payload(notify)
+        specs = [spec(op) for op in ops]
+        produced = _cuda.ready(s[0] for s in specs if is_cuda(s[0]))  # recorded at the call
+        # waiting for a reconnection, checks, writes and notify: one budget
+        deadline = Deadline(self._timeout(timeout))
+        if self._rejoin is not None:
+            await self._rejoined(deadline.left())
         async with self._issuing_write():
-            checked = [await self._op(*spec, "w", deadline.left()) for spec in specs]
+            checked = [await self._op(*one, "w", deadline.left()) for one in specs]
             if produced:
                 await _cuda.wait(produced)
         t = deadline.left()
@@ -254,12 +363,48 @@ class Endpoint:
         if notify is not None and not carried:  # the lane could not carry it: flush, notify
             await self.notify(notify, timeout=deadline.left())
 
+    async def read_rows(self, out: Any, remote: RegionDescriptor | bytes, rows: Any, *,
+                        timeout: float | None = DEFAULT) -> None:
+        """Read rows ``rows`` of the peer's tensor into ``out``: ``out[i]`` becomes the
+        tensor's row ``rows[i]`` (its index along dim 0).
+
+        ``remote``: the descriptor of a tensor or array the peer registered whole (it
+        carries its dtype and shape). ``rows``: 1-D ints (list, numpy array, torch tensor),
+        any order, repeats allowed. ``out``: a tensor or array (or its MemoryRegion) of
+        that dtype and of shape ``(len(rows), *row_shape)``. Rows that follow each other
+        travel as one read. UsageError for a row out of range or a dtype or shape that
+        differs (nothing moves then); a failed read raises once none is in flight."""
+        desc = descriptor(remote)
+        planned = _rows.plan(out, desc, rows, "r")
+        deadline = Deadline(self._timeout(timeout))
+        for first in range(0, len(planned.ranges), ROW_READS_IN_FLIGHT):
+            batch = planned.ranges[first:first + ROW_READS_IN_FLIGHT]
+            done = await asyncio.gather(*(
+                self.read(planned.region, desc, off, roff, n, timeout=deadline.left())
+                for off, roff, n in batch), return_exceptions=True)
+            failed = [r for r in done if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+
+    async def write_rows(self, src: Any, remote: RegionDescriptor | bytes, rows: Any, *,
+                         notify: bytes | None = None, timeout: float | None = DEFAULT) -> None:
+        """Write ``src[i]`` into row ``rows[i]`` of the peer's tensor, for every ``i``, as
+        one :meth:`write_many` (rows that follow each other as one range; ``notify`` as
+        there). The checks are :meth:`read_rows`' (``src`` in place of ``out``), and a row
+        may appear only once."""
+        desc = descriptor(remote)
+        planned = _rows.plan(src, desc, rows, "w")
+        await self.write_many([(planned.region, desc, *r) for r in planned.ranges],
+                              notify=notify, timeout=timeout)
+
     async def notify(self, payload: bytes = b"", *, timeout: float | None = DEFAULT) -> None:
         """Send ``payload`` to the peer's ``node.notifications``. The peer never sees it
         before the data of any write issued earlier on this endpoint."""
-        self._check_usable()
-        _check_payload(payload)
+        check_payload(payload)
         deadline = Deadline(self._timeout(timeout))
+        if self._rejoin is not None:
+            await self._rejoined(deadline.left())
+        self._check_usable()
         if self._issuing:  # writes started earlier but still being checked
             await asyncio.gather(*self._issuing)
         with self._counted("notify", len(payload)):
@@ -283,8 +428,8 @@ class Endpoint:
         """:meth:`_op` without waiting, or None when the owner has to be asked first
         (a lane that bypasses it, a descriptor not checked yet)."""
         self._check_usable()
-        desc = _descriptor(remote)
-        _check_local(region, offset, nbytes, need)
+        desc = descriptor(remote)
+        check_local(region, offset, nbytes, need)
         limits = self._remote_limits_now(desc)
         if limits is None:
             return None
@@ -294,8 +439,8 @@ class Endpoint:
                   remote_offset: int, nbytes: int | None, need: str,
                   timeout: float | None) -> Op:
         self._check_usable()
-        desc = _descriptor(remote)
-        _check_local(region, offset, nbytes, need)
+        desc = descriptor(remote)
+        check_local(region, offset, nbytes, need)
         size, access = await self._remote_limits(desc, timeout)
         return self._checked(region, desc, offset, remote_offset, nbytes, need, size, access)
 
@@ -333,16 +478,17 @@ class Endpoint:
 
     def _check_not_revoked(self, desc: RegionDescriptor) -> None:
         if (desc.region_id, desc.cookie) in self._revoked:
-            raise RegionError(f"region {desc.region_id:#x} was closed by its owner (or "
-                              "exported again, under a new descriptor)")
+            raise RegionError(f"region {named(desc)} was closed or unexported by its owner, "
+                              "or exported again under a new descriptor: "
+                              + get_again(desc))
 
     def _remote_limits_now(self, desc: RegionDescriptor) -> tuple[int, str] | None:
         """Size and rights of the remote region if known without asking: from the
         descriptor for lanes that do not bypass the owner (it re-checks every TCP op),
         else from the owner's earlier answer."""
         if desc.owner != self.peer:
-            raise RegionError(f"descriptor of region {desc.region_id:#x} belongs to node "
-                              f"{desc.owner or '?'}, but this endpoint reaches {self.peer}")
+            raise RegionError(foreign(desc, self.peer, self.address,
+                                      self._node._former_peers(self.address)))
         self._check_not_revoked(desc)
         if not self._lane.bypasses_owner:  # the owner checks every op itself
             return desc.nbytes, desc.access
@@ -368,8 +514,36 @@ class Endpoint:
     async def query(self, what: str, *, timeout: float | None = DEFAULT) -> dict[str, Any]:
         """Ask the peer node about itself: ``"exports"`` (regions, sizes, rights - never
         their cookies) or ``"endpoints"`` (peers, transports, counters)."""
+        deadline = Deadline(self._timeout(timeout))
+        if self._rejoin is not None:
+            await self._rejoined(deadline.left())
         self._check_usable()
-        return await self._channel.requests.query(what, self._timeout(timeout))
+        return await self._channel.requests.query(what, deadline.left())
+
+    async def lookup(self, name: str, *, timeout: float | None = DEFAULT) -> RegionDescriptor:
+        """The descriptor of the region the peer exported under ``name``
+        (``node.export(region, name=name)``): one round trip. The owner checks every op
+        on it as on any descriptor. RegionError when the peer exports nothing under that
+        name (its message lists the names it does export).
+
+        After the peer restarted (see ``Node.connect(reconnect=)``), look its regions up
+        again: their descriptors are new, and the old ones are refused saying so."""
+        check_name(name)
+        deadline = Deadline(self._timeout(timeout))
+        if self._rejoin is not None:
+            await self._rejoined(deadline.left())
+        self._check_usable()
+        answer = await self._channel.requests.query("lookup", deadline.left(), name=name)
+        raw = answer.get("desc")
+        if not isinstance(raw, bytes):
+            raise ProtocolError(f"the lookup of '{printable(name)}' was answered without a "
+                                "descriptor")
+        desc = RegionDescriptor.from_bytes(raw)
+        if desc.owner != self.peer or desc.name != name:
+            raise ProtocolError(f"the lookup of '{printable(name)}' was answered with the "
+                                f"descriptor of '{printable(desc.name)}' of node "
+                                f"{printable(desc.owner)}")
+        return desc
 
     # -- closing ------------------------------------------------------------------------
     async def aclose(self) -> None:
@@ -377,6 +551,7 @@ class Endpoint:
         if self._closed:
             return
         self._closed = True
+        self._stop_rejoining()
         try:
             await self._lane.aclose()
         finally:
@@ -388,64 +563,23 @@ class Endpoint:
     def abort(self) -> None:
         """Close at once; ops in flight fail with ClosedError. Idempotent."""
         self._closed = True
+        self._stop_rejoining()
         for task in list(self._acks):
             task.cancel()
         self._lane.abort()
         self._channel.abort()
         self._node._forget(self)
 
+    def _stop_rejoining(self) -> None:
+        """We close it: no more reconnecting (the old connection has ended already, so
+        nothing else ends the message stream)."""
+        if self._rejoin is not None:
+            self._rejoin.cancel()
+            self._rejoin = None
+            self._stream.end(None)
+
     async def __aenter__(self) -> Endpoint:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-def _is_cuda(region: Any) -> bool:
-    return isinstance(region, MemoryRegion) and region.is_cuda
-
-
-def _check_payload(payload: Any) -> None:
-    if not isinstance(payload, bytes | bytearray | memoryview):
-        raise UsageError(f"notify payload must be bytes, not {type(payload).__name__}")
-
-
-def _descriptor(remote: RegionDescriptor | bytes) -> RegionDescriptor:
-    if isinstance(remote, RegionDescriptor):
-        return remote
-    if isinstance(remote, bytes | bytearray):
-        return RegionDescriptor.from_bytes(bytes(remote))
-    raise UsageError(f"expected a RegionDescriptor, got {type(remote).__name__}")
-
-
-def _check_local(region: MemoryRegion, offset: int, nbytes: int | None, need: str) -> None:
-    if not isinstance(region, MemoryRegion):
-        raise UsageError(f"expected a MemoryRegion, got {type(region).__name__}; "
-                         "wrap it with tx.MemoryRegion.register(obj)")
-    if region.closed:
-        raise ClosedError(f"local region {region.region_id:#x} is closed")
-    if need == "r" and region.readonly:
-        raise UsageError("cannot read into a read-only region")
-    n = region.nbytes - offset if nbytes is None else nbytes
-    # one cheap test on every op (a loop over the two took 0.9 us); the exact checks and
-    # their messages only when it fails
-    if type(offset) is not int or type(n) is not int or offset < 0 or n < 0:
-        _check_count("offset", offset)
-        _check_count("nbytes", n)
-    if offset + n > region.nbytes:
-        raise UsageError(f"local range [{offset}, {offset + n}) is outside the local region "
-                         f"of {region.nbytes} B")
-
-
-def _check_count(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise UsageError(f"{name} must be a non-negative int, got {value!r}")
-
-
-def _spec(spec: Sequence[Any]) -> OpSpec:
-    if not 2 <= len(spec) <= 5:
-        raise UsageError("write_many takes (region, desc[, offset[, remote_offset[, nbytes]]])")
-    full: list[Any] = [*spec, *[0, 0, None][len(spec) - 2:]]
-    region, desc, offset, remote_offset, nbytes = full
-    return region, desc, offset, remote_offset, nbytes
-

@@ -8,7 +8,6 @@ always reported: one INFO line per endpoint naming transport, lanes and why.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import os
@@ -22,8 +21,9 @@ from tensorx import _auth
 from tensorx._deadline import Deadline, wait_for
 from tensorx._exports import ExportTable
 from tensorx._queues import LatestQueue, NotificationQueue
+from tensorx._redial import PeerHistory
 from tensorx._text import printable
-from tensorx.endpoint import DEFAULT, Endpoint
+from tensorx.endpoint import DEFAULT, Connection, Endpoint
 from tensorx.errors import (
     ClosedError,
     TensorxError,
@@ -31,7 +31,7 @@ from tensorx.errors import (
     TransportUnavailableError,
     UsageError,
 )
-from tensorx.memregion import MemoryRegion, RegionDescriptor, host_id
+from tensorx.memregion import MemoryRegion, RegionDescriptor, check_name, host_id
 from tensorx.transport import auto, handshake
 from tensorx.transport._sock import TcpListener, open_socket
 from tensorx.transport.base import LaneFactory, Link
@@ -40,6 +40,7 @@ from tensorx.transport.cma import enabled as same_host_enabled
 from tensorx.transport.control import ControlChannel
 from tensorx.transport.cuda_ipc import CudaIpcFactory
 from tensorx.transport.cuda_ipc import enabled as cuda_ipc_enabled
+from tensorx.transport.gate import Gate
 from tensorx.transport.owner import OwnerService
 from tensorx.transport.tcp import TcpFactory
 
@@ -124,11 +125,7 @@ class Node:
         self._listen = listen
         self._given_token = _auth.resolve_token(token)
         self._token = b""
-        self.handshake_timeout = handshake_timeout
-        self.max_handshakes = max_handshakes
-        self._handshaking: dict[ControlChannel, str] = {}  # unauthenticated, oldest first
-        self._dropped: set[ControlChannel] = set()  # pushed out by newer ones, not yet gone
-        self._failures = handshake.FailureLog()
+        self._gate = Gate(self.id, handshake_timeout, max_handshakes)
         self._ucx_options = dict(ucx_options or {})
         self._insecure = insecure
         self._cuda_ipc = cuda_ipc_enabled(cuda_ipc)
@@ -138,6 +135,7 @@ class Node:
         self._unavailable: dict[str, str] = {}  # factories this node could not start: why
         self._listener: TcpListener | None = None
         self._endpoints: dict[Endpoint, bytes] = {}  # and their connection's binding
+        self._peers_at = PeerHistory()  # which nodes we reached at each address
         self._handler = handler
         self._handling: set[asyncio.Task[None]] = set()  # handler(ep) tasks
         # revoked exports, as (region id, cookie), whose memory peers may still reach:
@@ -268,15 +266,25 @@ class Node:
         return list(self._endpoints)
 
     # -- memory -------------------------------------------------------------------------
-    def export(self, region: MemoryRegion | Any, access: str = "rw") -> RegionDescriptor:
+    def export(self, region: MemoryRegion | Any, access: str = "rw", *,
+               name: str | None = None) -> RegionDescriptor:
         """Make ``region`` reachable by authenticated peers with ``access`` ("r", "w", "rw").
         Returns the descriptor to hand to peers. Closing the region unexports it.
+
+        ``region``: a :class:`MemoryRegion`, or an object to register (a tensor or array
+        gives the descriptor its dtype and shape, for :meth:`Endpoint.read_rows`).
+        ``name``: a peer may then get the descriptor with ``await ep.lookup(name)`` (1 to
+        64 printable characters). The name belongs to this export: exporting another
+        region under it unexports the region that had it (as :meth:`unexport` does; its
+        peers then look the name up again), and :meth:`unexport` frees it.
 
         Each export has a descriptor of its own (a fresh cookie). Exporting a region again
         (after :meth:`unexport`, or while it is exported) gives peers a new descriptor that
         they may use at once; the earlier export is revoked as :meth:`unexport` does, so
-        its descriptor stays refused."""
+        its descriptor stays refused (and its name is dropped unless given again)."""
         self._check_running()
+        if name is not None:
+            check_name(name)
         if not isinstance(region, MemoryRegion):
             region = MemoryRegion.register(region, writable="w" in access)
         keys: dict[str, Any] = {}
@@ -287,12 +295,16 @@ class Node:
         created = region.backing.created_file  # a /dev/shm file of ours: peers may map it
         if created is not None:
             keys[SHM_KEY] = {"host": host_id(), "name": created}
+        holder = self._exports.holder(name) if name is not None else None
+        if holder is not None and holder is not region:
+            self.unexport(holder)
         replaced = self._exports.remove(region)
-        desc = self._exports.add(region, access, keys)
+        desc = self._exports.add(region, access, keys, name)
         if replaced is not None:
             self._revoke(region, replaced)
         region.add_close_callback(self.unexport)
-        logger.debug("exported %r as %s", region, access)
+        logger.debug("exported %r as %s%s", region, access,
+                     "" if name is None else f" under the name {printable(name)!r}")
         return desc
 
     def attach(self, desc: RegionDescriptor | bytes, *,
@@ -407,23 +419,47 @@ class Node:
             for factory in self._factories:
                 factory.forget(binding)
 
-    async def connect(self, address: str, *, timeout: float | None = DEFAULT) -> Endpoint:
+    async def connect(self, address: str, *, timeout: float | None = DEFAULT,
+                      reconnect: float | None = None) -> Endpoint:
         """Connect and authenticate to the node at ``address``; ``timeout`` is one budget for
-        connecting, the handshake and opening the data lanes."""
+        connecting, the handshake and opening the data lanes.
+
+        ``reconnect``: seconds. The endpoint then outlives its connection: when the
+        connection ends (the peer closed, died or restarted, the link broke), ops in
+        flight fail with BrokenError and it connects to ``address`` again, retrying with
+        backoff (0.1 s doubling to 2 s, with jitter, as ``Worker(reconnect=)``) for up to
+        that many seconds; ops issued meanwhile wait for it. A restarted peer is a new
+        node with new descriptors: look them up again (``ep.lookup(name)``). See
+        :class:`Endpoint` and docs/faults.md."""
         self._check_running()
-        deadline = Deadline(self.timeout if timeout is DEFAULT else timeout)
+        if reconnect is not None and (not isinstance(reconnect, int | float)
+                                      or isinstance(reconnect, bool) or reconnect <= 0):
+            raise UsageError(f"reconnect is seconds to keep trying (a number > 0) or None, "
+                             f"not {reconnect!r}")
+        conn = await self._dial(address, self.timeout if timeout is DEFAULT else timeout)
+        ep = Endpoint(self, conn, address=address, reconnect=reconnect)
+        self._adopt(ep, conn.binding)
+        return ep
+
+    async def _dial(self, address: str, timeout: float | None) -> Connection:
+        """Connect, authenticate and open the lanes to ``address``, within ``timeout``."""
+        self._check_running()
+        deadline = Deadline(timeout)
         _, host, port = parse_address(address)
         try:
             sock = await wait_for(open_socket(host, port), deadline.left())
         except asyncio.TimeoutError:
-            raise TimeoutError(f"connecting to {address} timed out") from None
+            raise TimeoutError(f"connecting to {address} timed out after {timeout:g} s "
+                               "(no answer: a firewall, or a host that is down?)") from None
         channel = ControlChannel(sock, f"{self.id}->{address}")
         bindings: list[bytes] = []
         try:
             hello = await handshake.initiate(channel, self.id, self._token,
                                              self._caps_for(bindings, channel),
                                              deadline.left())
-            return await self._finish(channel, hello, address, deadline.left())
+            conn = await self._finish(channel, hello, deadline.left())
+            self._peers_at.met(address, conn.peer)
+            return conn
         except BaseException:
             self._forget_offers(bindings)
             channel.abort()
@@ -439,14 +475,16 @@ class Node:
         deadline = Deadline(self.timeout)  # one budget for the handshake and the lanes
         bindings: list[bytes] = []
         try:
-            hello = await self._authenticate(channel, peer, deadline, bindings)
-            ep = await self._finish(channel, hello, f"tcp://{peer}", deadline.left(),
-                                    claim=self._handler is not None)
+            hello = await self._gate.admit(channel, peer, self._token,
+                                           self._caps_for(bindings, channel), deadline)
+            conn = await self._finish(channel, hello, deadline.left())
+            ep = Endpoint(self, conn, address=f"tcp://{peer}",
+                          claimed=self._handler is not None)
+            self._adopt(ep, conn.binding)
             if self._handler is not None:
                 self._handle(ep, self._handler)
         except TensorxError as exc:
-            if channel not in self._dropped:  # (a dropped one was reported when dropped)
-                self._failures.failed(peer.rsplit(":", 1)[0], exc)
+            self._gate.refused(channel, peer, exc)
             self._forget_offers(bindings)
             channel.abort()
         except BaseException:
@@ -454,7 +492,7 @@ class Node:
             channel.abort()
             raise
         finally:
-            self._dropped.discard(channel)
+            self._gate.done(channel)
 
     def _handle(self, ep: Endpoint, handler: Callable[[Endpoint], Awaitable[None]]) -> None:
         task = asyncio.get_running_loop().create_task(self._run_handler(ep, handler))
@@ -470,43 +508,11 @@ class Node:
                              self.id, printable(ep.peer))
             ep.abort()
 
-    async def _authenticate(self, channel: ControlChannel, peer: str, deadline: Deadline,
-                            bindings: list[bytes]) -> handshake.Hello:
-        """The handshake of an accepted connection: within ``handshake_timeout`` too (a
-        limit on what an unauthenticated peer may hold, not a caller's budget), and at most
-        ``max_handshakes`` at once (a new one pushes out the oldest, which a real peer,
-        done in milliseconds, never is)."""
-        if len(self._handshaking) >= self.max_handshakes:
-            self._drop_oldest_handshake()
-        self._handshaking[channel] = peer
-        timeout = deadline.least(self.handshake_timeout)
-        try:
-            return await handshake.accept(channel, self.id, self._token,
-                                          self._caps_for(bindings, channel), timeout)
-        finally:
-            self._handshaking.pop(channel, None)
-
-    def _drop_oldest_handshake(self) -> None:
-        """Push out the oldest unauthenticated connection. Shutting its socket down ends
-        its handshake with an ordinary error (its task then ends and everything it held is
-        freed at once); cancelling the task instead left each one reachable for a while,
-        about 15 KiB apiece, through the cancelled tasks' tracebacks."""
-        oldest, who = next(iter(self._handshaking.items()))
-        del self._handshaking[oldest]
-        self._dropped.add(oldest)
-        why = TimeoutError(f"{self.max_handshakes} unauthenticated connections at once: "
-                           "dropped the oldest (raise Node(max_handshakes=) if real peers "
-                           "need more)")
-        oldest.refuse_now(why)
-        with contextlib.suppress(OSError):
-            oldest.sock.shutdown(socket.SHUT_RDWR)
-        self._failures.failed(who.rsplit(":", 1)[0], why)
-
-    async def _finish(self, channel: ControlChannel, hello: handshake.Hello, address: str,
-                      timeout: float | None, claim: bool = False) -> Endpoint:
-        """Open the lanes, end the handshake and start serving the peer on its endpoint
-        (``claim``: its notifications go to ``ep.messages`` from the first one). Lanes
-        that will not do (``require``) refuse the peer, telling it why."""
+    async def _finish(self, channel: ControlChannel, hello: handshake.Hello,
+                      timeout: float | None) -> Connection:
+        """Open the lanes and end the handshake: the connection's parts, for an endpoint
+        to serve the peer on. Lanes that will not do (``require``) refuse the peer,
+        telling it why."""
         deadline = Deadline(timeout)
         link = Link(hello.peer, hello.caps, hello.binding, channel)
         try:
@@ -525,28 +531,59 @@ class Node:
         bypassed = any(f.reaches(link.offer(f.name)) for f in self._factories)
         addresses = any(f.tells_addresses(link) for f in self._factories)
         owner = OwnerService(channel, self._exports, self._answer, addresses)
-        ep = Endpoint(self, channel, owner, choice.lane, peer=hello.peer, address=address,
-                      notes={**choice.notes, "skipped": choice.skipped},
-                      bypassed=bypassed, claimed=claim)
-        self._endpoints[ep] = hello.binding
+        return Connection(channel, owner, choice.lane, hello.peer,
+                          {**choice.notes, "skipped": choice.skipped}, bypassed,
+                          hello.binding)
+
+    def _adopt(self, ep: Endpoint, binding: bytes) -> None:
+        """``ep`` is ours, on a connection just made (under the handshake's ``binding``):
+        one INFO line says how it moves data."""
+        self._endpoints[ep] = binding
         info = ep.info
         logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s why=%s%s; host=%s",
-                    self.id, hello.peer, address, info["transport"], ",".join(info["lanes"]),
+                    self.id, ep.peer, ep.address, info["transport"], ",".join(info["lanes"]),
                     printable(info["why"]), f"; gpu={info['gpu']}" if "gpu" in info else "",
                     printable(info.get("host", "none")))
-        return ep
 
-    def _answer(self, what: str) -> dict[str, Any]:
-        """What an authenticated peer may learn about this node (``Endpoint.query``)."""
+    def _link_lost(self, ep: Endpoint, exc: BaseException | None) -> None:
+        """``ep``'s connection ended and it reconnects: it stays ours, but what was kept
+        for that connection (offers, memory held for its peer) goes."""
+        logger.warning("endpoint to %s (%s) lost its connection (%s); reconnecting",
+                       ep.peer, ep.address, printable(str(exc or "the peer closed it")))
+        binding = self._endpoints.get(ep)
+        if binding:
+            self._forget_offers([binding])
+        self._endpoints[ep] = b""
+        self._release_held(ep)
+
+    def _relinked(self, ep: Endpoint, binding: bytes) -> None:
+        """``ep`` reconnected, under the handshake's ``binding``."""
+        if ep in self._endpoints:
+            self._adopt(ep, binding)
+
+    def _former_peers(self, address: str) -> list[str]:
+        """The nodes this node reached at ``address`` before the one there now: a
+        descriptor of theirs is one of a node that restarted."""
+        return self._peers_at.former(address)
+
+    def _answer(self, what: str, name: str | None = None) -> dict[str, Any]:
+        """What an authenticated peer may learn about this node (``Endpoint.query``), and
+        the descriptor of an export it names (``Endpoint.lookup``)."""
+        if what == "lookup":
+            return {"node": self.id, "desc": self._exports.named(check_name(name)).to_bytes()}
         if what == "exports":
             return {"node": self.id, "exports": [
                 {"region": f"{d.region_id:#x}", "nbytes": d.nbytes, "device": d.device,
-                 "access": d.access, "transports": sorted(d.keys) or ["tcp"]}
+                 "access": d.access, "transports": sorted(d.keys) or ["tcp"],
+                 **{k: v for k, v in (("name", d.name), ("dtype", d.dtype),
+                                      ("shape", None if d.shape is None else list(d.shape)))
+                    if v is not None}}
                 for d in self._exports.regions()]}
         if what == "endpoints":
             return {"node": self.id, "endpoints": [
                 {k: v for k, v in ep.info.items() if k != "socket"} for ep in self._endpoints]}
-        raise UsageError(f"unknown query {what!r}; ask for 'exports' or 'endpoints'")
+        raise UsageError(f"unknown query '{printable(what)}'; ask for 'exports' or "
+                         "'endpoints'")
 
     def _endpoint_ended(self, ep: Endpoint, exc: BaseException | None) -> None:
         """``ep``'s connection ended (the peer left or broke it, or we closed it); it has

@@ -202,8 +202,12 @@ class Requests:
                                                               "descriptor check")
         return result
 
-    async def query(self, what: str, timeout: float | None) -> dict[str, Any]:
-        answer: dict[str, Any] = await self._ask(Kind.QUERY, {"what": what}, timeout, "query")
+    async def query(self, what: str, timeout: float | None,
+                    name: str | None = None) -> dict[str, Any]:
+        """The peer's answer to a QUERY (``name``: of the export a lookup asks for)."""
+        fields = {"what": what} if name is None else {"what": what, "name": name}
+        answer: dict[str, Any] = await self._ask(Kind.QUERY, fields, timeout,
+                                                 "lookup" if what == "lookup" else "query")
         return answer
 
     def _landing(self, req: int, payload_len: int) -> Pending | None:

@@ -51,13 +51,15 @@ class OwnerService:
     readiness callback and return False when the frame has to wait (its payload is not all
     buffered, GPU memory), the ``on_*`` ones run in the channel's task. Payloads are read
     from ``wire`` (its ``reader`` and ``land``), replies go out with its ``out.post``;
-    ``answer(what)`` answers a QUERY (``Endpoint.query`` on the peer's side).
+    ``answer(what, name)`` answers a QUERY (``Endpoint.query`` and ``Endpoint.lookup`` on
+    the peer's side).
     ``addresses``: whether a descriptor check that asks for the region's address gets it
     (for a same-host lane, see :meth:`LaneFactory.tells_addresses`); else it is answered
     without one, as for GPU memory."""
 
     def __init__(self, wire: Wire, exports: ExportTable,
-                 answer: Callable[[str], dict[str, Any]], addresses: bool = False) -> None:
+                 answer: Callable[[str, str | None], dict[str, Any]],
+                 addresses: bool = False) -> None:
         self._exports = exports
         self._answer = answer
         self._addresses = addresses
@@ -161,7 +163,7 @@ class OwnerService:
 
     def on_query(self, h: dict[str, Any], payload_len: int) -> None:
         try:
-            data = self._answer(h["what"])
+            data = self._answer(h["what"], h.get("name"))
         except TensorxError as exc:
             self._reply_error(h["req"], exc)
             return
