@@ -23,8 +23,8 @@ from pathlib import Path
 
 from tensorx.errors import AuthError
 
-__all__ = ["make_proof", "new_nonce", "resolve_token", "secret_path", "user_secret",
-           "verify_proof"]
+__all__ = ["credential", "make_proof", "new_nonce", "refused", "resolve_token", "secret_path",
+           "user_secret", "verify_proof"]
 
 NONCE_BYTES = 32
 SECRET_DIR_ENV = "TENSORX_SECRET_DIR"
@@ -38,6 +38,27 @@ def resolve_token(token: str | bytes | None) -> bytes:
     if token is None:
         token = os.environ.get("TENSORX_TOKEN", "")
     return token.encode() if isinstance(token, str) else bytes(token)
+
+
+def credential(given: bytes, insecure: bool) -> str:
+    """What a node proves with, in words (after "proves with"): the token given, none, or
+    the per-user secret."""
+    if given:
+        return "the token given to it (token= or $TENSORX_TOKEN)"
+    if insecure:
+        return "no token (insecure=True)"
+    return f"its user's per-user secret ({secret_path()}), as no token was given"
+
+
+def refused(what: str, given: bytes) -> str:
+    """Why a peer may have refused a node that proved with ``what`` (:func:`credential`
+    of ``given``), and what to do."""
+    if given:
+        return (f"this node proved with {what}, and the peer holds another: give both "
+                "nodes the same token")
+    return (f"this node proved with {what}; the peer uses a token, or runs as another user "
+            "or on another host: pass the peer's token (token= or $TENSORX_TOKEN; whoever "
+            "started the peer chose it), or run both as one user on one host with no token")
 
 
 def secret_path() -> Path:

@@ -156,6 +156,7 @@ class Node:
             raise UsageError(f"node already {self._state}")
         self._state = "starting"
         self._token = self._resolve_secret()
+        self._gate.credential = _auth.credential(self._given_token, self._insecure)
         self._factories = self._make_factories()
         if self._listen is not None:
             scheme, host, port = parse_address(self._listen)
@@ -454,9 +455,9 @@ class Node:
         channel = ControlChannel(sock, f"{self.id}->{address}")
         bindings: list[bytes] = []
         try:
-            hello = await handshake.initiate(channel, self.id, self._token,
-                                             self._caps_for(bindings, channel),
-                                             deadline.left())
+            hello = await handshake.initiate(
+                channel, self.id, self._token, self._caps_for(bindings, channel),
+                deadline.left(), _auth.refused(self._gate.credential, self._given_token))
             conn = await self._finish(channel, hello, deadline.left())
             self._peers_at.met(address, conn.peer)
             return conn

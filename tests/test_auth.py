@@ -262,7 +262,7 @@ def _as_nobody(pipe: Pipe, address: str, own_dir: str) -> None:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             status = cli.main(["info", "--node", address])
-        refused = status != 0 and "authentication failed" in out.getvalue()
+        refused = status != 0 and "the peer refused our proof" in out.getvalue()
         results["info"] = "refused" if refused else f"{status}: {out.getvalue()}"
     except BaseException as exc:  # report, never hang the parent
         results["error"] = repr(exc)
@@ -298,3 +298,34 @@ async def test_another_user_cannot_join_a_tokenless_node(
         assert owner.endpoints == []
     assert results == {"read": "refused", "own secret": "refused", "no secret": "refused",
                        "info": "refused"}
+
+
+async def test_a_client_without_a_token_is_told_it_used_the_per_user_secret() -> None:
+    """A client given no token proves with its user's per-user secret: refused by a server
+    that has a token, it hears that, and where tokens come from (it was told "wrong
+    token")."""
+    async with tx.Node(transport="tcp", token=TOKEN) as owner, \
+            tx.Node(None, transport="tcp") as client:
+        with pytest.raises(tx.AuthError) as info:
+            await client.connect(owner.address)
+    assert str(info.value).endswith(
+        f": the peer refused our proof: this node proved with its user's per-user secret "
+        f"({_auth.secret_path()}), as no token was given; the peer uses a token, or runs as "
+        "another user or on another host: pass the peer's token (token= or $TENSORX_TOKEN; "
+        "whoever started the peer chose it), or run both as one user on one host with no "
+        "token")
+    assert "wrong token" not in str(info.value)
+
+
+async def test_a_client_with_another_token_is_told_to_give_both_the_same(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="tensorx")
+    async with tx.Node(transport="tcp") as owner, \
+            tx.Node(None, transport="tcp", token=b"other") as client:
+        with pytest.raises(tx.AuthError, match=r"the peer refused our proof: this node proved "
+                           r"with the token given to it \(token= or \$TENSORX_TOKEN\), and the "
+                           "peer holds another: give both nodes the same token$"):
+            await client.connect(owner.address)
+        await wait_until(lambda: _tx_lines(caplog, logging.WARNING), what="the server's line")
+    line = _tx_lines(caplog, logging.WARNING)[0]
+    assert "this node proves with its user's per-user secret" in line, line

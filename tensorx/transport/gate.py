@@ -23,6 +23,7 @@ class Gate:
 
     def __init__(self, node_id: str, handshake_timeout: float, max_handshakes: int) -> None:
         self._id = node_id
+        self.credential = "its token"  # what the node proves with, in words (its log lines)
         self.handshake_timeout = handshake_timeout
         self.max_handshakes = max_handshakes
         self._handshaking: dict[ControlChannel, str] = {}  # unauthenticated, oldest first
@@ -38,7 +39,8 @@ class Gate:
         self._handshaking[channel] = peer
         timeout = deadline.least(self.handshake_timeout)
         try:
-            return await handshake.accept(channel, self._id, token, caps, timeout)
+            return await handshake.accept(channel, self._id, token, caps, timeout,
+                                          self.credential)
         finally:
             self._handshaking.pop(channel, None)
 

@@ -58,17 +58,20 @@ class Hello:
 
 
 async def initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
-                   timeout: float | None) -> Hello:
-    """Client side; AuthError on a bad token."""
+                   timeout: float | None, why_refused: str = "wrong token?") -> Hello:
+    """Client side; AuthError on a bad token (``why_refused``: what to tell our caller
+    if the peer refuses our proof, see :func:`tensorx._auth.refused`)."""
     async with _refusing(conn):
-        return await _within(_initiate(conn, node_id, token, caps), timeout, conn.label)
+        return await _within(_initiate(conn, node_id, token, caps, why_refused), timeout,
+                             conn.label)
 
 
 async def accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
-                 timeout: float | None) -> Hello:
-    """Server side; AuthError on a bad proof."""
+                 timeout: float | None, ours: str = "its token") -> Hello:
+    """Server side; AuthError on a bad proof (``ours``: what we prove with, in words, for
+    the log line, see :func:`tensorx._auth.credential`)."""
     async with _refusing(conn):
-        return await _within(_accept(conn, node_id, token, caps), timeout, conn.label)
+        return await _within(_accept(conn, node_id, token, caps, ours), timeout, conn.label)
 
 
 async def conclude(conn: ControlChannel, timeout: float | None) -> None:
@@ -114,14 +117,18 @@ def _caps(caps: Caps, binding: bytes) -> dict[str, Any]:
     return caps(binding) if callable(caps) else caps
 
 
-async def _initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps) -> Hello:
+async def _initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
+                    why_refused: str) -> Hello:
     nonce = _auth.new_nonce()
     await conn.send_now(Kind.HELLO, {"id": node_id, "nonce": nonce})
     ch = await conn.recv_frame(Kind.CHALLENGE)
     peer = _peer_id(ch["id"], node_id)
     proof = _auth.make_proof(token, b"client", nonce, ch["nonce"], node_id, peer)
     await conn.send_now(Kind.AUTH, {"proof": proof})
-    welcome = await conn.recv_frame(Kind.WELCOME)  # an "auth" refusal raises AuthError here
+    try:
+        welcome = await conn.recv_frame(Kind.WELCOME)
+    except AuthError as exc:  # the peer refused our proof: say with what we proved
+        raise AuthError(f"{conn.label}: the peer refused our proof: {why_refused}") from exc
     expected = _auth.make_proof(token, b"server", nonce, ch["nonce"], node_id, peer)
     if not _auth.verify_proof(expected, welcome["proof"]):
         raise AuthError(f"{conn.label}: the peer could not prove the shared token "
@@ -131,7 +138,8 @@ async def _initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps
     return Hello(peer, welcome["caps"], binding)
 
 
-async def _accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps) -> Hello:
+async def _accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
+                  ours: str) -> Hello:
     hello = await conn.recv_frame(Kind.HELLO)
     peer = _peer_id(hello["id"], node_id)
     nonce = _auth.new_nonce()
@@ -139,8 +147,12 @@ async def _accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps) 
     auth = await conn.recv_frame(Kind.AUTH)
     expected = _auth.make_proof(token, b"client", hello["nonce"], nonce, peer, node_id)
     if not _auth.verify_proof(expected, auth["proof"]):
-        await conn.refuse(AuthError("authentication failed: wrong token"))
-        raise AuthError(f"{conn.label}: peer {peer} failed authentication (wrong token)")
+        await conn.refuse(AuthError("authentication failed: the proof does not match this "
+                                    "node's credentials"))
+        raise AuthError(f"{conn.label}: peer {peer} failed authentication: this node proves "
+                        f"with {ours}, and the peer's proof does not match (a peer with no "
+                        "token proves with its user's per-user secret; give both sides the "
+                        "same token)")
     proof = _auth.make_proof(token, b"server", hello["nonce"], nonce, peer, node_id)
     binding = hello["nonce"] + nonce
     await conn.send_now(Kind.WELCOME, {"proof": proof, "caps": _caps(caps, binding)})
