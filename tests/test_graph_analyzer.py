@@ -247,15 +247,22 @@ def test_check_same_names_the_first_differing_tensor() -> None:
     ours.check_same(plan_of(models.mlp()).to_bytes())
     ours.check_same(ours.fingerprint)
     ours.check_same((ours.fingerprint, b"not even decoded"))
-    with pytest.raises(PlanMismatchError, match=r"'4\.bias'"):
+    # the first tensor in model order, and the one field that differs (it named 4.bias,
+    # laid out first, followed by all fourteen fields of both entries)
+    says = (r"^tensor '4\.weight' differs in shape: \(10, 64\) in ours vs \(11, 64\) in "
+            r"theirs\. Every process must plan the same model \(the same tensors, shapes and "
+            r"dtypes\) with the same plan options and number of shards; compare "
+            r"plan\.describe\(\) on both sides$")
+    with pytest.raises(PlanMismatchError, match=says):
         ours.check_same((theirs.fingerprint, theirs.to_bytes()))
-    with pytest.raises(PlanMismatchError, match=r"'4\.bias'"):
+    with pytest.raises(PlanMismatchError, match=says):
         ours.check_same(theirs)
-    with pytest.raises(PlanMismatchError, match=r"'4\.bias'"):
-        ours.check_same(theirs.to_bytes())
-    with pytest.raises(PlanMismatchError, match="fingerprint"):
+    with pytest.raises(PlanMismatchError, match=says.replace("ours", "mine")):
+        ours.check_same(theirs.to_bytes(), ours="mine")
+    with pytest.raises(PlanMismatchError, match=r"fingerprint .* exchange to_bytes"):
         ours.check_same(theirs.fingerprint)
-    with pytest.raises(PlanMismatchError, match="options"):
+    with pytest.raises(PlanMismatchError, match=r"^the plan option num_shards differs: 1 in "
+                       r"ours vs 2 in theirs\. Every process"):
         ours.check_same(plan_of(models.mlp(), num_shards=2))
 
 

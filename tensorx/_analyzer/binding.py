@@ -185,11 +185,15 @@ class Binding:
     def _tensor(self, name: str, entry: PlanEntry) -> torch.Tensor:
         tensor = self._tensors.get(name)
         if tensor is None:
-            raise PlanMismatchError(f"tensor {name!r} is in the plan but not in the model")
+            raise PlanMismatchError(f"tensor {name!r} is in the plan but not in the model: "
+                                    f"{_REPLAN}")
         dtype = str(tensor.dtype).removeprefix("torch.")
-        if tuple(tensor.shape) != entry.shape or dtype != entry.dtype:
-            raise PlanMismatchError(f"tensor {name!r} is {dtype}{list(tensor.shape)} in the "
-                                    f"model but {entry.dtype}{list(entry.shape)} in the plan")
+        if tuple(tensor.shape) != entry.shape:
+            raise PlanMismatchError(f"tensor {name!r} differs in shape: {tuple(tensor.shape)} "
+                                    f"in the model vs {entry.shape} in the plan: {_REPLAN}")
+        if dtype != entry.dtype:
+            raise PlanMismatchError(f"tensor {name!r} differs in dtype: {dtype} in the model "
+                                    f"vs {entry.dtype} in the plan: {_REPLAN}")
         if tensor.device != self.tensor_view(name, "params").device:
             raise UsageError(f"{name} is on {tensor.device} but the arenas are not; "
                              "pass device= or regions on the model's device")
@@ -287,6 +291,9 @@ class Binding:
 
     def __exit__(self, *exc: object) -> None:
         self.unbind()
+
+
+_REPLAN = "bind the model the plan was made from, or plan this one (GraphAnalyzer(model))"
 
 
 def _grad_is_dense(entry: PlanEntry) -> bool:

@@ -23,7 +23,11 @@ from tensorx._analyzer.wire import (
 from tensorx.errors import PlanMismatchError
 from tensorx.memregion import MemoryRegion
 
-__all__ = ["TransferPlan"]
+__all__ = ["SAME_PLAN", "TransferPlan"]
+
+SAME_PLAN = ("Every process must plan the same model (the same tensors, shapes and dtypes) "
+             "with the same plan options and number of shards; compare plan.describe() "
+             "on both sides")
 
 
 class TransferPlan(Layout):
@@ -38,8 +42,11 @@ class TransferPlan(Layout):
         """Layout invariants that do not hold (empty for a sound plan)."""
         return layout_problems(self)
 
-    def check_same(self, other: TransferPlan | bytes | str | tuple[str, bytes]) -> None:
-        """Raise PlanMismatchError naming the first tensor where ``other`` differs.
+    def check_same(self, other: TransferPlan | bytes | str | tuple[str, bytes], *,
+                   ours: str = "ours", theirs: str = "theirs") -> None:
+        """Raise PlanMismatchError naming the first tensor (in model order) where ``other``
+        differs, and the first field that does (``shape (1,) in ours vs (4,) in theirs``;
+        ``ours`` and ``theirs`` name the two plans), and what to do.
 
         ``other`` is a plan, its ``to_bytes()``, a ``(fingerprint, to_bytes())`` pair (the
         bytes are decoded only when the fingerprints differ), or just a fingerprint (then the
@@ -51,15 +58,14 @@ class TransferPlan(Layout):
         if isinstance(other, str):
             if other != self.fingerprint:
                 raise PlanMismatchError(
-                    f"plan fingerprint {other} differs from ours {self.fingerprint}; "
-                    "exchange to_bytes() to see which tensor differs"
-                )
+                    f"plan fingerprint {other} ({theirs}) differs from {self.fingerprint} "
+                    f"({ours}); exchange to_bytes() to see which tensor differs. {SAME_PLAN}")
             return
         if isinstance(other, (bytes, bytearray, memoryview)):
             other = TransferPlan.from_bytes(bytes(other))
-        diff = first_difference(self, other)
+        diff = first_difference(self, other, ours, theirs)
         if diff is not None:
-            raise PlanMismatchError(diff)
+            raise PlanMismatchError(f"{diff}. {SAME_PLAN}")
 
     # -- presentation -------------------------------------------------------------------
     def describe(self, max_rows: int | None = None) -> str:

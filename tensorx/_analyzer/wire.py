@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import astuple, fields
+from collections.abc import Iterable
+from dataclasses import fields
 from typing import Any, TypeVar
 
 import msgpack
@@ -179,27 +180,72 @@ def _dynamic_problems(plan: Layout) -> list[str]:
 
 
 # -- comparison ----------------------------------------------------------------------------
-def first_difference(mine: Layout, theirs: Layout) -> str | None:
-    """A sentence naming the first tensor where two plans differ, or None if equal."""
-    if mine.options != theirs.options:
-        return f"plan options differ: ours {mine.options}, theirs {theirs.options}"
-    for a, b in zip(mine.entries, theirs.entries, strict=False):
+# The fields of an entry: what the model decides (a tensor's shape, dtype, role), then how
+# the plan laid it out. A difference in the first kind shifts the layout of tensors before
+# it in model order too, so the message names the first tensor whose own fields differ.
+_MODEL_FIELDS = ("shape", "dtype", "kind", "role")
+_LAYOUT_FIELDS = ("numel", "start", "chunk", "nbytes", "shard", "arena", "offset", "index")
+
+
+def first_difference(mine: Layout, theirs: Layout, ours: str = "ours",
+                     other: str = "theirs") -> str | None:
+    """A sentence naming where two plans differ (None if they do not): an option, else the
+    first tensor in model order that only one has or whose shape, dtype or role differs,
+    else the first whose layout does; and the field, ``ours`` vs ``other`` (how the
+    sentence names each plan)."""
+    for f in fields(mine.options):
+        a, b = getattr(mine.options, f.name), getattr(theirs.options, f.name)
         if a != b:
-            return f"tensor {a.label!r} differs: ours {_brief(a)}, theirs {_brief(b)}"
-    if len(mine.entries) != len(theirs.entries):
-        extra = (mine.entries + theirs.entries)[min(len(mine.entries), len(theirs.entries))]
-        return f"tensor {extra.label!r} is planned on one side only"
+            return f"the plan option {f.name} differs: {a!r} in {ours} vs {b!r} in {other}"
+    mine_by, theirs_by = _by_tensor(mine.entries), _by_tensor(theirs.entries)
+    names = sorted(mine_by.keys() | theirs_by.keys(),
+                   key=lambda n: _order(n, mine_by, theirs_by))
+    for checked in (_MODEL_FIELDS, _MODEL_FIELDS + _LAYOUT_FIELDS):
+        for name in names:
+            a_entries, b_entries = mine_by.get(name), theirs_by.get(name)
+            if a_entries is None or b_entries is None:
+                return f"tensor {name!r} is only in {ours if b_entries is None else other}"
+            why = _field_difference(a_entries, b_entries, checked, ours, other)
+            if why is not None:
+                return f"tensor {name!r} differs in {why}"
     for x, y in zip(mine.dynamic_entries, theirs.dynamic_entries, strict=False):
         if x != y:
-            return f"dynamic tensor {x.name!r} differs: ours {x}, theirs {y}"
+            field = next(f.name for f in fields(x) if getattr(x, f.name) != getattr(y, f.name))
+            return (f"sparse tensor {x.name!r} differs in {field}: {getattr(x, field)} in "
+                    f"{ours} vs {getattr(y, field)} in {other}")
     if len(mine.dynamic_entries) != len(theirs.dynamic_entries):
-        return "the plans have different dynamic (sparse) tensors"
+        return "the plans have different sparse tensors"
     return None
 
 
-def _brief(e: PlanEntry) -> str:
-    names = [f.name for f in fields(e)]
-    return ", ".join(f"{k}={v}" for k, v in zip(names, astuple(e), strict=True))
+def _by_tensor(entries: Iterable[PlanEntry]) -> dict[str, list[PlanEntry]]:
+    """Each tensor's entries (its chunks, in order)."""
+    by: dict[str, list[PlanEntry]] = {}
+    for e in entries:
+        by.setdefault(e.name, []).append(e)
+    for chunks in by.values():
+        chunks.sort(key=lambda e: e.chunk)
+    return by
+
+
+def _order(name: str, *plans: dict[str, list[PlanEntry]]) -> tuple[int, str]:
+    """A tensor's position in the model (from whichever plan has it)."""
+    index = next((p[name][0].index for p in plans if name in p), -1)
+    return (index if index >= 0 else 1 << 62), name
+
+
+def _field_difference(a: list[PlanEntry], b: list[PlanEntry], checked: tuple[str, ...],
+                      ours: str, other: str) -> str | None:
+    """The first of the ``checked`` fields where a tensor's entries differ, in words."""
+    for x, y in zip(a, b, strict=False):
+        for name in checked:
+            if getattr(x, name) != getattr(y, name):
+                chunk = "" if x.whole and y.whole else f" (chunk {x.chunk})"
+                return (f"{name}{chunk}: {getattr(x, name)} in {ours} vs {getattr(y, name)} "
+                        f"in {other}")
+    if len(a) != len(b) and len(checked) > len(_MODEL_FIELDS):
+        return f"chunks: {len(a)} in {ours} vs {len(b)} in {other}"
+    return None
 
 
 # -- presentation --------------------------------------------------------------------------

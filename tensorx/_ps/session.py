@@ -78,7 +78,8 @@ class Sessions(ShardCore):
             logger.info("ps shard %d: %s", self.shard, plan.summary())
             return
         if msg["fingerprint"] != self._plan.fingerprint:
-            self._plan.check_same(msg["plan"])
+            self._plan.check_same(msg["plan"], ours="this shard's plan (the first worker's)",
+                                  theirs="the joining worker's")
             raise PlanMismatchError(f"plan fingerprint {msg['fingerprint']} differs from "
                                     f"{self._plan.fingerprint}")
 
