@@ -154,12 +154,31 @@ async def test_a_worker_held_by_a_departed_rank_is_told_which_and_why(
         try:
             await ws[1].node.aclose()  # gone without saying goodbye
             await logged(caplog, "worker rank 1 disconnected")
-            with pytest.raises(TimeoutError, match=r"waits for rank 1 disconnected; .*"
-                               r"on_worker_loss='wait'"):
+            with pytest.raises(TimeoutError, match=r"sent no 'params' within 3.0 s: the sync "
+                               r"barrier waits for rank 1, which disconnected \d+ s ago \(it "
+                               r"waits for it to rejoin: on_worker_loss='wait', "
+                               r"worker_loss_timeout=60 s\)$"):
                 await train(ws[0], models[0], [batches(1, 1)[0][0]])
         finally:
             await asyncio.gather(*(w.aclose() for w in ws))
     assert any("holds our step" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_worker_held_by_a_rank_that_never_joined_is_told_so() -> None:
+    """No loss timer applies to a rank that never joined: the message says it never did
+    and what to do (it said "rank 1 has not joined yet; it waits for them to rejoin" and
+    quoted the loss timer)."""
+    model = make_model()
+    async with ParameterServer(num_workers=2, transport="tcp", worker_loss_timeout=60) as ps:
+        address = ps.address
+        async with Worker(model, address, rank=0, num_workers=2, transport="tcp",
+                          timeout=1.0) as worker:
+            with pytest.raises(TimeoutError) as info:
+                await train(worker, model, [batches(1, 1)[0][0]])
+    assert str(info.value) == (
+        f"ps shard 0 ({address}) sent no 'params' within 1.0 s: the sync barrier waits "
+        "for rank 1, which never joined (start it with rank=1, or check that it reaches "
+        "this shard)")
 
 
 async def test_serve_until_workers_done_checkpoints_and_returns(

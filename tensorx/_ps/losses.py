@@ -125,18 +125,39 @@ class LossWatch:
         return logging.WARNING, text
 
     def explain(self, ranks: list[int]) -> str:
-        """Why a sync barrier waits for ``ranks`` (absent ones), for the held workers."""
-        parts = [f"rank {r} " + ("disconnected" if r in self._gone else "has not joined yet")
-                 for r in ranks]
+        """Why a sync barrier waits for ``ranks`` (absent ones), for the held workers: those
+        that never joined (no loss timer applies to them), and those that left and what
+        the policy does about them."""
+        never = [r for r in ranks if r not in self._gone]
+        left = [r for r in ranks if r in self._gone]
+        parts = []
+        if never:
+            parts.append(f"{_ranks(never)}, which never joined (start {_them(never)} with "
+                         f"rank={never[0]}{', ...' if len(never) > 1 else ''}, or check that "
+                         f"{'it reaches' if len(never) == 1 else 'they reach'} this shard)")
+        if left:
+            parts.append(f"{_ranks(left)}, which {self._left(left)} ({self._then(left)})")
+        return "the sync barrier waits for " + ", and for ".join(parts)
+
+    def _left(self, ranks: list[int]) -> str:
+        """How ``ranks`` (all gone) went away."""
+        if all(r not in self._joined for r in ranks):  # expected back after a resume
+            return "have not rejoined since this shard resumed from its checkpoint" \
+                if len(ranks) > 1 else "has not rejoined since this shard resumed"
+        if len(ranks) == 1:
+            return f"disconnected {time.monotonic() - self._gone[ranks[0]]:.0f} s ago"
+        return "disconnected"
+
+    def _then(self, ranks: list[int]) -> str:
+        """What the barrier does about departed ``ranks``."""
+        them = _them(ranks)
         if self.timeout is None:
-            then = "it waits for them without a time limit (worker_loss_timeout=None)"
-        elif self.policy == "wait":
-            then = (f"it waits for them to rejoin (on_worker_loss='wait', "
-                    f"worker_loss_timeout={self.timeout:g} s)")
-        else:
-            then = (f"it goes on without a disconnected rank {self.timeout:g} s after it "
-                    "left (on_worker_loss='continue')")
-        return f"the sync barrier waits for {', '.join(parts)}; {then}"
+            return f"it waits for {them} without a time limit (worker_loss_timeout=None)"
+        if self.policy == "wait":
+            return (f"it waits for {them} to rejoin: on_worker_loss='wait', "
+                    f"worker_loss_timeout={self.timeout:g} s")
+        return (f"it goes on without {them} {self.timeout:g} s after leaving: "
+                "on_worker_loss='continue'")
 
     def opened(self, barrier: int) -> None:
         """Sync: the first push of barrier number ``barrier`` came now. Under "continue",
@@ -217,3 +238,11 @@ class LossWatch:
         if self._clock is not None:
             self._clock.cancel()
             self._clock = None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _them(ranks: list[int]) -> str:
+    return "it" if len(ranks) == 1 else "them"
