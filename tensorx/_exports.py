@@ -91,7 +91,9 @@ class ExportTable:
     def lookup(self, region_id: int, cookie: int) -> _Export:
         export = self._by_id.get(region_id)
         if export is None or export.descriptor.cookie != cookie:
-            raise RegionError(f"region {region_id:#x} is not exported here (closed or forged)")
+            raise RegionError(f"region {region_id:#x} is not exported here under that descriptor "
+                              "(unexported, closed or exported again by its owner, or forged): "
+                              "get its current one (ep.lookup(name) for a named export)")
         if export.region.closed:
             raise RegionError(f"region {region_id:#x} was closed by its owner")
         return export

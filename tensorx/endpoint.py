@@ -259,7 +259,8 @@ class Endpoint:
 
     def _check_usable(self) -> None:
         if self._closed:
-            raise ClosedError(f"endpoint to {self.peer} is closed")
+            raise ClosedError(f"endpoint to {self.peer} at {self.address} is closed (aclose() "
+                              "or abort() was called on it): connect again to go on")
         if self._gone is not None:
             raise BrokenError(str(self._gone))
         if self._channel.broken is not None:
@@ -506,8 +507,9 @@ class Endpoint:
             n, access = await self._channel.requests.validate(*key, timeout)
             self._check_not_revoked(desc)  # revoked while we asked
             if n != desc.nbytes or not set(desc.access) <= set(access):
-                raise RegionError(f"descriptor of region {desc.region_id:#x} does not match "
-                                  "what its owner exported")
+                raise RegionError(f"the descriptor of region {named(desc)} claims {desc.nbytes} B "
+                                  f"'{desc.access}', but its owner exported {n} B '{access}' "
+                                  "(altered or forged): " + get_again(desc))
             self._validated[key] = (n, desc.access)
         return self._validated[key]
 

@@ -153,7 +153,8 @@ class Node:
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> Node:
         if self._state != "new":
-            raise UsageError(f"node already {self._state}")
+            raise UsageError(f"this node is {self._state} already: start() it once (`async "
+                             "with Node(...)` starts it); a closed node cannot start again")
         self._state = "starting"
         self._token = self._resolve_secret()
         self._gate.credential = _auth.credential(self._given_token, self._insecure)

@@ -96,7 +96,8 @@ class Worker:
         if not self.addresses:
             raise UsageError("ps must name at least one parameter-server shard")
         if not 0 <= rank < num_workers:
-            raise UsageError(f"rank {rank} outside 0..{num_workers - 1}")
+            raise UsageError(f"rank {rank} is not one of 0..{num_workers - 1} "
+                             f"(num_workers={num_workers}; ranks count from 0)")
         self.rank = rank
         self.num_workers = num_workers
         self.timeout = timeout

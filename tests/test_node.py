@@ -253,3 +253,16 @@ async def test_an_op_that_finds_its_peer_dead_leaves_no_unretrieved_error(
     del ep, node, got  # the channel's error holds the op's frame (its traceback's) till then
     gc.collect()  # a future nobody retrieved is logged as it is collected
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_using_a_closed_endpoint_or_starting_a_node_twice_says_what_to_do() -> None:
+    async with tx.Node(transport="tcp") as a, tx.Node(None, transport="tcp") as b:
+        with pytest.raises(tx.UsageError, match=r"^this node is running already: start\(\) it "
+                           r"once \(`async with Node\(...\)` starts it\)"):
+            await a.start()
+        ep = await b.connect(a.address)
+        await ep.aclose()
+        with pytest.raises(tx.ClosedError, match=f"^endpoint to {a.id} at {a.address} is "
+                           r"closed \(aclose\(\) or abort\(\) was called on it\): connect "
+                           "again to go on$"):
+            await ep.notify(b"x")

@@ -3,6 +3,8 @@ on a descriptor that is no longer good says."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -121,3 +123,21 @@ async def test_a_descriptor_of_another_node_or_never_exported_says_what_to_use()
         with pytest.raises(tx.RegionError, match=r"was never exported: its descriptor comes "
                            r"from region.descriptor\(\)"):
             await ep.read(local, tx.MemoryRegion.allocate(8).descriptor())
+
+
+@pytest.mark.parametrize("lane", lanes())
+async def test_a_forged_or_altered_descriptor_says_what_to_do(lane: str) -> None:
+    async with tx.Node(transport=node_transport(lane)) as owner, \
+            tx.Node(None, transport=node_transport(lane)) as client:
+        desc = owner.export(bytearray(64), name="t")
+        ep = await client.connect(owner.address)
+        local = tx.MemoryRegion.register(bytearray(8))
+        with pytest.raises(tx.RegionError, match=(
+                f"region {desc.region_id:#x} is not exported here under that descriptor "
+                r"\(unexported, closed or exported again by its owner, or forged\): get its "
+                r"current one \(ep.lookup\(name\) for a named export\)")):
+            await ep.read(local, dataclasses.replace(desc, cookie=desc.cookie ^ 1))
+        if lane != "tcp":  # a lane that bypasses the owner asks it about the descriptor
+            with pytest.raises(tx.RegionError, match=r"claims 128 B.*but its owner exported "
+                               r"64 B.*\(altered or forged\)"):
+                await ep.read(local, dataclasses.replace(desc, nbytes=128))

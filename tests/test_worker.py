@@ -288,3 +288,9 @@ def test_an_edit_between_backward_and_step_reaches_the_server(
     # mapped: autograd and clip_grad_norm_ wrote the shard's own slot, nothing to find
     assert len(warned) == (0 if share_memory else 1)
     assert (pusher.edited_after_send > 0) == (not share_memory)
+
+
+def test_a_rank_out_of_range_says_ranks_count_from_0() -> None:
+    with pytest.raises(UsageError, match=r"^rank 2 is not one of 0..1 \(num_workers=2; ranks "
+                       r"count from 0\)$"):
+        Worker(torch.nn.Linear(2, 2), "tcp://127.0.0.1:1", rank=2, num_workers=2)

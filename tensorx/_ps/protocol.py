@@ -141,16 +141,18 @@ def check_hello(msg: dict[str, Any], shard: int, num_shards: int, num_workers: i
     """A decoded hello agrees with this shard (ProtocolError, or UsageError for a worker
     started with other settings)."""
     if msg["proto"] != PROTOCOL:
-        raise ProtocolError(f"worker speaks ps protocol {msg['proto']}, this server {PROTOCOL}")
+        raise ProtocolError(f"worker speaks ps protocol {msg['proto']}, this server {PROTOCOL}: "
+                            "run the same tensorx version on workers and servers")
     if (msg["shard"], msg["num_shards"]) != (shard, num_shards):
         raise UsageError(f"worker thinks this is shard {msg['shard']} of "
                          f"{msg['num_shards']}; it is shard {shard} of "
                          f"{num_shards} (order the ps list by shard)")
     if msg["num_workers"] != num_workers:
         raise UsageError(f"worker says num_workers={msg['num_workers']}, "
-                         f"this server has {num_workers}")
+                         f"this server has {num_workers}: start both with the same count")
     if not 0 <= msg["rank"] < num_workers:
-        raise UsageError(f"rank {msg['rank']} outside 0..{num_workers - 1}")
+        raise UsageError(f"rank {msg['rank']} is not one of 0..{num_workers - 1} "
+                         f"(num_workers={num_workers}; ranks count from 0)")
 
 
 def encode(kind: str, **fields: Any) -> bytes:

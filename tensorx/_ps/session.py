@@ -81,7 +81,8 @@ class Sessions(ShardCore):
             self._plan.check_same(msg["plan"], ours="this shard's plan (the first worker's)",
                                   theirs="the joining worker's")
             raise PlanMismatchError(f"plan fingerprint {msg['fingerprint']} differs from "
-                                    f"{self._plan.fingerprint}")
+                                    f"{self._plan.fingerprint} though the plans hold the same "
+                                    "tensors: run the same tensorx version everywhere")
 
     async def _welcome(self, peer: Peer) -> None:
         """Write ``peer`` the parameters with its welcome; in async and bounded modes

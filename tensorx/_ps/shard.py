@@ -501,7 +501,10 @@ class ShardState:
         optimizer state, hyperparameters included, and LR schedule, each judged before
         anything is replaced (see :mod:`tensorx._ps.resume`); UsageError in one line."""
         if state.get("fingerprint") != self.layout.fingerprint:
-            raise UsageError("checkpoint was taken for a different plan")
+            raise UsageError("checkpoint was taken for a different plan (another model, "
+                             "plan options or number of shards): resume it with the "
+                             "model and options it was taken with, or start from another "
+                             "checkpoint directory")
         loaded, notes = self._resumable(state) if optimizer else (None, [])
         self.changed.forget()
         self.load_params(state["params"])
@@ -524,7 +527,8 @@ class ShardState:
                              f"this server runs flat={self.flat}: run it with "
                              f"flat={bool(state.get('flat'))}, or {resume.FRESH}")
         if not self.flat and state.get("param_names") != self.names:
-            raise UsageError("checkpoint's optimizer parameters differ from this shard's")
+            raise UsageError("checkpoint's optimizer parameters differ from this shard's (its "
+                             f"optimizer was given other parameters): {resume.FRESH}")
         saved = state.get("optimizer")
         if self.optimizer is None or saved is None:
             return None, []

@@ -386,8 +386,9 @@ class CmaLane(DataLane):
     async def _ask(self, key: tuple[int, int], nbytes: int) -> int | None:
         n, _, addr = await self._requests.address(*key, None)
         if n != nbytes:
-            raise RegionError(f"descriptor of region {key[0]:#x} does not match what its "
-                              "owner exported")
+            raise RegionError(f"the descriptor of region {key[0]:#x} claims {nbytes} B, but "
+                              f"its owner exported {n} B (altered or forged): get it from "
+                              "its owner again")
         if addr is not None:
             if len(self._known) >= MAX_CACHED:
                 self._known.clear()

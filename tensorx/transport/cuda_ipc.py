@@ -204,7 +204,7 @@ class CudaIpcLane(DataLane):
         if self._gone is not None:
             raise BrokenError(f"peer gone: {self._gone}")
         if self._closed:
-            raise ClosedError("lane closed")
+            raise ClosedError("the CUDA IPC lane is closed (its endpoint was closed)")
 
     async def _copy(self, items: list[tuple[Op, _cuda.IpcKeys]], *, to_remote: bool,
                     timeout: float | None) -> None:
