@@ -27,8 +27,9 @@ LAYERS: dict[str, float] = {
     # codecs and OS helpers
     "tensorx._wire": 1, "tensorx._auth": 1, "tensorx._shm": 1, "tensorx._cuda": 1,
     "tensorx._queues": 1, "tensorx._netns": 1, "tensorx._eventloop": 1, "tensorx._cache": 1,
-    "tensorx._owned": 1,
+    "tensorx._owned": 1, "tensorx._backoff": 1, "tensorx._redial": 1,
     "tensorx._backing": 1.5, "tensorx.memregion": 2, "tensorx._exports": 2.05,
+    "tensorx._opcheck": 2.05, "tensorx._rows": 2.06,
     # planning, pure, in this order: data, codec, torch views, the plan users get, planners
     "tensorx._analyzer.layout": 2.1, "tensorx._analyzer.wire": 2.2,
     "tensorx._analyzer.balance": 2.2, "tensorx._analyzer.sample": 2.2,
@@ -55,7 +56,7 @@ APART = [
 # Cores that do no I/O (STYLE.md 6): tested without sockets or an event loop.
 PURE = ["tensorx.errors", "tensorx._text", "tensorx._counters", "tensorx._schema",
         "tensorx._wire", "tensorx.memregion", "tensorx._analyzer", "tensorx.graph_analyzer",
-        "tensorx._ps.protocol"]
+        "tensorx._ps.protocol", "tensorx._opcheck", "tensorx._rows", "tensorx._backoff"]
 IO = {"asyncio", "socket", "selectors"}
 # Import cycles not yet taken apart (each is also a layering smell); the test fails when a
 # new one appears, and when one of these is gone (then strike it off).
