@@ -124,7 +124,7 @@ def test_shard_optimizer_matches_plain_torch(make: object) -> None:
         grads = [[torch.randn(6, generator=gen), torch.randn(3, generator=gen)] for _ in range(2)]
         for r in range(2):
             for i, g in enumerate(grads[r]):
-                state._slots[r][i].copy_(g)
+                state.slot_views(r)[i].copy_(g)
         state.apply([0, 1])
         w.grad, b.grad = [(grads[0][i] + grads[1][i]) / 2 for i in range(2)]
         ref.step()
@@ -138,7 +138,7 @@ def test_checkpoint_round_trip_resumes_identically(tmp_path: Path) -> None:
         return torch.optim.Adam(p, lr=0.05)
 
     a = ShardState(_layout(), 1, make, verify=True)
-    a._slots[0][0].fill_(1.0)
+    a.slot_views(0)[0].fill_(1.0)
     a.apply([0])
     a.save(tmp_path / "ck.pt", b"plan-bytes")
     saved = load_checkpoint(tmp_path / "ck.pt")
@@ -148,7 +148,7 @@ def test_checkpoint_round_trip_resumes_identically(tmp_path: Path) -> None:
     assert b.version == 1
     assert a.checksum() == b.checksum()
     for s in (a, b):
-        s._slots[0][0].fill_(-2.0)
+        s.slot_views(0)[0].fill_(-2.0)
         s.apply([0])
     assert torch.equal(a.params[0], b.params[0])
 
@@ -166,7 +166,7 @@ def test_checksum_changes_with_every_update() -> None:
     state = ShardState(_layout(), 1, lambda p: torch.optim.SGD(p, lr=0.1), verify=True)
     seen = {state.checksum()}
     for _ in range(3):
-        state._slots[0][0].fill_(1.0)
+        state.slot_views(0)[0].fill_(1.0)
         state.apply([0])
         seen.add(state.checksum())
     assert len(seen) == 4
@@ -212,7 +212,7 @@ def test_lr_scheduler_steps_with_every_update() -> None:
     opt = make([w, b])
     ref = sched(opt)
     for step in range(5):
-        state._slots[0][0].fill_(step + 1.0)
+        state.slot_views(0)[0].fill_(step + 1.0)
         state.apply([0])
         w.grad, b.grad = torch.full((6,), step + 1.0), torch.zeros(3)
         opt.step()

@@ -64,7 +64,7 @@ def train(state: ShardState, ranks: list[int]) -> list[torch.Tensor]:
     for seed in range(4):
         for r in ranks:
             push(state, r, 10 * seed + r)
-        state._slots[ranks[0]][1].fill_(0.25)  # some dense gradient too
+        state.slot_views(ranks[0])[1].fill_(0.25)  # some dense gradient too
         state.apply(ranks)
     return [p.detach().clone() for _, p in state.named_parameters()]
 

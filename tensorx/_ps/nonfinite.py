@@ -1,13 +1,19 @@
 """Gradients holding NaN or Inf: found before they reach the optimizer, never applied.
 
 One rank's NaN, averaged in, would make every parameter NaN on every worker for good. So
-before each update the shard checks the gradient slots it is about to apply. The check is
-one sum per slot (per tensor when the arena mixes dtypes), accumulated in at least float32:
-a sum is finite only if every term is, so nothing non-finite passes; a finite gradient so
-large that its sum overflows is flagged too, and such a step would not be worth applying.
-It reads each slot once, with no allocation (see ``benchmarks/ps_round.py`` for its cost
-next to a round's). Only a slot found not finite is read a second time, tensor by tensor
-(and a sparse push table by table), for the names of the tensors concerned.
+before each update the shard checks the gradient it is about to apply: the ranks' slots
+folded into memory of its own (:mod:`tensorx._ps.fold`), never the slots themselves, which
+their ranks can still write while the shard reads them. The check is one sum per folded
+range (per tensor when the arena mixes dtypes), accumulated in at least float32: a sum is
+finite only if every term is, so nothing non-finite passes; a finite gradient so large that
+its sum (or the ranks' mean) overflows is flagged too, and such a step would not be worth
+applying. It reads one gradient, whatever the number of ranks, with no allocation (see
+``benchmarks/ps_round.py`` for its cost next to a round's). Only a fold found not finite is
+looked at further: each rank's slot through a private copy, checked on its own, for who
+pushed NaN or Inf, then tensor by tensor (and a sparse push table by table) for the names
+of the tensors concerned. A fold that is not finite while every rank's copy is (the mean
+overflowed, or a rank changed its slot while it was read) is not applied either: no update
+for this step, whatever the policy, with one WARNING.
 
 ``on_nonfinite`` says what then, with one WARNING naming the rank, its step and those
 tensors (their names in ``model.named_parameters()``: the first :data:`SHOWN`, then how
@@ -28,7 +34,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,8 +44,8 @@ from tensorx._ps.shard_layout import views
 from tensorx._text import printable
 from tensorx.errors import UsageError
 
-__all__ = ["POLICIES", "SHOWN", "NonFiniteGuard", "all_finite", "finite", "listed",
-           "nonfinite_names"]
+__all__ = ["POLICIES", "SHOWN", "NonFiniteGuard", "Verdict", "all_finite", "checked", "finite",
+           "listed", "nonfinite_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +54,30 @@ SHOWN = 3  # tensors named in a WARNING or a refusal; then how many more
 NAME_LIMIT = 100  # characters of one name there (a plan's names are the model's, but still)
 
 
+class Verdict(NamedTuple):
+    """What :func:`checked` found: the ranks whose gradient holds NaN or Inf, and whether
+    the folded gradient is finite (then it is what the update steps with)."""
+
+    bad: list[int]
+    finite: bool
+
+
+def checked(state: Any, ranks: list[int], parts: list[int] | None = None) -> Verdict:
+    """Fold ``ranks``' gradients (``parts`` of them; default all) into ``state``'s own
+    memory and check the fold, and each rank's sparse rows (the shard's copies)."""
+    state.fold(ranks, parts)
+    rows_bad = [r for r in ranks if not state.rows.finite(r)] if state.rows and \
+        parts is None else []
+    if state.folded_finite(parts):
+        return Verdict(rows_bad, not rows_bad)
+    bad = sorted(set(rows_bad) | set(state.fold_each_checked(ranks, parts)))
+    return Verdict(bad, not bad and state.folded_finite(parts))
+
+
 def finite(state: Any, rank: int) -> bool:
-    """Is every value in ``rank``'s gradient slot, and every sparse row it pushed, finite?"""
+    """Is every value in ``rank``'s gradient slot, and every sparse row it pushed, finite?
+    (The slot as it is now: its rank may still change it. For what an update applies, see
+    :func:`checked`.)"""
     tensors = _checked(state, state.slot_region(rank))
     return all_finite(tensors) and (not state.rows or state.rows.finite(rank))
 
@@ -134,13 +162,25 @@ class NonFiniteGuard:
         self.count = 0
 
     def check(self, state: Any, ranks: list[int], steps: dict[int, int]
-              ) -> dict[int, list[str]]:
-        """The ranks among ``ranks`` whose gradient is not finite, each with the tensors
-        concerned (logged and counted)."""
-        bad = {r: nonfinite_names(state, r) for r in ranks if not finite(state, r)}
+              ) -> tuple[dict[int, list[str]], bool]:
+        """Fold ``ranks``' gradients and check them (:func:`checked`): the ranks whose
+        gradient is not finite, each with the tensors concerned, and whether the fold is
+        finite (logged and counted)."""
+        verdict = checked(state, ranks)
+        bad = {r: nonfinite_names(state, r) for r in verdict.bad}
         for r, names in bad.items():
             self.flag(r, steps.get(r, -1), names)
-        return bad
+        if not verdict.finite and not bad:
+            self.overflowed(ranks)
+        return bad, verdict.finite
+
+    def overflowed(self, ranks: Sequence[int]) -> None:
+        """The fold of ``ranks``' gradients holds NaN or Inf though no rank's does."""
+        self.count += 1
+        logger.warning("ps shard %d: the mean of ranks %s's gradients holds NaN or Inf though "
+                       "each rank's is finite (it overflowed, or a rank changed its slot while "
+                       "it was read); not applied, no update for this step", self.shard,
+                       list(ranks))
 
     def flag(self, rank: int, step: int, names: Sequence[str]) -> None:
         """Count and log ``rank``'s non-finite gradient of ``step`` (in tensors ``names``)."""
@@ -151,8 +191,9 @@ class NonFiniteGuard:
                        else "push refused, the worker is disconnected", self.policy)
 
     def decide(self, decision: Decision, bad: Collection[int]) -> Decision:
-        """What remains of ``decision`` once ``bad`` ranks' gradients are left out."""
-        if self.policy == "skip":
+        """What remains of ``decision`` once ``bad`` ranks' gradients are left out (none
+        named: the fold of them all is not finite, nothing is applied)."""
+        if self.policy == "skip" or not bad:
             return Decision(apply=[], release=decision.release)
         return Decision(apply=[r for r in decision.apply if r not in bad],
                         release=[r for r in decision.release if r not in bad])

@@ -6,7 +6,9 @@ part follows with a ``part`` message carried by its write. Each time a part of e
 of the barrier is in, it is applied in the shard's apply thread (the loop meanwhile lands
 the next parts) and written back to every worker that copies, at once; the ``params``
 notification follows the last part. A rank of the barrier that goes away, or a part that
-holds NaN or Inf, restores every part applied so far from its backup first.
+holds NaN or Inf, restores every part applied so far from its backup first. What is checked
+for NaN and Inf is each part as folded into the shard's own memory, which is what is applied
+(:mod:`tensorx._ps.fold`): the slots stay writable by their ranks all along.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from tensorx._ps import round as rounds
 from tensorx._ps.answer import Peer
 from tensorx._ps.core import ShardCore
-from tensorx._ps.nonfinite import all_finite, nonfinite_names
+from tensorx._ps.nonfinite import Verdict, checked, nonfinite_names
 from tensorx._ps.round import PartBackups, Round
 from tensorx._ps.schedule import Decision
 from tensorx.endpoint import Endpoint
@@ -100,18 +102,18 @@ class Pipelined(ShardCore):
                     not rnd.early or rnd.outstanding() < rounds.EARLY_BYTES)):
                 break
             if settled and not rnd.checked:  # nothing can undo the rest: check it all first
-                bad = await self._in_thread(self._check_parts, rnd.ranks, todo)
+                verdict = await self._in_thread(self._check_parts, rnd.ranks, todo)
                 rnd.checked = True
-                if bad:
-                    await self._nonfinite(bad)
+                if not verdict.finite:
+                    await self._nonfinite(verdict.bad)
                     continue
             try:
-                bad = await self._in_thread(self._apply_parts, rnd.ranks, todo, not settled)
+                verdict = await self._in_thread(self._apply_parts, rnd.ranks, todo, not settled)
             except OptimizerError as exc:
                 await self._round_failed(exc)
                 return
-            if bad:
-                await self._nonfinite(bad)
+            if not verdict.finite:
+                await self._nonfinite(verdict.bad)
                 continue
             self._write_back([k for k in todo if k in rnd.applied], hold_last=rnd.complete())
         if rnd.skip and rnd.all_landed():
@@ -127,13 +129,16 @@ class Pipelined(ShardCore):
         self._applying = self._applier.submit(fn, *args)
         return await asyncio.wrap_future(self._applying)
 
-    def _check_parts(self, ranks: list[int], parts: list[int]) -> list[int]:
+    def _check_parts(self, ranks: list[int], parts: list[int]) -> Verdict:
+        """Fold ``parts`` of ``ranks``' gradients into the shard's memory, and check that
+        (what :meth:`_apply_parts` then applies)."""
         assert self.state is not None
-        return [r for r in ranks if not all_finite([self.state.slot_part(r, k) for k in parts])]
+        return checked(self.state, ranks, parts)
 
-    def _apply_parts(self, ranks: list[int], parts: list[int], backup: bool) -> list[int]:
-        """Apply ``parts`` (in the apply thread), each after its backup and its check when
-        ``backup``; the ranks whose gradient is not finite ([]: all applied)."""
+    def _apply_parts(self, ranks: list[int], parts: list[int], backup: bool) -> Verdict:
+        """Apply ``parts`` (in the apply thread), each after its fold, its check and its
+        backup when ``backup`` (else as :meth:`_check_parts` folded them); not finite: the
+        ranks whose gradient is not (the parts before were applied)."""
         state, rnd, backups = self.state, self._round, self._backups
         assert state is not None
         assert rnd is not None
@@ -141,9 +146,9 @@ class Pipelined(ShardCore):
         with torch.no_grad():
             for k in parts:
                 if backup:
-                    bad = self._check_parts(ranks, [k])
-                    if bad:
-                        return bad
+                    verdict = self._check_parts(ranks, [k])
+                    if not verdict.finite:
+                        return verdict
                     start, n = state.part_bytes(k)
                     owner, key = state.part_state(k)
                     backups.backup(k, state.params_region.view(torch.uint8, (n,), start),
@@ -152,7 +157,7 @@ class Pipelined(ShardCore):
                     self.stats["parts_early"] += 1
                 state.apply_part(ranks, k)
                 rnd.applied.append(k)
-        return []
+        return Verdict([], True)
 
     def _write_back(self, parts: list[int], hold_last: bool) -> None:
         """Start writing ``parts`` of the new parameters to every worker that copies (the
@@ -227,6 +232,7 @@ class Pipelined(ShardCore):
                 owner, key = state.part_state(k)
                 backups.restore(k, state.params_region.view(torch.uint8, (n,), start), start,
                                 owner, key)
+        state.ungather()  # what was folded: the barrier's ranks may change
         if rnd.applied:
             self.stats["rollbacks"] += 1
             logger.info("ps shard %d: rolled back %d part(s) of update %d", self.shard,
@@ -250,10 +256,16 @@ class Pipelined(ShardCore):
             await self._welcome_deferred()
 
     async def _nonfinite(self, bad: list[int]) -> None:
-        """Some of the barrier's gradients hold NaN or Inf (``on_nonfinite`` decides)."""
+        """Some of the barrier's gradients hold NaN or Inf (``on_nonfinite`` decides), or
+        none does but their mean (``bad`` empty: no update)."""
         rnd = self._the_round()
         assert rnd.ranks is not None
         await self._rollback()
+        if not bad:
+            self.nonfinite.overflowed(rnd.ranks)
+            self.stats["nonfinite"] = self.nonfinite.count
+            rnd.skip = True
+            return
         by_rank = {p.rank: p for p in self._peers.values()}
         steps = {r: p.step for r, p in by_rank.items()}
         names = await self._nonfinite_names(rnd, bad)

@@ -23,12 +23,14 @@ from tensorx._ps.checksum import checksum
 from tensorx._ps.device import allocate_arenas, fence
 from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
 from tensorx._ps.flat import FlatUpdate, elementwise
+from tensorx._ps.fold import DenseFold
 from tensorx._ps.optim import build_optimizer, step_failure
 from tensorx._ps.rows import Rows, SparseRows, no_invariant_checks
 from tensorx._ps.rowsgd import RowSGD
 from tensorx._ps.shard_layout import (
     ShardLayout,
     Slot,
+    dense_splitter,
     flat_splitter,
     param_splitter,
     single_dtype,
@@ -53,8 +55,9 @@ class ShardState:
 
     The optimizer's parameters are the model's (named, shaped as in the model, in model
     order; see :mod:`tensorx._ps.optim`) as views of the arena, and their ``.grad`` views of
-    a worker's slot (one gradient: no copy) or of an accumulator (the average), so momentum,
-    Adam, param groups and LR schedulers work unchanged.
+    an accumulator that holds the ranks' gradients folded out of their slots (the mean; one
+    rank's copied: see :mod:`tensorx._ps.fold`), so momentum, Adam, param groups and LR
+    schedulers work unchanged.
     ``flat=None`` (the default) steps an elementwise optimizer (SGD, Adam(W), RMSprop,
     Adagrad, ...: :func:`tensorx._ps.flat.elementwise`) as a few flat ranges of the arena,
     one or more per param group, with torch's fused or foreach kernels: the same result,
@@ -100,7 +103,6 @@ class ShardState:
         self.names = [f"flat.{k}" for k in range(len(self.params))] if self.flat \
             else [p.name for p in layout.param_specs()]
         self._acc = split(self._acc_region)
-        self._slots = [split(r) for r in self.slot_regions]
         self._reset_grads()
         # a shard the plan left empty still counts versions, with nothing to optimize
         self.optimizer = build_optimizer(optimizer, self.named_parameters()) \
@@ -110,6 +112,8 @@ class ShardState:
         self._fast: FlatUpdate | None = None
         self._row_sgd = RowSGD.build(self.optimizer, self.params, self.rows, device)
         self.update = self._choose_update(flat)
+        self._fold = DenseFold(self._fast.views if self._fast is not None
+                               else dense_splitter(layout), self._acc_region, self.slot_region)
         logger.info("ps shard %d update: %s", layout.shard, self.update)
         self.lr_scheduler = lr_scheduler(self.optimizer) \
             if lr_scheduler and self.optimizer is not None else None
@@ -134,8 +138,6 @@ class ShardState:
             return "per-tensor (only sparse tables on this shard)"
         self._fast = FlatUpdate(self.optimizer, self.params, self.layout.param_specs(),
                                 self.params_region, parts.PART_BYTES)
-        self._fast_acc = self._fast.views(self._acc_region)
-        self._fast_slots = [self._fast.views(r) for r in self.slot_regions]
         return self._fast.describe()
 
     @property
@@ -152,16 +154,17 @@ class ShardState:
             raise UsageError(f"rank {rank} outside 0..{self.num_workers - 1}")
         return self.slot_regions[rank]
 
+    def slot_views(self, rank: int) -> list[torch.Tensor]:
+        """``rank``'s slot as the optimizer's parameters' gradients (views of it)."""
+        return self._split(self.slot_region(rank))
+
     def renew_slot(self, rank: int) -> MemoryRegion:
         """Replace ``rank``'s gradient slot by fresh zeroed memory (in /dev/shm if the old
         one was) and close the old one, which unexports it wherever it was exported."""
         old = self.slot_region(rank)
         (new,) = allocate_arenas(self.layout.nbytes, 1, old.shared_name is not None, self.device)
         self.slot_regions[rank] = new
-        self._slots[rank] = self._split(new)
-        if self._fast is not None:
-            self._fast_slots[rank] = self._fast.views(new)
-        self._reset_grads()  # no parameter may keep the old slot's memory as its gradient
+        self._fold.forget()
         self.rows.drop(rank)
         old.close()
         return new
@@ -220,11 +223,6 @@ class ShardState:
         return self.fast is not None and not self.rows and self.num_parts > 1 \
             and not self.params_region.is_cuda
 
-    def slot_part(self, rank: int, k: int) -> torch.Tensor:
-        """``rank``'s gradient in flat range ``k`` (a view of its slot)."""
-        assert self._fast is not None
-        return self._fast_slots[rank][k]
-
     def part_state(self, k: int) -> tuple[dict[Any, Any], Any]:
         """Where the optimizer keeps flat range ``k``'s state: (mapping, key)."""
         assert self._fast is not None
@@ -246,27 +244,45 @@ class ShardState:
         view = self.params[k]
         return view.data_ptr() - self.params_region.address, view.numel() * view.element_size()
 
+    def fold(self, ranks: list[int], parts: list[int] | None = None) -> None:
+        """Fold ``ranks``' dense gradients (of ``parts``; default all) out of their slots
+        into the gradient memory, afresh: what :meth:`apply` and :meth:`apply_part` step
+        with, in memory no peer can write (see :mod:`tensorx._ps.fold`)."""
+        self._fold.fold(ranks, self._units(parts))
+
+    def folded_finite(self, parts: list[int] | None = None) -> bool:
+        """Is the folded dense gradient (of ``parts``; default all) finite?"""
+        return self._fold.finite(self._units(parts))
+
+    def fold_each_checked(self, ranks: list[int], parts: list[int] | None = None
+                          ) -> list[int]:
+        """:meth:`fold` again, through a private copy of each rank's slot, each checked:
+        the ranks whose copy holds NaN or Inf (see :meth:`DenseFold.fold_each_checked`)."""
+        return self._fold.fold_each_checked(ranks, self._units(parts))
+
+    def _units(self, parts: list[int] | None) -> list[int] | None:
+        """The fold's units of ``parts`` (the flat update's ranges; a table has none)."""
+        if parts is None:
+            return None
+        if self.fast is None:
+            raise UsageError("only a flat update folds part by part")
+        return [k - len(self.rows) for k in parts if k >= len(self.rows)]
+
     def gather(self, ranks: Iterable[int]) -> None:
-        """Average ``ranks``' gradients into the gradient memory (one rank's: copied), where
-        they may be changed (hook, clipping) before :meth:`apply` or :meth:`apply_part` step
-        with them; the slots are left as the workers wrote them."""
+        """Fold ``ranks``' gradients into the gradient memory (unless :meth:`fold` did),
+        where they may be changed (hook, clipping) before :meth:`apply` or
+        :meth:`apply_part` step with them; the slots are left as the workers wrote them."""
         ranks = list(ranks)
         self.rows.gather(ranks)
-        with torch.no_grad():
-            for i, acc in enumerate(self._acc):
-                if i in self.rows:
-                    continue
-                if len(ranks) == 1:
-                    acc.copy_(self._slots[ranks[0]][i])
-                else:
-                    self._average(ranks, i)
+        self._fold.ensure(ranks)
         self._gathered = True
         for i, p in enumerate(self.params):
             p.grad = self._grad(ranks, i)
 
     def ungather(self) -> None:
-        """Forget a :meth:`gather` whose update will not be made."""
+        """Forget a :meth:`gather` (or :meth:`fold`) whose update will not be made."""
         self._gathered = False
+        self._fold.forget()
         self.rows.ungather()
 
     def put_rows(self, rank: int, rows: Mapping[str, Rows]) -> None:
@@ -296,9 +312,10 @@ class ShardState:
                 _dense_part(g).mul_(factor)
 
     def apply(self, ranks: Iterable[int]) -> None:
-        """Average the gradients in ``ranks``' slots (unless :meth:`gather` did) and take
-        one optimizer step."""
+        """Fold the gradients in ``ranks``' slots (unless :meth:`fold` or :meth:`gather`
+        did) and take one optimizer step."""
         ranks = list(ranks)
+        self._fold.ensure(ranks)
         if self.fast is not None:
             self._step_tables(ranks, self._tables)
             self._fast_step([self._fast_grad(ranks, k) for k in range(len(self.fast.ranges))])
@@ -325,8 +342,8 @@ class ShardState:
                                  for i in range(len(self.fast.ranges))])
             fence(self.device)
             return
-        grad = self._acc[k] if self._gathered else self._slots[ranks[0]][k] \
-            if len(ranks) == 1 else self._average(ranks, k)
+        self._fold.ensure(ranks)
+        grad = self._acc[k]
         for i, p in enumerate(self.params):
             p.grad = grad if i == k else None
         self._step()
@@ -349,6 +366,7 @@ class ShardState:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._gathered = False
+        self._fold.forget()
         self.rows.ungather()
         self.version += 1
         self._checksum = None
@@ -364,13 +382,11 @@ class ShardState:
         return list(self.rows)
 
     def _grad(self, ranks: list[int], i: int) -> torch.Tensor | None:
-        """Parameter ``i``'s gradient for an update of ``ranks``: gathered, a sparse table's
-        rows, one slot, or the mean."""
+        """Parameter ``i``'s gradient for an update of ``ranks``: a sparse table's rows, or
+        of the fold (made before: :meth:`apply`, :meth:`gather`)."""
         if i in self.rows:
             return self.rows.grad(ranks, i)
-        if self._gathered:
-            return self._acc[i]
-        return self._slots[ranks[0]][i] if len(ranks) == 1 else self._average(ranks, i)
+        return self._acc[i]
 
     def _step_tables(self, ranks: list[int], tables: list[int]) -> None:
         """Step the sparse ``tables`` alone (the face of a flat update): every other
@@ -426,28 +442,9 @@ class ShardState:
                 f"{step_failure(self.optimizer, self.named_parameters(), exc)}")
 
     def _fast_grad(self, ranks: list[int], k: int) -> torch.Tensor:
-        """Range ``k``'s gradient for the flat update: gathered, one slot, or the mean."""
-        acc = self._fast_acc[k]
-        if self._gathered:
-            return acc
-        slots = [self._fast_slots[r][k] for r in ranks]
-        if len(slots) == 1:
-            return slots[0]
-        with torch.no_grad():  # fixed rank order, as _average
-            torch.add(slots[0], slots[1], out=acc)
-            for s in slots[2:]:
-                acc.add_(s)
-            acc.div_(len(slots))
-        return acc
-
-    def _average(self, ranks: list[int], i: int) -> torch.Tensor:
-        acc = self._acc[i]
-        with torch.no_grad():  # fixed rank order: the same float sums every time
-            torch.add(self._slots[ranks[0]][i], self._slots[ranks[1]][i], out=acc)
-            for r in ranks[2:]:
-                acc.add_(self._slots[r][i])
-            acc.div_(len(ranks))
-        return acc
+        """Range ``k``'s gradient for the flat update: of the fold, folded now if need be."""
+        self._fold.ensure(ranks, [k])
+        return self._fold.acc[k]
 
     def checksum(self) -> int | None:
         """The current parameters' checksum when verification is on (cached per version)."""

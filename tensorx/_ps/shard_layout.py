@@ -15,7 +15,8 @@ from tensorx._ps.sparse import dynamic_path_ok
 from tensorx.errors import UsageError
 from tensorx.memregion import MemoryRegion
 
-__all__ = ["ShardLayout", "Slot", "entry_key", "flat_splitter", "param_splitter",
+__all__ = ["ShardLayout", "Slot", "dense_splitter", "entry_key", "flat_splitter",
+           "param_splitter",
            "single_dtype", "to_dtype", "views"]
 
 
@@ -78,6 +79,18 @@ def single_dtype(layout: ShardLayout) -> torch.dtype | None:
 def param_splitter(layout: ShardLayout) -> Callable[[MemoryRegion], list[torch.Tensor]]:
     specs = layout.param_specs()
     return lambda region: [region.view(p.dtype, p.shape, p.offset) for p in specs]
+
+
+def dense_splitter(layout: ShardLayout) -> Callable[[MemoryRegion], list[torch.Tensor]]:
+    """A region's dense tensors as few views as can be: the whole arena as one when it
+    holds one dtype and no sparse table, else one per dense tensor (the tables' bytes of a
+    slot are never written)."""
+    dtype = single_dtype(layout)
+    specs = [p for p in layout.param_specs() if not p.sparse]
+    if dtype is not None and len(specs) == len(layout.param_specs()):
+        size = torch.empty((), dtype=dtype).element_size()
+        return lambda region: [region.view(dtype, (layout.nbytes // size,))]
+    return lambda region: [region.view(p.dtype, (p.numel,), p.offset) for p in specs]
 
 
 def flat_splitter(layout: ShardLayout,

@@ -149,19 +149,25 @@ class Steps(ShardCore):
                              return_exceptions=True)
 
     async def _drop_nonfinite(self, decision: Decision, by_rank: dict[int, Peer]) -> Decision:
-        """Leave out gradients holding NaN or Inf, per ``on_nonfinite``."""
+        """Fold the gradients the update steps with and check the fold; leave out those
+        holding NaN or Inf, per ``on_nonfinite`` (the others are folded again, and checked)."""
         assert self.state is not None
         steps = {r: p.step for r, p in by_rank.items()}
-        bad = self.nonfinite.check(self.state, decision.apply, steps)
-        if not bad:
-            return decision
-        self.stats["nonfinite"] = self.nonfinite.count
-        if self.nonfinite.policy == "refuse":
-            for rank, names in bad.items():
-                if rank in by_rank:
-                    await self._refuse(by_rank[rank].ep,
-                                       self.nonfinite.error(rank, steps[rank], names))
-        return self.nonfinite.decide(decision, bad)
+        while decision.apply:
+            bad, finite = self.nonfinite.check(self.state, decision.apply, steps)
+            if finite:
+                return decision
+            self.state.ungather()
+            self.stats["nonfinite"] = self.nonfinite.count
+            if self.nonfinite.policy == "refuse":
+                for rank, names in bad.items():
+                    if rank in by_rank:
+                        await self._refuse(by_rank[rank].ep,
+                                           self.nonfinite.error(rank, steps[rank], names))
+                if self.state is None:
+                    break  # the refused rank was the last one: the plan was released
+            decision = self.nonfinite.decide(decision, bad)
+        return decision
 
     async def _send_params(self, peer: Peer,
                            sent: list[asyncio.Future[None]] | None = None) -> None:
