@@ -35,6 +35,7 @@ __all__ = [
     "decode_op",
     "decode_prefix",
     "encode",
+    "page",
     "read_frame",
     "reply_frame",
     "write_frame",
@@ -94,7 +95,8 @@ SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
     Kind.VALIDATE: {"req": _U, "rid": _U, "ck": _U},
     Kind.VALID: {"req": _U, "n": _U, "access": choice("r", "w", "rw")},
     Kind.BYE: {},
-    Kind.QUERY: {"req": _U, "what": _CODE, "name": text(64) | None},  # name: a lookup's
+    Kind.QUERY: {"req": _U, "what": _CODE, "name": text(64) | None,  # name: a lookup's
+                  "from": _U | None},  # from: the first item of the page asked for
     Kind.ANSWER: {"req": _U, "data": table(64)},
     Kind.REVOKE: {"rid": _U, "ck": _U},
     Kind.REVOKE_ACK: {"rid": _U, "ck": _U},
@@ -114,6 +116,32 @@ _REPLY = struct.Struct(PREFIX.format + "Q")
 _KINDS = {int(kind): kind for kind in Kind}  # a lookup, not Kind(value): on every frame
 # Kinds whose payload is region data; every other kind but NOTIFY carries none.
 DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
+
+
+# An ANSWER lists what a node exports or who is connected to it, which grows with the node:
+# it goes in pages of at most this many bytes of listed items (QUERY "from": the first item
+# wanted; the answer's "next": where the next page starts, absent on the last page).
+ANSWER_PAGE = MAX_HEADER - 4096
+OMITTED = "too large for an answer"
+
+
+def page(data: dict[str, Any], key: str, start: int) -> dict[str, Any]:
+    """``data`` with only the items of its list ``key`` from ``start`` on that fit in one
+    ANSWER (at least one; an item that alone does not fit is replaced by a note)."""
+    items = data[key]
+    out: list[Any] = []
+    size = 0
+    for item in items[start:]:
+        n = len(msgpack.packb(item, use_bin_type=True))
+        if n > ANSWER_PAGE:
+            item = {"omitted": f"{n} B: {OMITTED}"}
+            n = 64
+        if out and size + n > ANSWER_PAGE:
+            break
+        out.append(item)
+        size += n
+    rest = start + len(out)
+    return {**data, key: out, **({"next": rest} if rest < len(items) else {})}
 
 
 def encode(kind: Kind, header: dict[str, Any], payload_len: int = 0) -> bytes:

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from tensorx import _auth
+from tensorx import _auth, _wire
 from tensorx._deadline import Deadline, wait_for
 from tensorx._exports import ExportTable
 from tensorx._queues import LatestQueue, NotificationQueue
@@ -568,22 +568,24 @@ class Node:
         descriptor of theirs is one of a node that restarted."""
         return self._peers_at.former(address)
 
-    def _answer(self, what: str, name: str | None = None) -> dict[str, Any]:
-        """What an authenticated peer may learn about this node (``Endpoint.query``), and
-        the descriptor of an export it names (``Endpoint.lookup``)."""
+    def _answer(self, what: str, name: str | None = None, start: int = 0) -> dict[str, Any]:
+        """What an authenticated peer may learn about this node (``Endpoint.query``: one
+        page of it, from item ``start`` on, see :func:`tensorx._wire.page`), and the
+        descriptor of an export it names (``Endpoint.lookup``)."""
         if what == "lookup":
             return {"node": self.id, "desc": self._exports.named(check_name(name)).to_bytes()}
         if what == "exports":
-            return {"node": self.id, "exports": [
+            return _wire.page({"node": self.id, "exports": [
                 {"region": f"{d.region_id:#x}", "nbytes": d.nbytes, "device": d.device,
                  "access": d.access, "transports": sorted(d.keys) or ["tcp"],
                  **{k: v for k, v in (("name", d.name), ("dtype", d.dtype),
                                       ("shape", None if d.shape is None else list(d.shape)))
                     if v is not None}}
-                for d in self._exports.regions()]}
+                for d in self._exports.regions()]}, "exports", start)
         if what == "endpoints":
-            return {"node": self.id, "endpoints": [
-                {k: v for k, v in ep.info.items() if k != "socket"} for ep in self._endpoints]}
+            return _wire.page({"node": self.id, "endpoints": [
+                {k: v for k, v in ep.info.items() if k != "socket"}
+                for ep in self._endpoints]}, "endpoints", start)
         raise UsageError(f"unknown query '{printable(what)}'; ask for 'exports' or "
                          "'endpoints'")
 

@@ -62,7 +62,7 @@ def start(channel: ControlChannel, deliver: Callable[[bytes], Awaitable[None]] |
         if ended is not None and not ended.done():
             ended.set_result(exc)
 
-    owner = OwnerService(channel, ExportTable(channel.label), lambda what, name: {})
+    owner = OwnerService(channel, ExportTable(channel.label), lambda what, name, start: {})
     channel.start(owner, ChannelEvents(deliver or ignore, lambda *_: None, lambda *_: None,
                                        end, deliver_now))
 

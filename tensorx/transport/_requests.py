@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorx import _wire
+from tensorx._deadline import Deadline
 from tensorx._wire import Kind
 from tensorx.errors import BrokenError, ProtocolError, TensorxError, TimeoutError, error_from_code
 from tensorx.transport._futures import fresh_copy, set_once
@@ -204,11 +205,32 @@ class Requests:
 
     async def query(self, what: str, timeout: float | None,
                     name: str | None = None) -> dict[str, Any]:
-        """The peer's answer to a QUERY (``name``: of the export a lookup asks for)."""
-        fields = {"what": what} if name is None else {"what": what, "name": name}
-        answer: dict[str, Any] = await self._ask(Kind.QUERY, fields, timeout,
-                                                 "lookup" if what == "lookup" else "query")
-        return answer
+        """The peer's answer to ``what``: a lookup's (``name``: the export it asks for) in
+        one answer, any other's every page of it (see :func:`_wire.page`) within one
+        ``timeout``, its lists joined."""
+        if name is not None or what == "lookup":
+            fields = {"what": what} if name is None else {"what": what, "name": name}
+            found: dict[str, Any] = await self._ask(Kind.QUERY, fields, timeout, "lookup")
+            return found
+        deadline = Deadline(timeout)
+        answer: dict[str, Any] = {}
+        start = 0
+        while True:
+            got = await self._ask(Kind.QUERY, {"what": what, "from": start}, deadline.left(),
+                                  "query")
+            if not isinstance(got, dict):
+                raise ProtocolError(f"{self.label}: answer to a query is not a map")
+            for key, value in got.items():
+                if isinstance(value, list) and isinstance(answer.get(key), list):
+                    answer[key] += value
+                else:
+                    answer[key] = value
+            nxt = answer.pop("next", None)
+            if nxt is None:
+                return answer
+            if not isinstance(nxt, int) or nxt <= start:
+                raise ProtocolError(f"{self.label}: answer to a query pages backwards")
+            start = nxt
 
     def _landing(self, req: int, payload_len: int) -> Pending | None:
         """The read that READ_DATA answers, if its data should land (else it is dropped:

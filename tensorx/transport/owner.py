@@ -51,14 +51,14 @@ class OwnerService:
     readiness callback and return False when the frame has to wait (its payload is not all
     buffered, GPU memory), the ``on_*`` ones run in the channel's task. Payloads are read
     from ``wire`` (its ``reader`` and ``land``), replies go out with its ``out.post``;
-    ``answer(what, name)`` answers a QUERY (``Endpoint.query`` and ``Endpoint.lookup`` on
-    the peer's side).
+    ``answer(what, name, start)`` answers a QUERY (``Endpoint.lookup`` on the peer's side
+    names an export; ``Endpoint.query`` asks for every page, each from item ``start``).
     ``addresses``: whether a descriptor check that asks for the region's address gets it
     (for a same-host lane, see :meth:`LaneFactory.tells_addresses`); else it is answered
     without one, as for GPU memory."""
 
     def __init__(self, wire: Wire, exports: ExportTable,
-                 answer: Callable[[str, str | None], dict[str, Any]],
+                 answer: Callable[[str, str | None, int], dict[str, Any]],
                  addresses: bool = False) -> None:
         self._exports = exports
         self._answer = answer
@@ -163,7 +163,7 @@ class OwnerService:
 
     def on_query(self, h: dict[str, Any], payload_len: int) -> None:
         try:
-            data = self._answer(h["what"], h.get("name"))
+            data = self._answer(h["what"], h.get("name"), h.get("from") or 0)
         except TensorxError as exc:
             self._reply_error(h["req"], exc)
             return
