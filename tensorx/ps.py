@@ -258,6 +258,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self._closed = False
         self._initialised = False  # parameters came from rank 0 or a checkpoint
         self._resumed = False      # ... from a checkpoint: the plan is never released
+        self._idle = False  # every worker left before the first update (see _ps.plan)
         self.stats = {"updates": 0, "pushes": 0, "max_gap": 0,
                       "max_version_lag": 0, "apply_s": 0.0,
                       "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,

@@ -194,3 +194,59 @@ async def test_building_a_large_state_does_not_starve_other_handshakes() -> None
         await asyncio.gather(joining, return_exceptions=True)
         await worker.aclose()
         assert outcome == [None], outcome
+
+
+# -- joins under churn ---------------------------------------------------------------------
+async def join_and_leave(address: str, rank: int, how: str) -> tuple[float, list[bool]]:
+    """A worker joins (its start timed: connect, handshake, welcome, first pull) and leaves
+    ``how``: "clean" (closes), "abort" (its connection dropped right after joining) or
+    "push" (dropped once its push is on its way)."""
+    model = make_model()
+    w = Worker(model, address, rank=rank, num_workers=2, timeout=10)
+    t0 = asyncio.get_running_loop().time()
+    await w.start()
+    took, mapped = asyncio.get_running_loop().time() - t0, list(w.mapped)
+    if how == "push":
+        w.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        step = asyncio.ensure_future(w.step())
+        await asyncio.sleep(0.05)
+        step.cancel()
+    if how != "clean":
+        for ep in w.node.endpoints:
+            ep.abort()
+    await asyncio.gather(w.aclose(), return_exceptions=True)
+    return took, mapped
+
+
+async def test_joins_under_churn_are_quick_and_offered_the_mapping() -> None:
+    """Joins and departures of both ranks, clean and aborted, one at a time (so that at
+    times no worker is connected, and none has ever completed an update): every join is
+    welcomed (a rank 1 alone takes the parameters rank 0 gave before it left), the mapping
+    is offered to every rank after the churn, and joins do not slow down as it goes on."""
+    hows = ["clean", "abort", "push"] * 3
+    async with ParameterServer(num_workers=2, mode="sync") as ps:
+        joins = [await join_and_leave(ps.address, i % 2, how) for i, how in enumerate(hows)]
+        after = await asyncio.gather(join_and_leave(ps.address, 0, "clean"),
+                                     join_and_leave(ps.address, 1, "clean"))
+        assert ps.version == 0 and ps.stats["pushes"] >= 1  # nothing applied
+    assert all(mapped == [True] for _, mapped in [*joins, *after]), [*joins, *after]
+    first = max(took for took, _ in joins[:3])
+    assert max(took for took, _ in [*joins[3:], *after]) < max(2.0, 3 * first), joins
+
+
+async def test_rank_0_gives_the_parameters_again_to_a_plan_left_idle() -> None:
+    """Every worker left before the first update: the plan is kept for rank 1 to come
+    back to, and rank 0's next hello gives the parameters again, as its first did."""
+    async with ParameterServer(num_workers=2, mode="sync", transport="tcp") as ps:
+        first = make_model()
+        async with Worker(first, ps.address, rank=0, num_workers=2, transport="tcp"):
+            pass
+        again = make_model()
+        with torch.no_grad():
+            for p in again.parameters():
+                p.fill_(0.5)
+        async with Worker(again, ps.address, rank=0, num_workers=2, transport="tcp"), \
+                Worker(make_model(), ps.address, rank=1, num_workers=2,
+                       transport="tcp") as w1:
+            assert all(bool((p == 0.5).all()) for p in w1.model.parameters())

@@ -77,6 +77,7 @@ class ShardCore(abc.ABC):
     _sparse: SparseReceiver | None
     _initialised: bool
     _resumed: bool
+    _idle: bool
     _saved_version: int | None
     # workers
     _peers: dict[Endpoint, Peer]
@@ -123,6 +124,9 @@ class ShardCore(abc.ABC):
 
     @abc.abstractmethod
     def _release_plan_if_idle(self) -> None: ...
+
+    @abc.abstractmethod
+    def _release_plan(self) -> None: ...
 
     # -- offered by service.ServiceLoop ---------------------------------------------------
     @abc.abstractmethod

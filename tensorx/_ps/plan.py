@@ -1,5 +1,9 @@
 """The plan a shard serves and the state built from it: adopted from the first hello or
-a checkpoint, released when every worker leaves before the first update."""
+a checkpoint. When every worker leaves before the first update the plan is *idle*: kept,
+with the parameters rank 0 gave, so that a worker of it that comes back is welcomed at once
+(rank 0's hello takes its parameters again, as the first one did), and released as soon as
+a hello for another plan arrives (a worker of another model that said hello and left must
+not lock the shard)."""
 
 from __future__ import annotations
 
@@ -86,12 +90,26 @@ class PlanHolder(ShardCore):
         return plan, plan_bytes, state, sparse
 
     def _release_plan_if_idle(self) -> None:
-        """No worker left before the first update: forget the plan, so that the next hello
-        sets it (a worker of another model that said hello and left must not lock it)."""
-        if self._peers or self._plan is None or self._resumed or self.version:
+        """No worker left before the first update: the plan is idle (see the module
+        docstring); without parameters yet, nothing is worth keeping: released now."""
+        if self._peers or self._plan is None or self._resumed or self.version or self._idle:
             return
-        logger.info("ps shard %d: every worker left before the first update; plan %s "
-                    "released (the next hello sets it)", self.shard, self._plan.fingerprint)
+        if self._initialised and not self._closed:
+            self._idle = True
+            for rank in range(self.num_workers):
+                self.losses.back(rank)  # an idle shard waits for its workers silently
+            logger.info("ps shard %d: every worker left before the first update; plan %s kept "
+                        "with rank 0's parameters for its workers to come back (a hello of "
+                        "another plan replaces it)", self.shard, self._plan.fingerprint)
+            return
+        self._release_plan()
+
+    def _release_plan(self) -> None:
+        """Forget the plan and its state: the next hello sets it."""
+        assert self._plan is not None
+        logger.info("ps shard %d: plan %s released (the next hello sets it)", self.shard,
+                    self._plan.fingerprint)
+        self._idle = False
         state, sparse = self.state, self._sparse
         self._plan, self._plan_bytes, self.state, self._sparse = None, b"", None, None
         self._initialised = False

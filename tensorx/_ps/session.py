@@ -57,6 +57,9 @@ class Sessions(ShardCore):
             self._header_descs[rank] = b"" if self._sparse is None else self.node.export(
                 self._sparse.headers[rank], access="w").to_bytes()
         peer.offered = self.sharing.offer(self.state, rank, msg["share"])
+        if self._idle and rank == 0:
+            self._initialised = False  # rank 0 gives the parameters, as the first time
+        self._idle = False
         self.scheduler.join(rank)
         self._finished.discard(rank)
         away = self.losses.back(rank)
@@ -73,6 +76,9 @@ class Sessions(ShardCore):
             self._waiting.append(peer)
 
     async def _check_plan(self, msg: dict[str, Any]) -> None:
+        if self._idle and self._plan is not None and \
+                msg["fingerprint"] != self._plan.fingerprint:
+            self._release_plan()  # idle, and asked for by nobody: see tensorx._ps.plan
         if self._plan is None:
             plan = await self._adopt_plan_async(msg["plan"])
             logger.info("ps shard %d: %s", self.shard, plan.summary())
