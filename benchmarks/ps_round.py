@@ -189,11 +189,12 @@ def check_mapping(pairs: dict[str, Pair], placement: Placement) -> None:
 def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
     """What two guards cost per round on this model's shapes, timed here in this process,
     as a share of the tensorx rounds measured above in the same run: the shard's non-finite
-    check of a pushed gradient (every mode), and a mapped worker's check for edits in place
+    check of a pushed gradient (every mode: one rank's gradient copied into the shard's own
+    memory and summed there, see tensorx._ps.fold), and a mapped worker's check for edits in place
     before it reads a pull (same host: its copy-on-write pages, found in pagemap)."""
     import torch
 
-    from tensorx._ps.nonfinite import finite
+    from tensorx._ps.nonfinite import checked
     from tensorx._ps.shard import ShardLayout, ShardState
     from tensorx.graph_analyzer import GraphAnalyzer
     from tensorx.memregion import MemoryRegion
@@ -202,7 +203,7 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
     state = ShardState(ShardLayout.from_plan(plan, 0), 1,
                        lambda p: torch.optim.SGD(p, lr=common.LR), shared=True)
     try:
-        check = _median_s(lambda: finite(state, 0))
+        check = _median_s(lambda: checked(state, [0]))
         edits = None
         if state.params_region.shared_name is not None:
             mapped = MemoryRegion.attach(state.params_region.shared_name,
