@@ -9,6 +9,7 @@ groups, the optimizer state's manifest) ride in notifications of up to 16 MiB.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -57,6 +58,10 @@ async def test_info_lists_every_export_and_peer_of_a_large_node(transport: str) 
         for region in regions:
             node.export(region, access="r")
         await client.connect(node.address)
+        for _ in range(500):  # the accepting side adopts its endpoint once both are READY
+            if node.endpoints:
+                break
+            await asyncio.sleep(0.01)
         with many_peers(node, node.endpoints[0], PEERS):
             answer = await query_node(node.address, None)
         assert len({e["region"] for e in answer["exports"]}) == EXPORTS  # each once
