@@ -136,7 +136,7 @@ def tensorx_stage(cfg: dict[str, Any], mod: nn.Module) -> tuple[Any, dict[str, A
             sched.step(target=[target] * M)
 
     def final() -> dict[str, Any]:
-        info = {"registered": stage.plan.registered_bytes,
+        info = {"registered": stage.plan.registered_bytes, "stats": stage.stats(),
                 "lane": {k: v["host"] or v["transport"] for k, v in
                          stage.info["peers"].items()}}
         stage.close()

@@ -50,6 +50,11 @@ class Ring:
         self.layout = layout
         self.slots = slots
         self.region = MemoryRegion.allocate(layout.slot_bytes * slots, _device_name(device))
+        # per slot, per tensor: a flat view of its capacity (a micro-batch's view is a
+        # slice of it: no per-transfer work on the region)
+        self._flat = [[self._view(m, (math.prod(m.shape),), k * layout.slot_bytes + off)
+                       for m, off in zip(layout.metas, layout.offsets, strict=True)]
+                      for k in range(slots)]
 
     @property
     def nbytes(self) -> int:
@@ -61,10 +66,9 @@ class Ring:
 
     def views(self, n: int, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
         """The tensors of transfer ``n``, in place, at ``shapes`` (each within capacity)."""
-        base = self.base(n)
-        return [self._view(m, shape, base + off)
-                for m, shape, off in zip(self.layout.metas, shapes, self.layout.offsets,
-                                         strict=True)]
+        flats = self._flat[n % self.slots]
+        return [flat[:math.prod(shape)].view(shape) for flat, shape in zip(flats, shapes,
+                                                                           strict=True)]
 
     def _view(self, meta: TensorMeta, shape: tuple[int, ...], offset: int) -> torch.Tensor:
         view: torch.Tensor = self.region.view(getattr(torch, meta.dtype), shape, offset)
@@ -75,11 +79,11 @@ class Ring:
         (``None`` entries are skipped and have no op)."""
         base = self.base(n)
         ops = []
-        for meta, t, off in zip(self.layout.metas, tensors, self.layout.offsets, strict=True):
+        for flat, t, off in zip(self._flat[n % self.slots], tensors, self.layout.offsets,
+                                strict=True):
             if t is None:
                 continue
-            dst = self._view(meta, tuple(t.shape), base + off)
-            dst.copy_(t.detach())
+            flat[:t.numel()].view(t.shape).copy_(t.detach())
             ops.append((base + off, t.numel() * t.element_size()))
         return ops
 

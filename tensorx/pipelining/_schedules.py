@@ -51,22 +51,22 @@ class PipelineScheduleSingle:
         """One training step: every micro-batch forward and backward. First stage: the
         batch (``args``); last stage: ``target=`` and ``losses=`` (a list the micro-batches'
         losses are appended to); returns the last stage's output (merged along dim 0)."""
-        return self._run(args, kwargs, target, losses, train=True)
+        return self._run(args, kwargs, target, losses, True)
 
     def eval(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
              **kwargs: Any) -> Any:
         """Forward only (no gradients, nothing kept for a backward)."""
-        return self._run(args, kwargs, target, losses, train=False)
+        return self._run(args, kwargs, target, losses, False)
 
     async def astep(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
                     **kwargs: Any) -> Any:
-        """:meth:`step` for asyncio callers: the step runs on a thread, the caller's loop
-        keeps running."""
-        return await asyncio.to_thread(self._run, args, kwargs, target, losses, True)
+        """:meth:`step` for asyncio callers: the step runs on the stage's own loop, the
+        caller's keeps running."""
+        return await self._arun_there(args, kwargs, target, losses, True)
 
     async def aeval(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
                     **kwargs: Any) -> Any:
-        return await asyncio.to_thread(self._run, args, kwargs, target, losses, False)
+        return await self._arun_there(args, kwargs, target, losses, False)
 
     # -- the order ---------------------------------------------------------------------------
     def _order(self, stage: int, stages: int, m: int) -> Iterator[tuple[str, int]]:
@@ -75,7 +75,25 @@ class PipelineScheduleSingle:
     # -- running ---------------------------------------------------------------------------
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
              losses: list[Any] | None, train: bool) -> Any:
+        """A step, from a caller's thread: it runs on the stage's loop (where its node
+        is), computing there too: one hand-over per step, none per micro-batch."""
+        return self._stage._call(self._arun(args, kwargs, target, losses, train,
+                                            torch.get_num_threads()))
+
+    async def _arun_there(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+                          losses: list[Any] | None, train: bool) -> Any:
+        future = asyncio.run_coroutine_threadsafe(
+            self._arun(args, kwargs, target, losses, train, torch.get_num_threads()),
+            self._stage._loop)
+        return await asyncio.wrap_future(future)
+
+    async def _arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+                    losses: list[Any] | None, train: bool, threads: int) -> Any:
         stage = self._stage
+        if torch.get_num_threads() != threads:
+            # the caller's torch.set_num_threads holds for its own thread (OpenMP's count is
+            # per thread): the stage's loop computes with the caller's, not the default
+            torch.set_num_threads(threads)
         if kwargs:
             raise UsageError(f"keyword inputs are not supported ({sorted(kwargs)}): pass "
                              "the stage's inputs positionally")
@@ -91,7 +109,7 @@ class PipelineScheduleSingle:
         target_mbs = _split(target, m, "target") if target is not None else None
         step = self._steps
         self._steps += 1
-        stage._prepare()
+        await stage._prepare()
         saved: dict[int, Any] = {}
         outputs: list[Any] = []
         try:
@@ -99,15 +117,15 @@ class PipelineScheduleSingle:
                 ("F", mb) for mb in range(m))
             for action, mb in order:
                 if action == "F":
-                    out = self._forward(stage, mb, step, arg_mbs[mb], target_mbs, losses,
-                                        saved, train)
+                    out = await self._forward(stage, mb, step, arg_mbs[mb], target_mbs,
+                                              losses, saved, train)
                     if stage.is_last:
                         outputs.append(out)
                 else:
-                    self._backward(stage, mb, step, saved)
-            stage._flush()
+                    await self._backward(stage, mb, step, saved)
+            await stage._flush()
         except BaseException as exc:
-            stage._fail(exc)
+            await stage._fail(exc)
             raise
         stage._stats["steps"] += 1
         if train and self.scale_grads and m > 1:
@@ -116,10 +134,10 @@ class PipelineScheduleSingle:
                     p.grad.div_(m)
         return _merge(outputs) if stage.is_last else None
 
-    def _forward(self, stage: PipelineStage, mb: int, step: int, args: tuple[Any, ...],
+    async def _forward(self, stage: PipelineStage, mb: int, step: int, args: tuple[Any, ...],
                  target_mbs: list[Any] | None, losses: list[Any] | None,
                  saved: dict[int, Any], train: bool) -> Any:
-        inputs, wants, received = stage._forward_inputs(mb, step, args)
+        inputs, wants, received = await stage._forward_inputs(mb, step, args)
         for i, x in enumerate(inputs):
             if x is None:
                 raise UsageError(f"stage {stage.stage_index} got no input {i} for micro-batch "
@@ -138,27 +156,27 @@ class PipelineScheduleSingle:
                     losses.append(loss.detach())
             sent: list[Any] = []
         else:
-            sent = stage._send_outputs(mb, outputs, train)
+            sent = await stage._send_outputs(mb, outputs, train)
         if train:
             saved[mb] = (inputs, received, outputs, sent, loss)
         else:
             stage._release(received)
         return out.detach() if isinstance(out, torch.Tensor) else out
 
-    def _backward(self, stage: PipelineStage, mb: int, step: int, saved: dict[int, Any]
-                  ) -> None:
+    async def _backward(self, stage: PipelineStage, mb: int, step: int,
+                        saved: dict[int, Any]) -> None:
         inputs, received, outputs, sent, loss = saved.pop(mb)
         if stage.is_last:
             if loss is not None and loss.requires_grad:
                 torch.autograd.backward(loss)
         else:
-            grads, got = stage._grads_of_outputs(mb, step, sent, outputs)
+            grads, got = await stage._grads_of_outputs(mb, step, sent, outputs)
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             stage._release(got)
-        stage._send_grads(mb, received, inputs)
+        await stage._send_grads(mb, received, inputs)
 
     @property
     def stage(self) -> PipelineStage:

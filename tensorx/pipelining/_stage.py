@@ -135,8 +135,10 @@ class _Edge:
         self.credit_waits: list[tuple[int, asyncio.Future[None]]] = []
         self.expect = 0  # next transfer we expect from the peer
         self.done: set[int] = set()  # transfers we are done with, not yet handed back
-        self.handed = 0  # transfers handed back (all below it)
-        self.pending: list[concurrent.futures.Future[None] | None] = [None] * STAGING
+        self.handed = 0  # transfers we are done with (all below it)
+        self.told = 0  # ... and the peer has been told about
+        self.flush_due = False
+        self.pending: list[asyncio.Task[None] | None] = [None] * STAGING
         self.taken = 0  # receiver: transfers the schedule took (caller's thread)
         self.shapes: dict[int, list[tuple[int, ...]]] = {}  # sender: shapes of transfer n
         self.bytes = 0
@@ -320,16 +322,6 @@ class PipelineStage:
         return self._addresses[stage]
 
     # -- meeting the other stages ---------------------------------------------------------
-    def _connect(self) -> None:
-        """Open the endpoints to the later stages this one shares a boundary with (an
-        earlier stage opens the one to us), retrying while they are not up yet."""
-        if self._connected:
-            return
-        for stage in self._routes.neighbours:
-            if stage > self.stage_index:
-                self._call(self._open(stage, self._address_of(stage)))
-        self._connected = True
-
     async def _open(self, stage: int, address: str) -> None:
         deadline = Deadline(self.timeout)
         delay = 0.05
@@ -468,21 +460,15 @@ class PipelineStage:
                                                                                 edge.grad_slots):
                 raise ProtocolError(f"{who} sent {kind!r} for transfer {n}, which is not "
                                     f"in flight on {edge.name}")
+            if "c" in msg:
+                self._credited(edge, integer(msg, "c", who), who)
             waiter = edge.waiting.pop(n, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
             else:
                 edge.inbox[n] = msg
         elif (kind == "FR" and edge.sending) or (kind == "BR" and not edge.sending):
-            n = integer(msg, "n", who)
-            if n > edge.sent:
-                raise ProtocolError(f"{who} handed back {n} transfers on {edge.name}, "
-                                    f"{edge.sent} were sent")
-            edge.credits = max(edge.credits, n)
-            for need, fut in list(edge.credit_waits):
-                if edge.credits >= need and not fut.done():
-                    fut.set_result(None)
-            edge.credit_waits = [(k, f) for k, f in edge.credit_waits if not f.done()]
+            self._credited(edge, integer(msg, "n", who), who)
         else:
             raise ProtocolError(f"{who} sent {kind!r}, unexpected on {edge.name} now")
 
@@ -753,31 +739,68 @@ class PipelineStage:
             self._set_failure(exc)
             raise
 
-    async def _hand_back(self, edge: _Edge, n: int) -> None:
-        """We are done with transfer ``n`` (in any order): hand back every slot below the
-        first transfer still in use."""
+    def _hand_back(self, edge: _Edge, n: int) -> None:
+        """We are done with transfer ``n`` (in any order): every slot below the first
+        transfer still in use goes back to the peer, with the next message we send it on
+        this boundary (``c``) or, if none goes before the loop turns, on its own."""
         edge.done.add(n)
         while edge.handed in edge.done:
             edge.done.discard(edge.handed)
             edge.handed += 1
+        if edge.handed > edge.told and not edge.flush_due:
+            edge.flush_due = True
+            self._loop.call_soon(self._flush_credit, edge)
+
+    def _credit_due(self, edge: _Edge) -> int | None:
+        """The credit to carry on a message being sent now, if any is due."""
+        if edge.handed <= edge.told:
+            return None
+        edge.told = edge.handed
+        return edge.handed
+
+    def _flush_credit(self, edge: _Edge) -> None:
+        edge.flush_due = False
+        credit = self._credit_due(edge)
         ep = self._links.get(edge.peer)
-        if ep is None:
+        if credit is None or ep is None:
             return
         kind = "BR" if edge.sending else "FR"
+        self._issue(self._notify_credit(ep, edge, encode(kind, n=credit)))
+
+    async def _notify_credit(self, ep: Endpoint, edge: _Edge, payload: bytes) -> None:
         try:
-            await ep.notify(encode(kind, n=edge.handed), timeout=self.timeout)
+            await ep.notify(payload, timeout=self.timeout)
         except TensorxError as exc:
             if edge.peer not in self._gone:
                 logger.debug("stage %d: handing back a slot to stage %d failed: %s",
                              self.stage_index, edge.peer, exc)
 
-    # -- what a schedule calls (the caller's thread) ---------------------------------------
-    def _prepare(self) -> None:
-        self._check_failed()
-        self._connect()
+    def _credited(self, edge: _Edge, n: int, who: str) -> None:
+        """The peer handed back every transfer below ``n`` on ``edge``."""
+        if n > edge.sent:
+            raise ProtocolError(f"{who} handed back {n} transfers on {edge.name}, "
+                                f"{edge.sent} were sent")
+        edge.credits = max(edge.credits, n)
+        for need, fut in list(edge.credit_waits):
+            if edge.credits >= need and not fut.done():
+                fut.set_result(None)
+        edge.credit_waits = [(k, f) for k, f in edge.credit_waits if not f.done()]
 
-    def _forward_inputs(self, mb: int, step: int, args: tuple[Any, ...]
-                        ) -> tuple[list[Any], list[bool], list[tuple[_Edge, int]]]:
+    # -- what a schedule runs (a step is a coroutine on the stage's loop) ------------------
+    async def _prepare(self) -> None:
+        """Open the endpoints to the later stages this one shares a boundary with (an
+        earlier stage opens the one to us), retrying while they are not up yet."""
+        self._check_failed()
+        if self._connected:
+            return
+        for stage in self._routes.neighbours:
+            if stage > self.stage_index:
+                address = await asyncio.to_thread(self._address_of, stage)
+                await self._open(stage, address)
+        self._connected = True
+
+    async def _forward_inputs(self, mb: int, step: int, args: tuple[Any, ...]
+                              ) -> tuple[list[Any], list[bool], list[tuple[_Edge, int]]]:
         """This micro-batch's positional inputs: the user's (first stage) and each
         incoming boundary's, in place; whether the sender wants each one's gradient; and
         the transfers they came in."""
@@ -787,8 +810,7 @@ class PipelineStage:
         for edge in self._incoming():
             n = edge.taken
             edge.taken += 1
-            tensors = self._call(self._receive(edge, n, f" for micro-batch {mb} of step "
-                                                        f"{step}"))
+            tensors = await self._receive(edge, n, f" for micro-batch {mb} of step {step}")
             assert edge.layout is not None
             positions = self._routes.inputs_from(edge.src, len(tensors))
             width = max(positions, default=-1) + 1
@@ -807,8 +829,8 @@ class PipelineStage:
     def _outgoing(self) -> list[_Edge]:
         return sorted((e for e in self._edges.values() if e.sending), key=lambda e: e.dst)
 
-    def _send_outputs(self, mb: int, outputs: Sequence[torch.Tensor], train: bool) -> list[
-            tuple[_Edge, int]]:
+    async def _send_outputs(self, mb: int, outputs: Sequence[torch.Tensor], train: bool
+                            ) -> list[tuple[_Edge, int]]:
         sent = []
         for edge in self._outgoing():
             picked = self._routes.outputs_to(edge.dst, len(outputs))
@@ -816,37 +838,35 @@ class PipelineStage:
             if not edge.planned.is_set():
                 metas = [_meta_of(t, f"output {i} of stage {self.stage_index}")
                          for i, t in zip(picked, tensors, strict=True)]
-                self._call(self._offer(edge, metas))
+                await self._offer(edge, metas)
             assert edge.layout is not None
             assert edge.staging is not None
             self._check_fits(edge, tensors, mb)
             n = edge.sent
             edge.sent += 1
-            self._staging_free(edge, n)
-            ops = edge.staging.fill(n, tensors)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            await self._staging_free(edge, n)
+            ops = edge.staging.fill(n, tensors)  # (CUDA: write_many waits for the copy)
             if train:
                 edge.shapes[n] = [tuple(t.shape) for t in tensors]
             header = {"shapes": [list(t.shape) for t in tensors], "mb": mb, "train": train}
-            edge.pending[n % STAGING] = self._spawn(self._send(edge, "F", n, ops, header))
+            credit = self._credit_due(edge)
+            if credit is not None:
+                header["c"] = credit
+            edge.pending[n % STAGING] = self._issue(self._send(edge, "F", n, ops, header))
             sent.append((edge, n))
+        await asyncio.sleep(0)  # the writes start before the next micro-batch computes
         return sent
 
-    def _staging_free(self, edge: _Edge, n: int) -> None:
+    def _issue(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = self._loop.create_task(coro)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def _staging_free(self, edge: _Edge, n: int) -> None:
         prior = edge.pending[n % STAGING]
         if prior is not None:
-            self._result(prior)
             edge.pending[n % STAGING] = None
-
-    def _result(self, fut: concurrent.futures.Future[Any]) -> Any:
-        try:
-            return fut.result(self.timeout + 5.0)
-        except TensorxError:
-            raise
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"stage {self.stage_index}: a send did not complete within "
-                               f"{self.timeout} s") from None
+            await prior
 
     def _check_fits(self, edge: _Edge, tensors: Sequence[torch.Tensor], mb: int) -> None:
         assert edge.layout is not None
@@ -862,8 +882,8 @@ class PipelineStage:
                     f"{list(t.shape)} for this input) and dynamic= (the dimensions that vary), "
                     "or input_args at the largest size")
 
-    def _send_grads(self, mb: int, received: Sequence[tuple[_Edge, int]],
-                    inputs: Sequence[Any]) -> None:
+    async def _send_grads(self, mb: int, received: Sequence[tuple[_Edge, int]],
+                          inputs: Sequence[Any]) -> None:
         for edge, n in received:
             positions = self._routes.inputs_from(edge.src, len(edge.layout.metas)
                                                  if edge.layout else 0)
@@ -872,25 +892,26 @@ class PipelineStage:
                 x = inputs[pos]
                 g = x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
                 grads.append(g)
-            self._staging_free(edge, n)
+            await self._staging_free(edge, n)
             ops: list[tuple[int, int]] = []
             if edge.staging is not None:
                 ops = edge.staging.fill(n, grads)
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-            header = {"has": [g is not None for g in grads], "mb": mb}
+            self._hand_back(edge, n)  # (its credit goes with the gradients)
+            header: dict[str, Any] = {"has": [g is not None for g in grads], "mb": mb}
+            credit = self._credit_due(edge)
+            if credit is not None:
+                header["c"] = credit
             edge.sent = max(edge.sent, n + 1)
-            edge.pending[n % STAGING] = self._spawn(self._send(edge, "B", n, ops, header))
-            self._spawn(self._hand_back(edge, n))
+            edge.pending[n % STAGING] = self._issue(self._send(edge, "B", n, ops, header))
+        await asyncio.sleep(0)
 
-    def _grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[_Edge, int]],
-                          outputs: Sequence[torch.Tensor]
-                          ) -> tuple[list[torch.Tensor | None], list[tuple[_Edge, int]]]:
+    async def _grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[_Edge, int]],
+                                outputs: Sequence[torch.Tensor]
+                                ) -> tuple[list[torch.Tensor | None], list[tuple[_Edge, int]]]:
         grads: list[torch.Tensor | None] = [None] * len(outputs)
         got = []
         for edge, n in sent:
-            views = self._call(self._receive_grads(edge, n, f" for micro-batch {mb} of step "
-                                                             f"{step}"))
+            views = await self._receive_grads(edge, n, f" for micro-batch {mb} of step {step}")
             for i, g in zip(self._routes.outputs_to(edge.dst, len(outputs)), views,
                             strict=True):
                 if g is not None:
@@ -901,29 +922,22 @@ class PipelineStage:
 
     def _release(self, transfers: Sequence[tuple[_Edge, int]]) -> None:
         for edge, n in transfers:
-            self._spawn(self._hand_back(edge, n))
+            self._hand_back(edge, n)
 
-    def _flush(self) -> None:
+    async def _flush(self) -> None:
         """Every send of this step has landed (or raised)."""
         for edge in self._edges.values():
-            for i, fut in enumerate(edge.pending):
-                if fut is not None:
-                    self._result(fut)
+            for i, task in enumerate(edge.pending):
+                if task is not None:
                     edge.pending[i] = None
+                    await task
 
-    def _fail(self, exc: BaseException) -> None:
+    async def _fail(self, exc: BaseException) -> None:
         """A step failed here: tell every other stage, once."""
-        if self._failure is None and self._thread.is_alive():
+        if self._failure is None:
             message = f"{type(exc).__name__}: {exc}"
-            err = exc if isinstance(exc, TensorxError) else BrokenError(message)
-            try:
-                self._call(self._fail_async(err), timeout=5.0)
-            except TensorxError:
-                pass
-
-    async def _fail_async(self, exc: BaseException) -> None:
-        self._set_failure(exc)
-        await asyncio.sleep(0)  # let the abort notifications go out
+            self._set_failure(exc if isinstance(exc, TensorxError) else BrokenError(message))
+            await asyncio.sleep(0)  # let the abort notifications go out
 
     # -- public ---------------------------------------------------------------------------
     @property
