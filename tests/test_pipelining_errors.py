@@ -17,7 +17,14 @@ from torch import nn
 
 from tensorx import MemoryRegion, Node, RegionDescriptor
 from tensorx import pipelining as pp
-from tensorx.errors import BrokenError, ProtocolError, RegionError, TimeoutError, UsageError
+from tensorx.errors import (
+    BrokenError,
+    ClosedError,
+    ProtocolError,
+    RegionError,
+    TimeoutError,
+    UsageError,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -139,3 +146,36 @@ async def test_a_forged_mark_is_a_protocol_error_and_touches_nothing_outside_its
         stage.close()
     assert isinstance(box.get("error"), ProtocolError), box
     assert "\x1b" not in str(box["error"])  # a peer's string comes back escaped
+
+
+async def test_asyncio_callers_step_with_astep_and_close_with_async_with() -> None:
+    peers = {0: f"tcp://127.0.0.1:{free_port()}", 1: f"tcp://127.0.0.1:{free_port()}"}
+    torch.manual_seed(0)
+    first, last = nn.Linear(4, 4), nn.Linear(4, 2)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    want = [nn.MSELoss()(last(first(xb)), yb).item()
+            for xb, yb in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3), strict=True)]
+    async with pp.PipelineStage(first, 0, 2, "cpu", peers=peers) as a, \
+            pp.PipelineStage(last, 1, 2, "cpu", peers=peers) as b:
+        sa, sb = pp.Schedule1F1B(a, 3), pp.Schedule1F1B(b, 3, loss_fn=nn.MSELoss())
+        losses: list[torch.Tensor] = []
+        ticks = 0
+
+        async def tick() -> None:  # the caller's loop keeps running while the stages step
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        ticker = asyncio.create_task(tick())
+        _, out = await asyncio.gather(sa.astep(x), sb.astep(target=y, losses=losses))
+        ticker.cancel()
+        assert out.shape == (6, 2)
+        assert [round(v.item(), 5) for v in losses] == [round(v, 5) for v in want]
+        assert first.weight.grad is not None and last.weight.grad is not None
+        assert a.stats()["transfers_sent"] == 3 and b.stats()["transfers_received"] == 3
+        assert a.info["peers"][1]["transport"] in ("tcp", "ucx")  # one process: no CMA
+        assert ticks > 0
+    a.close()  # idempotent
+    with pytest.raises(ClosedError, match="closed"):
+        await sa.astep(x)

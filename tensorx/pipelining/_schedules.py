@@ -82,6 +82,7 @@ class PipelineScheduleSingle:
 
     async def _arun_there(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
                           losses: list[Any] | None, train: bool) -> Any:
+        self._stage._check_open()
         future = asyncio.run_coroutine_threadsafe(
             self._arun(args, kwargs, target, losses, train, torch.get_num_threads()),
             self._stage._loop)

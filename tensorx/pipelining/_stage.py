@@ -256,10 +256,14 @@ class PipelineStage:
             self._edges[(src, dst)] = self._call(self._make_edge(src, dst))
 
     # -- the loop thread ------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise ClosedError(f"stage {self.stage_index} is closed")
+
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         if not self._thread.is_alive():
             coro.close()
-            raise ClosedError(f"stage {self.stage_index} is closed")
+            self._check_open()
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
