@@ -47,9 +47,12 @@ _LAZY = {
     # launchers (torchrun): the store the shards publish their addresses in, and the lookup
     "launcher_store": "tensorx.ps",
     "ps_addresses": "tensorx.worker",
+    # pipeline (model-parallel) training: a subpackage of its own
+    "pipelining": "tensorx.pipelining",
 }
 
 if _typing.TYPE_CHECKING:
+    from tensorx import pipelining
     from tensorx.graph_analyzer import GraphAnalyzer, PlanEntry, TransferPlan
     from tensorx.ps import ParameterServer, launcher_store
     from tensorx.remote_optimizer import RemoteOptimizer
@@ -96,5 +99,6 @@ __all__ = [
     "Worker",
     "__version__",
     "launcher_store",
+    "pipelining",
     "ps_addresses",
 ]

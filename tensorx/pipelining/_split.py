@@ -76,8 +76,8 @@ class Pipe:
         if options.get("input_args") is None and self._examples[stage_index] is not None:
             options["input_args"] = self._examples[stage_index]
         routes = _Routes(self._routes.incoming, self._routes.outgoing).at(stage_index)
-        return PipelineStage(module, stage_index, self.num_stages, device, _routes=routes,
-                             **options)
+        return PipelineStage._routed(routes, module, stage_index, self.num_stages, device,
+                                     **options)
 
 
 def build_stage(pipe: Pipe, stage_index: int, device: torch.device | str | int,

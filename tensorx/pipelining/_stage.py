@@ -192,8 +192,31 @@ class PipelineStage:
                  dynamic: Sequence[int] | None = None,
                  max_shapes: Sequence[Sequence[int]] | None = None,
                  slots: int | None = None, timeout: float = 60.0,
-                 listen: str | None = None, store: Any = None,
-                 _routes: Any = None) -> None:
+                 listen: str | None = None, store: Any = None) -> None:
+        self._setup(submodule, stage_index, num_stages, device, input_args, peers=peers,
+                    transport=transport, require=require, token=token, dynamic=dynamic,
+                    max_shapes=max_shapes, slots=slots, timeout=timeout, listen=listen,
+                    store=store, routes=None)
+
+    @classmethod
+    def _routed(cls, routes: _Routes, submodule: nn.Module, stage_index: int,
+                num_stages: int, device: torch.device | str | int, **options: Any
+                ) -> PipelineStage:
+        """A stage whose boundaries are ``routes`` (the split frontend's), not a chain."""
+        stage = cls.__new__(cls)
+        stage._setup(submodule, stage_index, num_stages, device,
+                     options.pop("input_args", None), routes=routes, **options)
+        return stage
+
+    def _setup(self, submodule: nn.Module, stage_index: int, num_stages: int,
+               device: torch.device | str | int, input_args: Any = None, *,
+               peers: Mapping[int, str] | None = None, transport: str = "auto",
+               require: str | None = None, token: str | bytes | None = None,
+               dynamic: Sequence[int] | None = None,
+               max_shapes: Sequence[Sequence[int]] | None = None,
+               slots: int | None = None, timeout: float = 60.0,
+               listen: str | None = None, store: Any = None,
+               routes: _Routes | None = None) -> None:
         if not isinstance(num_stages, int) or num_stages < 1:
             raise UsageError(f"num_stages must be an int >= 1, got {num_stages!r}")
         if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
@@ -219,7 +242,7 @@ class PipelineStage:
         self.slots_override = slots
         # routes: which stages this one receives from and sends to, and which of its inputs
         # and outputs each boundary carries (None: all, in order: the manual frontend)
-        self._routes: _Routes = _routes or _Routes.chain(stage_index, num_stages)
+        self._routes: _Routes = routes or _Routes.chain(stage_index, num_stages)
         self._peers = dict(peers) if peers is not None else None
         self._store = store
         if self._peers is not None:
