@@ -50,6 +50,7 @@ check-dist: $(STAMP)
 bench: $(STAMP)
 	TENSORX_UCX_TCP=1 $(BIN)/python benchmarks/transfer.py --sizes 64K,16M,64M
 	TENSORX_UCX_TCP=1 $(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/pipeline.py --netns
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info

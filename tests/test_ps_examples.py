@@ -26,6 +26,14 @@ def test_train_digits_reaches_95_percent() -> None:
     assert float(match.group(1)) >= 0.95
 
 
+def test_pipeline_example_trains_digits_across_stage_processes() -> None:
+    out = run_example("pipeline.py", "--stages", "2", "--epochs", "3", "--quiet")
+    match = re.search(r"^accuracy (\d\.\d+)$", out, re.MULTILINE)
+    assert match, out
+    assert float(match.group(1)) >= 0.85
+    assert "lanes cma" in out, out  # two stages on one host: the same-host lane
+
+
 def test_custom_trainer_two_line_conversion_trains() -> None:
     source = (ROOT / "examples" / "custom_trainer.py").read_text()
     assert len(re.findall(r"# tensorx$", source, re.MULTILINE)) == 2
