@@ -304,8 +304,14 @@ class PipelineStage:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         return fut
 
-    def _spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+    async def _bounded(self, fut: asyncio.Future[Any]) -> Any:
+        """``await fut`` for at most the stage's timeout (then asyncio.TimeoutError); a
+        failure of the stage sets its exception on ``fut`` too."""
+        handle = self._loop.call_later(self.timeout, _expire, fut)
+        try:
+            return await fut
+        finally:
+            handle.cancel()
 
     async def _make_edge(self, src: int, dst: int) -> _Edge:
         return _Edge(src, dst, self.stage_index)
@@ -674,7 +680,7 @@ class PipelineStage:
             return edge.inbox.pop(n)
         waiter = edge.waiting.setdefault(n, self._future())
         try:
-            return await wait_for(asyncio.shield(waiter), self.timeout)
+            return await self._bounded(waiter)  # type: ignore[no-any-return]
         except asyncio.TimeoutError:
             edge.waiting.pop(n, None)
             raise self._timeout(edge.peer, what, edge, mb) from None
@@ -729,7 +735,7 @@ class PipelineStage:
                 fut = self._future()
                 edge.credit_waits.append((need, fut))
                 try:
-                    await wait_for(asyncio.shield(fut), self.timeout)
+                    await self._bounded(fut)
                 except asyncio.TimeoutError:
                     raise self._timeout(edge.peer, "to hand back a slot", edge,
                                         f" (transfer {n})") from None
@@ -1101,6 +1107,11 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
 
 def _listen_of(address: str) -> str:
     return address
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
 
 
 async def _quietly(aw: Any) -> None:
