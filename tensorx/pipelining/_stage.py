@@ -265,7 +265,7 @@ class PipelineStage:
         self._connected = False
         self._stats = {"transfers_sent": 0, "transfers_received": 0, "bytes_sent": 0,
                        "bytes_received": 0, "wait_s": 0.0, "credit_wait_s": 0.0, "steps": 0}
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"tensorx-pp-stage{stage_index}")
         self._thread.start()
@@ -1107,6 +1107,19 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
 
 def _listen_of(address: str) -> str:
     return address
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """The stage's own loop (its thread is tensorx's, not the caller's): uvloop where
+    installed, as tensorx's own processes use (``TENSORX_LOOP=asyncio`` turns it off)."""
+    from tensorx._eventloop import use_uvloop
+
+    if use_uvloop():
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        return loop
+    return asyncio.new_event_loop()
 
 
 def _expire(fut: asyncio.Future[Any]) -> None:
