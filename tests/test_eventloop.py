@@ -40,7 +40,7 @@ def test_uvloop_asked_for_but_missing_says_how_to_install(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop -> ImportError
     monkeypatch.delenv(_eventloop.ENV, raising=False)
-    with pytest.raises(UsageError, match=r"tensorx\[uvloop\]"):
+    with pytest.raises(UsageError, match=r"tensorx-rdma\[uvloop\]"):
         _eventloop.use_uvloop("uvloop")
     assert not _eventloop.use_uvloop()  # auto: asyncio's own, quietly
     assert _eventloop.run(_loop_module()) == "asyncio"
