@@ -95,9 +95,11 @@ async def _train(rank: int, address: str, args: argparse.Namespace) -> dict[str,
     gen = torch.Generator().manual_seed(SEED)  # every worker draws the same permutations
     async with tx.Worker(model, address, rank=rank, num_workers=args.workers,
                          transport=args.transport, share_memory=args.share_memory) as worker:
-        transport = worker.node.endpoints[0].info["transport"]
-        path = transport + (", arenas mapped (same host: steps move no bytes)"
-                            if all(worker.mapped) else "")
+        info = worker.node.endpoints[0].info
+        transport = info["transport"]
+        # why TCP where it is: "tcp (ucx: UCX here has no RDMA device)" on a host without RDMA
+        path = (info["why"] if transport == "tcp" else transport) + (
+            ", arenas mapped (same host: steps move no bytes)" if all(worker.mapped) else "")
         bar = tqdm(total=total, desc=f"digits ({transport}, {args.mode})", unit="step",
                    disable=rank != 0 or args.quiet, file=sys.stdout)
         t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["printable"]
+__all__ = ["gist", "printable"]
 
 LIMIT = 200
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -24,3 +24,17 @@ def _escape(c: str) -> str:
     code = ord(c)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
         else f"\\U{code:08x}"
+
+
+def gist(reason: str) -> str:
+    """The first clause of a lane's reason (``ep.info["skipped"]``), for a short line:
+    ``"UCX unavailable (UCX here has no RDMA device (it has ...), so ...)"`` -> ``"UCX
+    here has no RDMA device"``. Pure."""
+    text = reason.strip()
+    if text.startswith("UCX unavailable (") and text.endswith(")"):
+        text = text[len("UCX unavailable ("):-1]
+    for stop in (" (", "; ", ", which", ", so "):
+        cut = text.find(stop)
+        if cut > 0:
+            text = text[:cut]
+    return text

@@ -8,6 +8,7 @@ always reported: one INFO line per endpoint naming transport, lanes and why.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -20,9 +21,10 @@ from urllib.parse import urlsplit
 from tensorx import _auth, _wire
 from tensorx._deadline import Deadline, wait_for
 from tensorx._exports import ExportTable
+from tensorx._loud import fallback
 from tensorx._queues import LatestQueue, NotificationQueue
 from tensorx._redial import PeerHistory
-from tensorx._text import printable
+from tensorx._text import gist, printable
 from tensorx.endpoint import DEFAULT, Connection, Endpoint
 from tensorx.errors import (
     ClosedError,
@@ -59,6 +61,14 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` is installed (without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def parse_address(address: str) -> tuple[str, str, int]:
@@ -133,6 +143,7 @@ class Node:
         self._exports = ExportTable(self.id)
         self._factories: list[LaneFactory] = []  # fastest first, TCP last
         self._unavailable: dict[str, str] = {}  # factories this node could not start: why
+        self._ucx_expected = False  # UCX is installed and transport="auto": TCP is a fallback
         self._listener: TcpListener | None = None
         self._endpoints: dict[Endpoint, bytes] = {}  # and their connection's binding
         self._peers_at = PeerHistory()  # which nodes we reached at each address
@@ -170,7 +181,11 @@ class Node:
         logger.info("node %s up: %s; lanes %s%s", self.id,
                     self.address if self._listener else "client only",
                     ", ".join(f.name for f in self._factories),
-                    "".join(f"; no {name}: {why}" for name, why in self._unavailable.items()))
+                    "".join(f"; no {name}: {gist(why)}"
+                            for name, why in self._unavailable.items()))
+        if self._unavailable:
+            logger.debug("node %s: lane factories not started: %s", self.id,
+                         "; ".join(f"{k}: {v}" for k, v in self._unavailable.items()))
         return self
 
     def _resolve_secret(self) -> bytes:
@@ -204,6 +219,7 @@ class Node:
         try:
             from tensorx.transport.ucx import UcxFactory
 
+            self._ucx_expected = self.transport == "auto" and _installed("ucxx")
             return UcxFactory(**self._ucx_options)
         except (ImportError, TransportUnavailableError) as exc:
             why = f"UCX unavailable ({exc})"
@@ -482,7 +498,7 @@ class Node:
             conn = await self._finish(channel, hello, deadline.left())
             ep = Endpoint(self, conn, address=f"tcp://{peer}",
                           claimed=self._handler is not None)
-            self._adopt(ep, conn.binding)
+            self._adopt(ep, conn.binding, accepted=True)
             if self._handler is not None:
                 self._handle(ep, self._handler)
         except TensorxError as exc:
@@ -537,15 +553,43 @@ class Node:
                           {**choice.notes, "skipped": choice.skipped}, bypassed,
                           hello.binding)
 
-    def _adopt(self, ep: Endpoint, binding: bytes) -> None:
+    def _adopt(self, ep: Endpoint, binding: bytes, accepted: bool = False) -> None:
         """``ep`` is ours, on a connection just made (under the handshake's ``binding``):
-        one INFO line says how it moves data."""
+        one short INFO line says how it moves data (the reasons go to DEBUG and
+        ``ep.info``), and the first fallback from UCX in this process is a WARNING (on
+        the side that connected where the peer is the reason: a server is not made to
+        warn by what its clients lack)."""
         self._endpoints[ep] = binding
         info = ep.info
-        logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s why=%s%s; host=%s",
-                    self.id, ep.peer, ep.address, info["transport"], ",".join(info["lanes"]),
-                    printable(info["why"]), f"; gpu={info['gpu']}" if "gpu" in info else "",
-                    printable(info.get("host", "none")))
+        skipped = info.get("skipped", {})
+        missed = [f"{name} ({printable(gist(str(why)), 80)})" for name, why in skipped.items()
+                  if not str(why).startswith("off")]
+        logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s%s%s", self.id, ep.peer,
+                    ep.address, info["transport"], ",".join(info["lanes"]),
+                    f" gpu={gist(info['gpu'])}" if "gpu" in info else "",
+                    f"; not used: {', '.join(missed)}" if missed else "")
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("endpoint %s <-> %s: why=%s; host=%s; gpu=%s; skipped=%s", self.id,
+                         ep.peer, printable(info["why"], 2000),
+                         printable(info.get("host", "none"), 2000),
+                         info.get("gpu", "no GPU path"), printable(skipped, 4000))
+        if self._ucx_expected and info["transport"] != "ucx":
+            self._say_no_ucx(ep, str(skipped.get("ucx", "")), accepted)
+
+    def _say_no_ucx(self, ep: Endpoint, why: str, accepted: bool) -> None:
+        """UCX is installed here, yet ``ep`` moves data over tensorx's TCP lane."""
+        peer_side = "the peer" in why
+        if peer_side and accepted:
+            logger.info("endpoint from %s: no UCX (%s)", ep.address, printable(gist(why)))
+            return
+        how = ("install it on the peer too (pip install 'tensorx-rdma[ucx]')" if peer_side
+               else "an RDMA NIC, or on a trusted network TENSORX_UCX_TCP=1 (or "
+               "ucx_options={'allow_tcp': True})")
+        fallback(logger, "ucx", "UCX is installed but unused (%s): data goes over tensorx's "
+                 "TCP lane%s. To use UCX: %s; transport='tcp' chooses TCP without this "
+                 "warning", printable(gist(why) or "it did not open", 160),
+                 ", host memory to same-host peers by CMA" if "cma" in ep.info["lanes"]
+                 else "", how)
 
     def _link_lost(self, ep: Endpoint, exc: BaseException | None) -> None:
         """``ep``'s connection ended and it reconnects: it stays ours, but what was kept

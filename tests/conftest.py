@@ -131,6 +131,14 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fresh_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process has warned about no fallback yet (each kind warns once per process)."""
+    from tensorx import _loud
+
+    monkeypatch.setattr(_loud, "_said", set())
+
+
 async def retried(caplog: pytest.LogCaptureFixture, attempts: int = 1) -> None:
     """Wait until a worker logged ``attempts`` failed rejoin attempts (``caplog`` set to
     INFO for ``tensorx.worker``): a server restarted after that is met by a retry."""

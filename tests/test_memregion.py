@@ -138,7 +138,7 @@ async def test_tcp_endpoint_that_cannot_stage_gpu_memory_says_why() -> None:
     async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
         desc = a.export(tx.MemoryRegion.allocate(16))
         ep = await b.connect(a.address)
-        assert ep.info["gpu"].startswith("staged via pinned host")
+        assert "gpu" not in ep.info  # no GPU path here (tensorx info says so too)
         for op in (ep.write, ep.read):
             with pytest.raises(tx.TransportUnavailableError, match="cuda:0"):
                 await op(tx.MemoryRegion.register(FakeCuda()), desc)

@@ -9,14 +9,17 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import tensorx as tx
+from tensorx import _cuda
 from tensorx.testing import OwnerProcess, check_timed_out_reads, digest, pattern, wait_until
 from tensorx.transport import _staging
 from tensorx.transport._staging import CHUNK, POOL
+from tensorx.transport.tcp import TcpLane
 
 STAGE = "TENSORX_STAGE_HOST"
 
@@ -52,14 +55,34 @@ def test_the_switch_stages_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _staging.split_staged([b"h", staged, b"x", b"y"]) == [[b"h"], staged, [b"x", b"y"]]
 
 
-async def test_info_and_log_line_say_gpu_memory_is_staged(
-        caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="tensorx.node")
-    async with tx.Node(transport="tcp") as a, tx.Node(listen=None, transport="tcp") as b:
+@pytest.mark.usefixtures("fresh_fallbacks")
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "cpu-only"])
+async def test_info_and_log_line_say_gpu_memory_is_staged_where_there_is_a_gpu(
+        cuda: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Where torch has CUDA, ``ep.info["gpu"]`` and the INFO line say GPU memory is staged,
+    and the first op on GPU memory is one WARNING per process; on a CPU-only torch there
+    is no such path (as ``tensorx info`` says) and neither mentions one."""
+    monkeypatch.setattr(_cuda, "available", lambda: cuda)
+    caplog.set_level("INFO", logger="tensorx")
+    async with tx.Node(transport="tcp", cuda_ipc=False) as a, \
+            tx.Node(listen=None, transport="tcp", cuda_ipc=False) as b:
         ep = await b.connect(a.address)
-        assert ep.info["gpu"] == f"staged via pinned host, {CHUNK >> 20} MiB x {POOL}"
+        assert ep.info["lanes"] == ["tcp/socket"]
         lines = [r.getMessage() for r in caplog.records if "endpoint" in r.getMessage()]
+        if not cuda:
+            assert "gpu" not in ep.info and not any("gpu=" in line for line in lines)
+            return
+        assert ep.info["gpu"] == f"staged via pinned host, {CHUNK >> 20} MiB x {POOL}"
         assert lines and all("gpu=staged via pinned host" in line for line in lines)
+    gpu = SimpleNamespace(local=SimpleNamespace(is_cuda=True),
+                          remote=SimpleNamespace(device="cpu"))
+    for lane in [TcpLane(SimpleNamespace(requests=None))] * 3 + [  # type: ignore[arg-type]
+            TcpLane(SimpleNamespace(requests=None))]:  # type: ignore[arg-type]
+        if not lane._said:  # as each op does
+            lane._gpu_op(gpu)  # type: ignore[arg-type]
+    said = [r for r in caplog.records if "GPU memory goes over TCP" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING", "INFO"]  # per process, then per lane
+    assert "tensorx info" in said[0].getMessage()
 
 
 @pytest.mark.parametrize(("client", "owner"), SIDES)

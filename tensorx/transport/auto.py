@@ -13,7 +13,7 @@ endpoint :func:`choose` opens
 
 and hands the endpoint one lane that sends each op to the fastest of them that carries it
 (:class:`~tensorx.transport._router.Router`). Why a factory was not used is kept per factory
-(``ep.info["skipped"]``) and said in the endpoint's ``why`` (and ``host``) and INFO line.
+(``ep.info["skipped"]``), its gist in the endpoint's ``why`` (and ``host``).
 ``require`` makes a lane between hosts that does not meet it an error instead.
 """
 
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tensorx._deadline import Deadline
+from tensorx._text import gist
 from tensorx.errors import TransportUnavailableError
 from tensorx.transport._router import Router
 from tensorx.transport.base import DataLane, LaneFactory, Link
@@ -97,8 +98,8 @@ class _Chooser:
                 return factory, lane
         last = network[-1]
         lane = await last.open_lane(self.link, timeout=self.deadline.left())
-        if self.skipped:
-            reasons = "; ".join(f"{name}: {why}" for name, why in self.skipped.items())
+        if self.skipped:  # the gist: ``skipped`` has each reason whole
+            reasons = "; ".join(f"{name}: {gist(why)}" for name, why in self.skipped.items())
             self.notes["why"] = f"{lane.name} ({reasons})"
         return last, lane
 
@@ -118,6 +119,7 @@ class _Chooser:
         if meets(require, factory, lane):
             return
         info = {**lane.info, **self.notes}
+        reasons = "; ".join(f"{name}: {why}" for name, why in self.skipped.items())
         raise TransportUnavailableError(
             f"require={require!r} but this endpoint would use {lane.name} over "
-            f"{', '.join(info['lanes']) or 'no lanes'} ({info['why']})")
+            f"{', '.join(info['lanes']) or 'no lanes'} ({reasons or info['why']})")

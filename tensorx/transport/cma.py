@@ -56,6 +56,7 @@ from typing import Any
 
 from tensorx._deadline import Deadline, wait_for
 from tensorx._exports import check_bounds
+from tensorx._loud import fallback
 from tensorx._shm import host_id
 from tensorx._text import printable
 from tensorx.errors import (
@@ -310,8 +311,11 @@ class CmaFactory(LaneFactory):
                                link.held_by)
         if pid is None:
             if loud:
-                logger.warning("endpoint to %s: no same-host lane, host memory goes over the "
-                               "lane between hosts: %s", link.peer, printable(why))
+                fallback(logger, "cma", "endpoint to %s: no same-host lane (CMA), host memory "
+                         "goes over the lane between hosts: %s. CMA needs the permission "
+                         "ptrace has (same user; yama ptrace_scope <= 1; containers may "
+                         "forbid it); same_host=False (TENSORX_SAME_HOST=0) turns it off "
+                         "without this warning", link.peer, printable(why))
             raise TransportUnavailableError(why)
         if self._pool is None:
             self._pool = make_pool()
@@ -344,7 +348,7 @@ class CmaLane(DataLane):
 
     @property
     def info(self) -> dict[str, Any]:
-        return {"host": HOW}
+        return {"host": HOW, "lanes": [KEY]}
 
     def carries(self, op: Op) -> bool:
         return op.nbytes > 0 and not op.local.is_cuda and op.remote.device != "cuda"

@@ -99,8 +99,14 @@ class CudaIpcFactory(LaneFactory):
         where the peer is another node of it, whose regions the lane then copies without
         IPC handles."""
         theirs = link.offer(KEY)
-        if not (self._enabled and isinstance(theirs, dict) and _cuda.available()):
-            raise TransportUnavailableError("not offered by both peers")
+        if not self._enabled:
+            raise TransportUnavailableError("off (cuda_ipc disabled here)")
+        if not _cuda.available():
+            raise TransportUnavailableError("off (no CUDA in this process: no GPU memory to "
+                                            "move)")
+        if not isinstance(theirs, dict):
+            raise TransportUnavailableError("not offered by the peer (no CUDA there, or "
+                                            "cuda_ipc disabled)")
         pid = theirs.get("pid")
         if theirs.get("host") != host_id() or not isinstance(pid, int) \
                 or not 0 < pid < 2**31:
@@ -136,7 +142,8 @@ class CudaIpcLane(DataLane):
     def info(self) -> dict[str, Any]:
         how = ("same process: device to device" if self._same_process else
                "CUDA IPC: device to device, same host")
-        return {"gpu": f"{KEY} ({how}; peer death seen by the control channel)"}
+        return {"gpu": f"{KEY} ({how}; peer death seen by the control channel)",
+                "lanes": [KEY]}
 
     def carries(self, op: Op) -> bool:
         return op.nbytes > 0 and self._ipc_keys(op.remote) is not None

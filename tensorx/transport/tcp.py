@@ -8,15 +8,20 @@ to when no faster lane takes it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from tensorx import _cuda
+from tensorx._loud import fallback
 from tensorx.transport import _staging
 from tensorx.transport._staging import StagedRange, stage_host, staged_range
 from tensorx.transport.base import CUDA, HOST, Capabilities, DataLane, LaneFactory, Link, Op
 from tensorx.transport.control import MAX_IMM, ControlChannel
 
 __all__ = ["TcpFactory", "TcpLane"]
+
+logger = logging.getLogger(__name__)
 
 
 class TcpFactory(LaneFactory):
@@ -40,20 +45,40 @@ class TcpLane(DataLane):
         self._requests = channel.requests
         self._why = why
         self._stage_host = stage_host()  # read once per connection, not per op
+        self._gpu = _cuda.available()  # whether this process has a GPU path at all
+        # said: the first op on GPU memory was (staged and) said, or there can be none
+        self._said = not self._gpu
 
     @property
     def info(self) -> dict[str, Any]:
-        return {"transport": "tcp", "lanes": ["tcp/socket"], "why": self._why,
-                "gpu": _staging.describe()}
+        info = {"transport": "tcp", "lanes": ["tcp/socket"], "why": self._why}
+        if self._gpu:  # only a path that exists: a torch without CUDA has none
+            info["gpu"] = _staging.describe()
+        return info
+
+    def _gpu_op(self, op: Op) -> None:
+        """If ``op`` is on GPU memory (ours or the owner's), the first of this lane: that
+        is a fallback from a device-to-device path, said once per process."""
+        if op.local.is_cuda or op.remote.device.startswith("cuda"):
+            self._said = True
+            fallback(logger, "gpu", "GPU memory goes over TCP, staged through pinned host "
+                     "buffers (a copy on each side, socket speed): this peer has no CUDA IPC "
+                     "lane (same host, both using CUDA) and no UCX with CUDA transports "
+                     "(ucx-cu12/ucx-cu13). ep.info['gpu'] and ep.info['skipped'] say why; "
+                     "`tensorx info` lists this host's GPU paths")
 
     # write and read hand over the request's coroutine itself (as the router does): the
     # small op's path has no frame of its own here
     def write(self, op: Op, *, timeout: float | None) -> Coroutine[Any, Any, None]:
+        if not self._said:
+            self._gpu_op(op)
         src = staged_range(op.local, op.local_offset, op.nbytes, self._stage_host)
         return self._requests.write_one(src, op.remote.region_id, op.remote.cookie,
                                         op.remote_offset, timeout)
 
     def read(self, op: Op, *, timeout: float | None) -> Coroutine[Any, Any, None]:
+        if not self._said:
+            self._gpu_op(op)
         dest = staged_range(op.local, op.local_offset, op.nbytes, self._stage_host)
         if isinstance(dest, StagedRange):
             return self._read_staged(dest, op, timeout)
@@ -90,5 +115,8 @@ class TcpLane(DataLane):
         """See :meth:`aclose`."""
 
     def _frames(self, ops: Sequence[Op]) -> list[tuple[memoryview | StagedRange, int, int, int]]:
+        if not self._said:
+            for op in ops:
+                self._gpu_op(op)
         return [(staged_range(op.local, op.local_offset, op.nbytes, self._stage_host),
                  op.remote.region_id, op.remote.cookie, op.remote_offset) for op in ops]

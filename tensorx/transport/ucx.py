@@ -162,10 +162,11 @@ class UcxFactory(LaneFactory):
                 "with allow_tcp=True or TENSORX_UCX_TCP=1")
         if self.error_handling and not any(t.startswith(PEER_FAILURE_TLS) for t in found):
             raise TransportUnavailableError(
-                "no UCX transport here both handles peer failure and bounds one-sided ops "
-                f"(UCX has {', '.join(sorted(found)) or 'none'}; its tcp is left out since it "
-                "writes wherever a request says); error_handling=False gives same-host "
-                "shared-memory lanes, allow_tcp=True UCX tcp on a trusted network")
+                "UCX here has no RDMA device (it has "
+                f"{', '.join(sorted(found)) or 'nothing'}; its tcp is left out since it writes "
+                "wherever a request says), so no transport that both detects a dead peer and "
+                "bounds one-sided ops; error_handling=False gives same-host shared-memory "
+                "lanes, allow_tcp=True UCX tcp on a trusted network")
         return found
 
     # -- LaneFactory -----------------------------------------------------------------
