@@ -7,7 +7,10 @@ An HTML comment on the line before a block says how (see docs/development.md):
   ``sh`` block above it, on a free loopback port; the block's ``tcp://127.0.0.1:7000`` is
   replaced by the address the server printed, and the server must then stop cleanly;
 * ``<!-- docs-test: torchrun N -->``: run the block under ``torchrun --nproc-per-node N``;
-* ``<!-- docs-test: skip REASON -->``: an illustration, not run (it must still compile).
+* ``<!-- docs-test: skip REASON -->``: an illustration, not run (it must still compile);
+* ``<!-- docs-test: service -->`` and ``<!-- docs-test: client -->``: a two-process service
+  (docs/services.md): the service runs, the client runs against it, and the service is
+  stopped and started again at the same address while the client runs.
 
 A block that raises, exits non-zero or hangs fails its test.
 """
@@ -31,7 +34,7 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\S*)\s*$")
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(\w+)\s*(.*?)\s*-->$")
 PLACEHOLDER = "tcp://127.0.0.1:7000"
-MODES = ("script", "server", "torchrun", "skip")
+MODES = ("script", "server", "torchrun", "skip", "service", "client")
 BLOCK_TIMEOUT = 120.0
 
 
@@ -89,7 +92,7 @@ def _ps_command(code: str) -> str | None:
 
 ALL = [b for path in DOCUMENTS for b in parse(path)]
 PYTHON = [b for b in ALL if b.lang == "python"]
-RUN = [b for b in PYTHON if b.mode != "skip"]
+RUN = [b for b in PYTHON if b.mode in ("script", "server", "torchrun")]
 
 
 def test_the_documents_have_blocks_to_run() -> None:
@@ -123,6 +126,76 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     else:
         script.write_text(block.code)
         _run([sys.executable, str(script)], tmp_path, block)
+
+
+SERVICES = [b for b in PYTHON if b.mode in ("service", "client")]
+
+
+def test_the_service_page_runs_in_two_processes_through_a_restart(tmp_path: Path) -> None:
+    """docs/services.md's service and client, each in its own process, as a reader runs
+    them: the service is stopped (SIGTERM) and started again at its address while the
+    client runs, and the client finishes every round having seen one restart."""
+    pair = {b.mode: b for b in SERVICES if b.path.name == "services.md"}
+    assert set(pair) == {"service", "client"}
+    (tmp_path / "service.py").write_text(pair["service"].code)
+    (tmp_path / "client.py").write_text(pair["client"].code)
+    first = _Service(tmp_path, "tcp://127.0.0.1:0")
+    with first:
+        address = first.address
+        client = subprocess.Popen([sys.executable, "client.py", address], cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert client.stdout is not None
+            line = _readline(client.stdout, BLOCK_TIMEOUT)
+            assert line.startswith("table float32 (10000, 64)"), line
+        except BaseException:
+            client.kill()
+            raise
+    try:
+        with _Service(tmp_path, address):
+            out, err = client.communicate(timeout=BLOCK_TIMEOUT)
+    finally:
+        client.kill()
+    assert client.returncode == 0, f"client.py exited {client.returncode}:\n{out}\n{err}"
+    assert "the service restarted" in out and "done: 100 rounds, 1 restart(s)" in out, out
+
+
+class _Service:
+    """``python service.py LISTEN`` in ``cwd``, until SIGTERM, which it must take cleanly."""
+
+    def __init__(self, cwd: Path, listen: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "service.py", listen], cwd=cwd,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.address = ""
+
+    def __enter__(self) -> _Service:
+        assert self.proc.stdout is not None
+        line = _readline(self.proc.stdout, BLOCK_TIMEOUT)
+        if not line.startswith("serving on "):
+            self.proc.kill()
+            pytest.fail(f"service.py did not start: {line!r}\n{self.proc.communicate()[1]}")
+        self.address = line.split()[-1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate(timeout=30)
+            pytest.fail("service.py did not stop within 30 s of SIGTERM")
+        if exc[0] is None:
+            assert self.proc.returncode == 0, f"service.py exited {self.proc.returncode}:\n{err}"
+
+
+def _readline(stream: Any, timeout: float) -> str:
+    """One line of ``stream``, or "" after ``timeout`` seconds."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return got[0] if got else ""
 
 
 def _run(argv: list[str], cwd: Path, block: Block) -> None:
