@@ -16,6 +16,8 @@ from tensorx.memregion import MemoryRegion, RegionDescriptor
 
 __all__ = ["RowPlan", "plan"]
 
+SHORT = 32  # rows given as a list up to this long are checked in plain Python
+
 
 class RowPlan(NamedTuple):
     """The local region and the byte ranges ``(offset, remote_offset, nbytes)`` to move."""
@@ -30,9 +32,11 @@ def plan(local: Any, desc: RegionDescriptor, rows: Any, need: str) -> RowPlan:
     range, a dtype or row shape that differs, a row written twice."""
     row_shape, row_bytes, nrows = _layout(desc)
     index = _rows(rows, nrows, desc)
-    if need == "w" and len(np.unique(index)) != len(index):
-        raise UsageError(f"write_rows: a row appears twice in rows ({_twice(index)}); which "
-                         "write lands last is not defined")
+    if need == "w" and len(set(index) if isinstance(index, list) else np.unique(index)) \
+            != len(index):
+        raise UsageError(f"write_rows: a row appears twice in rows "
+                         f"({_twice(np.asarray(index))}); which write lands last is not "
+                         "defined")
     region = local if isinstance(local, MemoryRegion) else \
         MemoryRegion.register(local, writable=need == "r")
     _check_local(region, desc, len(index), row_shape, row_bytes, need)
@@ -53,8 +57,12 @@ def _layout(desc: RegionDescriptor) -> tuple[tuple[int, ...], int, int]:
     return desc.shape[1:], itemsize * math.prod(desc.shape[1:]), desc.shape[0]
 
 
-def _rows(rows: Any, nrows: int, desc: RegionDescriptor) -> np.ndarray:
-    """``rows`` (a list, numpy array or torch tensor of ints) as a 1-D int64 array."""
+def _rows(rows: Any, nrows: int, desc: RegionDescriptor) -> np.ndarray | list[int]:
+    """``rows`` (a list, numpy array or torch tensor of ints) as a 1-D int64 array, or a
+    short list of ints as it is (numpy's fixed cost would be most of a small read's)."""
+    if type(rows) in (list, tuple) and len(rows) <= SHORT and all(
+            type(r) is int and 0 <= r < nrows for r in rows):
+        return list(rows)
     if type(rows).__module__.startswith("torch"):
         rows = rows.detach().cpu().numpy()
     index = np.asarray(rows)
@@ -94,11 +102,24 @@ def _check_local(region: MemoryRegion, desc: RegionDescriptor, n: int,
                          f"{named(desc)} need {n * row_bytes} B")
 
 
-def _runs(index: np.ndarray) -> list[tuple[int, int, int]]:
+def _runs(index: np.ndarray | list[int]) -> list[tuple[int, int, int]]:
     """``(position in index, first row, count)`` of each run of consecutive rows."""
+    if isinstance(index, list):
+        return _short_runs(index)
     if not index.size:
         return []
     breaks = np.flatnonzero(np.diff(index) != 1) + 1
     starts = np.concatenate(([0], breaks))
     counts = np.diff(np.concatenate((starts, [index.size])))
     return list(zip(starts.tolist(), index[starts].tolist(), counts.tolist(), strict=True))
+
+
+def _short_runs(index: list[int]) -> list[tuple[int, int, int]]:
+    """:func:`_runs` of a short list, in plain Python."""
+    runs: list[tuple[int, int, int]] = []
+    for i, row in enumerate(index):
+        if runs and row == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, row, 1))
+    return runs

@@ -377,6 +377,10 @@ class Endpoint:
         differs (nothing moves then); a failed read raises once none is in flight."""
         desc = descriptor(remote)
         planned = _rows.plan(out, desc, rows, "r")
+        if len(planned.ranges) == 1:  # one run of rows (one row, say): no task per read
+            off, roff, n = planned.ranges[0]
+            await self.read(planned.region, desc, off, roff, n, timeout=timeout)
+            return
         deadline = Deadline(self._timeout(timeout))
         for first in range(0, len(planned.ranges), ROW_READS_IN_FLIGHT):
             batch = planned.ranges[first:first + ROW_READS_IN_FLIGHT]
