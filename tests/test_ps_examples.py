@@ -32,6 +32,8 @@ def test_pipeline_example_trains_digits_across_stage_processes() -> None:
     assert match, out
     assert float(match.group(1)) >= 0.85
     assert "lanes cma" in out, out  # two stages on one host: the same-host lane
+
+
 def test_embedding_service_runs_both_services_and_reports_ratios() -> None:
     """A few hundred ops against each service (the figures of a real run are in its
     docstring's command; here only that it runs, end to end, and reports)."""
