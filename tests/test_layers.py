@@ -23,7 +23,7 @@ PACKAGE = Path(tensorx.__file__).parent
 LAYERS: dict[str, float] = {
     # pure foundations: nothing else of tensorx but each other
     "tensorx.errors": 0, "tensorx._text": 0, "tensorx._deadline": 0,
-    "tensorx._counters": 0, "tensorx._ratelog": 0, "tensorx._schema": 0,
+    "tensorx._counters": 0, "tensorx._ratelog": 0, "tensorx._schema": 0, "tensorx._loud": 0,
     # codecs and OS helpers
     "tensorx._wire": 1, "tensorx._auth": 1, "tensorx._shm": 1, "tensorx._cuda": 1,
     "tensorx._queues": 1, "tensorx._netns": 1, "tensorx._eventloop": 1, "tensorx._cache": 1,
