@@ -7,8 +7,9 @@ region its latest export (what ``region.descriptor()`` returns) through one meth
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,18 @@ class ExportTable:
             self._by_name[name] = region.region_id
         region._exported(desc)
         return desc
+
+    def add_keys(self, backend: str,
+                 register: Callable[[MemoryRegion], Mapping[str, Any] | None]) -> None:
+        """A backend started after some exports: each export's descriptor gets its keys
+        (``register(region)``, under ``backend``), the same cookie, so one given out
+        before stays good (its ops take the lanes that need no such keys)."""
+        for export in self._by_id.values():
+            keys = None if export.region.closed else register(export.region)
+            if keys is not None:
+                export.descriptor = dataclasses.replace(
+                    export.descriptor, keys={**export.descriptor.keys, backend: keys})
+                export.region._exported(export.descriptor)
 
     def remove(self, region: MemoryRegion) -> RegionDescriptor | None:
         """Stop serving ``region`` (and free its name); the descriptor of its export here,

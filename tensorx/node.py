@@ -36,6 +36,7 @@ from tensorx.errors import (
 from tensorx.memregion import MemoryRegion, RegionDescriptor, check_name, host_id
 from tensorx.transport import auto, handshake
 from tensorx.transport._sock import TcpListener, open_socket
+from tensorx.transport._ucx_later import UcxLater
 from tensorx.transport.base import LaneFactory, Link
 from tensorx.transport.cma import CmaFactory
 from tensorx.transport.cma import enabled as same_host_enabled
@@ -144,6 +145,7 @@ class Node:
         self._factories: list[LaneFactory] = []  # fastest first, TCP last
         self._unavailable: dict[str, str] = {}  # factories this node could not start: why
         self._ucx_expected = False  # UCX is installed and transport="auto": TCP is a fallback
+        self._ucx_later: UcxLater | None = None  # UCX, until a peer offers it (see there)
         self._listener: TcpListener | None = None
         self._endpoints: dict[Endpoint, bytes] = {}  # and their connection's binding
         self._peers_at = PeerHistory()  # which nodes we reached at each address
@@ -182,7 +184,8 @@ class Node:
                     self.address if self._listener else "client only",
                     ", ".join(f.name for f in self._factories),
                     "".join(f"; no {name}: {gist(why)}"
-                            for name, why in self._unavailable.items()))
+                            for name, why in self._unavailable.items())
+                    + ("; ucx once a peer offers it" if self._ucx_later else ""))
         if self._unavailable:
             logger.debug("node %s: lane factories not started: %s", self.id,
                          "; ".join(f"{k}: {v}" for k, v in self._unavailable.items()))
@@ -215,6 +218,14 @@ class Node:
     def _make_ucx(self) -> LaneFactory | None:
         if self.transport == "tcp":
             self._unavailable["ucx"] = "off (asked for transport='tcp')"
+            return None
+        if self._listen is None and self.transport == "auto" and self.require is None:
+            later = UcxLater(self._ucx_options)  # see transport/_ucx_later.py
+            why = later.prepare()
+            if why:
+                self._unavailable["ucx"] = why
+            else:
+                self._ucx_later = later
             return None
         try:
             from tensorx.transport.ucx import UcxFactory
@@ -249,6 +260,8 @@ class Node:
         finally:
             for factory in self._factories:  # every lane has waited for its ops
                 await factory.aclose()
+            if self._ucx_later is not None:
+                await self._ucx_later.aclose()
 
     def abort(self) -> None:
         for task in list(self._handling):
@@ -257,6 +270,8 @@ class Node:
             ep.abort()
         for factory in self._factories:
             factory.abort()
+        if self._ucx_later is not None:
+            self._ucx_later.abort()
         self._state = "closed"
 
     async def __aenter__(self) -> Node:
@@ -474,7 +489,8 @@ class Node:
         try:
             hello = await handshake.initiate(
                 channel, self.id, self._token, self._caps_for(bindings, channel),
-                deadline.left(), _auth.refused(self._gate.credential, self._given_token))
+                deadline.left(), _auth.refused(self._gate.credential, self._given_token),
+                prepare=self._meet)
             conn = await self._finish(channel, hello, deadline.left())
             self._peers_at.met(address, conn.peer)
             return conn
@@ -482,6 +498,22 @@ class Node:
             self._forget_offers(bindings)
             channel.abort()
             raise
+
+    async def _meet(self, caps: dict[str, Any]) -> None:
+        """A peer we connect to offered ``caps``, before we say what we offer: a node that
+        starts UCX late starts it now if the peer offers UCX (see ``_ucx_later.py``)."""
+        later = self._ucx_later
+        if later is None or not later.offered(caps):
+            return
+        factory = await later.start()  # closed by later.aclose() if never ours
+        self._check_running()
+        if self._ucx_later is later:  # not yet taken by another connection's start
+            self._ucx_later = None
+            if factory is None:
+                self._unavailable["ucx"] = later.why
+                return
+            self._factories = sorted([*self._factories, factory], key=lambda f: -f.caps.rank)
+            self._exports.add_keys(factory.name, factory.register)
 
     async def _on_accept(self, sock: socket.socket) -> None:
         try:
@@ -535,7 +567,9 @@ class Node:
         link = Link(hello.peer, hello.caps, hello.binding, channel)
         try:
             choice = await auto.choose(
-                self._factories, link, require=self.require, skipped=self._unavailable,
+                self._factories, link, require=self.require,
+                skipped=self._unavailable if self._ucx_later is None
+                else {**self._unavailable, "ucx": self._ucx_later.not_offered(link)},
                 strict=self.transport == "ucx" or self.require is not None,
                 timeout=deadline.left())
         except TensorxError as exc:

@@ -33,8 +33,8 @@ from tensorx._text import printable
 from tensorx.errors import TransportUnavailableError
 from tensorx.transport._exceptions import UCX_ERRORS, map_exceptions
 
-__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "lane_roles", "load", "status_string",
-           "ucx_paths", "ucxx_context"]
+__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "lane_roles", "load", "prepare",
+           "status_string", "ucx_paths", "ucxx_context"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
 
@@ -45,6 +45,8 @@ UCS_ERR_NO_MEMORY = -4
 _MODULE = "_tensorx_ucp"
 _lock = threading.Lock()
 _loaded: UcpLib | None = None  # the binding, like an imported module: loaded once
+# built and checked by prepare(), not loaded yet: (its cache folder, the object)
+_prepared: tuple[Path, _cache.Built] | None = None
 
 
 class UcpLib:
@@ -85,6 +87,18 @@ def load() -> UcpLib:
         return _loaded
 
 
+def prepare() -> None:
+    """Build the binding where it is not built yet, and check it, without loading UCX
+    (libucs installs its memory hooks as it loads: 0.4 s here). A node that starts UCX
+    only once a peer offers it builds at its own start, never inside a handshake, which
+    the peer would time out while the compiler runs."""
+    global _prepared
+    with _lock:
+        if _loaded is None and _prepared is None:
+            version, include, lib = ucx_paths()
+            _prepared = _cache_dir(version, lib), _built(version, include, lib)
+
+
 def status_string(status: int) -> str:
     try:
         return load().status_string(status)
@@ -104,18 +118,26 @@ def _cache_dir(version: str, lib: Path) -> Path:
 
 
 def _import_or_build() -> UcpLib:
+    global _prepared
     version, include, lib = ucx_paths()
     with map_exceptions("cannot load libucx", UCX_ERRORS):
         import libucx
 
         libucx.load_library()
+    ready, _prepared = _prepared, None
+    built = ready[1] if ready and ready[0] == _cache_dir(version, lib) else \
+        _built(version, include, lib)
+    return UcpLib(_import_from(built), built)
+
+
+def _built(version: str, include: Path, lib: Path) -> _cache.Built:
+    """The binding for this UCX, from the cache or built now; not loaded."""
     folder = _cache_dir(version, lib)
     name = _MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
     with map_exceptions(f"cannot build the UCX binding into {printable(str(folder))}",
                         UCX_ERRORS):
-        built = _cache.built(folder.name, name, functools.partial(_build, include, lib),
-                             "the UCX binding")
-    return UcpLib(_import_from(built), built)
+        return _cache.built(folder.name, name, functools.partial(_build, include, lib),
+                            "the UCX binding")
 
 
 def _build(include: Path, lib: Path, tmp: Path) -> Path:

@@ -96,11 +96,12 @@ class UcxLane(DataLane):
         return info
 
     def carries(self, op: Op) -> bool:
-        """Not GPU memory this side's UCX cannot move, nor GPU regions the peer exported
-        without UCX keys (its UCX cannot): those go to the TCP lane."""
+        """Not GPU memory this side's UCX cannot move, nor regions the peer exported
+        without UCX keys (GPU memory its UCX cannot move, or exported before its UCX
+        started): those go to the TCP lane."""
         if op.local.is_cuda and not self._gpu:
             return False
-        return op.remote.device != "cuda" or (self._gpu and "ucx" in op.remote.keys)
+        return "ucx" in op.remote.keys and (self._gpu or op.remote.device != "cuda")
 
     @property
     def rdma(self) -> bool:  # type: ignore[override]

@@ -58,12 +58,16 @@ class Hello:
 
 
 async def initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
-                   timeout: float | None, why_refused: str = "wrong token?") -> Hello:
+                   timeout: float | None, why_refused: str = "wrong token?", *,
+                   prepare: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+                   ) -> Hello:
     """Client side; AuthError on a bad token (``why_refused``: what to tell our caller
-    if the peer refuses our proof, see :func:`tensorx._auth.refused`)."""
+    if the peer refuses our proof, see :func:`tensorx._auth.refused`). ``prepare``: awaited
+    with the peer's capabilities once it has proved the token, before ours are made (a
+    node may start a backend the peer offers, see ``_ucx_later.py``)."""
     async with _refusing(conn):
-        return await _within(_initiate(conn, node_id, token, caps, why_refused), timeout,
-                             conn.label)
+        return await _within(_initiate(conn, node_id, token, caps, why_refused, prepare),
+                             timeout, conn.label)
 
 
 async def accept(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
@@ -118,7 +122,8 @@ def _caps(caps: Caps, binding: bytes) -> dict[str, Any]:
 
 
 async def _initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps,
-                    why_refused: str) -> Hello:
+                    why_refused: str,
+                    prepare: Callable[[dict[str, Any]], Awaitable[None]] | None) -> Hello:
     nonce = _auth.new_nonce()
     await conn.send_now(Kind.HELLO, {"id": node_id, "nonce": nonce})
     ch = await conn.recv_frame(Kind.CHALLENGE)
@@ -134,6 +139,8 @@ async def _initiate(conn: ControlChannel, node_id: str, token: bytes, caps: Caps
         raise AuthError(f"{conn.label}: the peer could not prove the shared token "
                         "(different TENSORX_TOKEN / token= on the two sides?)")
     binding = nonce + ch["nonce"]
+    if prepare is not None:
+        await prepare(welcome["caps"])
     await conn.send_now(Kind.CAPS, {"caps": _caps(caps, binding)})
     return Hello(peer, welcome["caps"], binding)
 
