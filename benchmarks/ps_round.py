@@ -34,7 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import netns
 from benchmarks.baselines import common
-from benchmarks.baselines.pair import SAME_HOST, Pair, Placement, System, warm_up
+from benchmarks.baselines.pair import (
+    SAME_HOST,
+    WARMUP_ROUNDS,
+    Pair,
+    Placement,
+    System,
+    warm_up,
+)
 
 SYSTEMS = {  # tensorx rows: ParameterServer and Worker defaults but for what the label says
     "tensorx-ucx": System("tensorx ucx (defaults, share_memory=False)", "tensorx",
@@ -112,9 +119,11 @@ def rounds_per_block(pair: Pair, block_s: float) -> int:
     return max(MIN_ROUNDS, min(50, round(block_s / max(probe, 1e-6))))
 
 
-def measure(pairs: dict[str, Pair], blocks: int, block_s: float) -> dict[str, list[float]]:
-    warm_up(pairs)
-    counts = {k: rounds_per_block(p, block_s) for k, p in pairs.items()}
+def measure(pairs: dict[str, Pair], blocks: int, block_s: float, warmup: int = WARMUP_ROUNDS,
+            rounds: int | None = None) -> dict[str, list[float]]:
+    if warmup:
+        warm_up(pairs, warmup)
+    counts = {k: rounds or rounds_per_block(p, block_s) for k, p in pairs.items()}
     times: dict[str, list[float]] = {k: [] for k in pairs}
     order = list(pairs)
     for b in range(blocks):
@@ -144,7 +153,7 @@ def run_model(keys: list[str], model: str, placement: Placement,
         pairs = start_all(group, model, placement, args.logdir)
         try:
             check_mapping(pairs, placement)
-            times = measure(pairs, args.blocks, args.block_s)
+            times = measure(pairs, args.blocks, args.block_s, args.warmup, args.rounds)
         finally:
             for p in pairs.values():
                 p.close()
@@ -384,6 +393,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--placements", default="same,netns", help="same,netns")
     p.add_argument("--blocks", type=int, default=3, help="alternating blocks per system")
     p.add_argument("--block-s", type=float, default=0.6, help="target seconds per block")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds per block (default: as many as fill --block-s)")
+    p.add_argument("--warmup", type=int, default=WARMUP_ROUNDS,
+                   help=f"unmeasured rounds first (default {WARMUP_ROUNDS}); "
+                   "--warmup 0 --blocks 1 --rounds 10: a short run's first 10 rounds")
     p.add_argument("--memory-gb", type=float, default=12.0,
                    help="run fewer systems side by side when a model would need more")
     p.add_argument("--out", type=Path, default=Path("bench-results"))

@@ -36,7 +36,7 @@ from pathlib import Path
 from tensorx._owned import Kind, why_not_ours
 from tensorx._text import printable
 
-__all__ = ["Built", "built", "cache_root"]
+__all__ = ["Built", "built", "cache_root", "read_data", "update_data"]
 
 logger = logging.getLogger("tensorx.cache")
 
@@ -89,16 +89,77 @@ def built(folder: str, name: str, build: Callable[[Path], Path], what: str) -> B
     return _private(build)
 
 
-def _from_cache(folder: str, name: str, build: Callable[[Path], Path], what: str) -> Built:
+def read_data(folder: str, name: str, limit: int) -> bytes | None:
+    """The contents of ``folder/name`` in the cache: data (never code) that this user's
+    processes keep there, trusted under the rules above (checked folders and file, no link
+    followed); None where it is missing, over ``limit`` bytes, or fails a check (one
+    WARNING: then it is ignored, never read)."""
+    try:
+        at = _folder(folder, create=False)
+        try:
+            return _read_at(at, name, limit, cache_root() / folder / name)
+        finally:
+            os.close(at)
+    except FileNotFoundError:
+        return None
+    except _Untrusted as exc:
+        logger.warning("ignoring %s in the cache: %s %s", name, printable(str(exc.path)),
+                       exc.why)
+        return None
+
+
+def update_data(folder: str, name: str, limit: int,
+                edit: Callable[[bytes | None], bytes]) -> None:
+    """Replace ``folder/name`` in the cache with ``edit(what it holds)`` (None: nothing,
+    or nothing to trust), under the folder's lock so that processes editing it at once
+    lose none of each other's edits; the new file is private and renamed over the old.
+    Nothing, with one WARNING, where the cache folders fail a check. OSError propagates."""
+    try:
+        at = _folder(folder, create=True)
+    except _Untrusted as exc:
+        logger.warning("not writing %s to the cache: %s %s", name, printable(str(exc.path)),
+                       exc.why)
+        return
+    try:
+        with _locked(at):
+            try:
+                old = _read_at(at, name, limit, cache_root() / folder / name)
+            except (FileNotFoundError, _Untrusted):
+                old = None  # replaced, not read: the rename takes the name, not the file
+            _put(at, name, edit(old))
+    finally:
+        os.close(at)
+
+
+def _read_at(at: int, name: str, limit: int, path: Path) -> bytes | None:
+    fd = _open(name, at, "regular file", path)
+    try:
+        with open(f"/proc/self/fd/{fd}", "rb") as file:
+            data = file.read(limit + 1)
+    finally:
+        os.close(fd)
+    return data if len(data) <= limit else None
+
+
+def _folder(folder: str, *, create: bool) -> int:
+    """An ``O_PATH`` descriptor on the checked ``folder`` of the checked cache root
+    (both made where missing, if ``create``)."""
     root = cache_root()
-    _make_dirs(root)
+    if create:
+        _make_dirs(root)
     top = _open(root, None, "directory", root)
     try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(folder, 0o700, dir_fd=top)
-        at = _open(folder, top, "directory", root / folder)
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder, 0o700, dir_fd=top)
+        return _open(folder, top, "directory", root / folder)
     finally:
         os.close(top)
+
+
+def _from_cache(folder: str, name: str, build: Callable[[Path], Path], what: str) -> Built:
+    root = cache_root()
+    at = _folder(folder, create=True)
     where = root / folder
     try:
         with _locked(at):

@@ -52,6 +52,7 @@ from tensorx._ps.optim_service import OptimService
 from tensorx._ps.outbox import Outbox
 from tensorx._ps.pipelined import Pipelined
 from tensorx._ps.plan import PlanHolder
+from tensorx._ps.remembered import Memory
 from tensorx._ps.rendezvous import connect_store as launcher_store
 from tensorx._ps.rendezvous import publish as _publish
 from tensorx._ps.schedule import MODES, Scheduler
@@ -249,6 +250,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self._round_t0 = 0.0
         self._applier = self._applying = None
         self._chooser = EarlyChooser(pipeline)
+        self._memory = Memory("pipelined", self._chooser)
         self._sessions: set[asyncio.Task[None]] = set()
         # async and bounded modes: answers in flight, and the arenas they read
         self.outbox = Outbox(shard, limit=max(1, num_workers - 1))

@@ -212,10 +212,21 @@ class Worker:
             self._accept_params(s, w)
         assert self._shared is not None
         self.binding = self._shared.map(self.binding, welcomes, self.node)
+        self._pusher.keyed(self.plan.fingerprint, self._moved())
         if self._sparse is not None:
             self._sparse.rebind(self.binding)
         logger.info("worker rank %d/%d joined %d shard(s), mode=%s, version=%s", self.rank,
                     self.num_workers, self.num_shards, self.mode, self.version)
+
+    def _moved(self) -> str:
+        """How this worker's steps move their bytes, for remembered choices: per shard,
+        mapped or the lanes of its endpoint; and how many workers the barrier waits for."""
+        lanes = []
+        for ep, mapped in zip(self._eps, self.mapped, strict=True):
+            host = str(ep.info.get("host", ""))
+            lanes.append("mapped" if mapped else str(ep.info.get("transport"))
+                         + ("+" + host.split(" ", 1)[0] if host else ""))
+        return f"{self.mode} workers {self.num_workers} " + ",".join(lanes)
 
     async def _connect_all(self, timeout: float | None) -> list[Endpoint]:
         """One endpoint per shard, or none: a partial set is closed before raising."""

@@ -41,6 +41,10 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play anoth
 # when told the network is trusted (it bounds nothing). Child processes inherit this; the
 # tests of the default (tests/test_ucx_safety.py) start their owners without it.
 os.environ.setdefault("TENSORX_UCX_TCP", "1")
+# Choices measured in one test (pipelined rounds, overlap) must not steer another, nor a
+# later run of the suite: nothing is remembered across runs, but where a test says so
+# (tests/test_ps_remembered.py, with a cache folder of its own).
+os.environ["TENSORX_REMEMBER"] = "0"
 
 
 def transports() -> list[object]:

@@ -376,3 +376,34 @@ async def test_by_default_the_shard_measures_both_ways_and_says_which_it_keeps(
             await _steps(ws, models, batches(rounds + 1, 2))
             assert ps._chooser.rounds >= rounds
     assert "pipelined rounds: parts applied as they land:" in caplog.text
+
+
+@pytest.mark.usefixtures("tiny_parts")
+async def test_a_second_run_takes_the_choices_the_first_measured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shard's pipelined rounds and the workers' overlap are measured by the first run
+    and remembered (tensorx._ps.remembered): a second run of the plan takes both from its
+    first round and probes neither."""
+    monkeypatch.setenv("TENSORX_REMEMBER", "1")
+    monkeypatch.setenv("TENSORX_CACHE_DIR", str(tmp_path))
+
+    async def run(steps: int) -> tuple[ParameterServer, list[Worker]]:
+        models = [make_model(), make_model(seed=99)]
+        async with ParameterServer("tcp://127.0.0.1:0", num_workers=2, optimizer=SGD_MOMENTUM,
+                                   transport="tcp", log_every=None) as ps:
+            ws = [Worker(m, ps.address, rank=r, num_workers=2, transport="tcp",
+                         share_memory=False) for r, m in enumerate(models)]
+            try:
+                await asyncio.gather(*(w.start() for w in ws))
+                await _steps(ws, models, batches(steps, 2))
+            finally:
+                await asyncio.gather(*(w.aclose() for w in ws), return_exceptions=True)
+        return ps, ws
+
+    ps, ws = await run(choose.SKIP + 2 * choose.PROBE + 2)
+    assert ps._chooser.decided and all(w._pusher.choice.decided for w in ws)  # type: ignore[union-attr]
+    assert ps._chooser.probed > 0 and not ps._chooser.recalled
+    ps, ws = await run(choose.SKIP + 2)
+    assert ps._chooser.recalled and ps._chooser.probed == 0
+    for w in ws:
+        assert w._pusher.choice.recalled and w._pusher.choice.probed == 0  # type: ignore[union-attr]

@@ -35,6 +35,7 @@ import torch
 
 from tensorx import _cuda
 from tensorx._ps.choose import EarlyChooser
+from tensorx._ps.remembered import Memory
 
 __all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent", "together",
            "windowed"]
@@ -112,6 +113,7 @@ class BucketPusher:
         self.buckets = buckets
         self._model = model
         self.choice = EarlyChooser(overlap, OVERLAP_LABELS)  # None: measured
+        self.memory = Memory("overlap", self.choice)  # ... or remembered (keyed())
         self._on = False
         self._since: float | None = None  # when the last push began (the period measured)
         self._fingerprint = fingerprint
@@ -156,8 +158,17 @@ class BucketPusher:
             self.choice.observe(self._on, now - self._since)
             if self.choice.decided != before:
                 logger.info("%s: overlap: %s", self._who, self.choice.decided)
+                self.memory.decided()
             self._switch(self.choice.early())
         self._since = now
+
+    def keyed(self, fingerprint: str, how: str) -> None:
+        """Steps of the plan ``fingerprint`` now move their bytes ``how``: a choice measured
+        for that before (:mod:`tensorx._ps.remembered`) is taken, without probing."""
+        if self.memory.keyed((fingerprint, how), lambda: (fingerprint, how)):
+            logger.info("%s: overlap: %s, as measured before on this host", self._who,
+                        "on" if self.choice.choice else "off")
+            self._switch(self.choice.early())
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def done(_: torch.Tensor) -> None:

@@ -9,7 +9,9 @@ ResNet-50 and BERT-base, 10-30% slower), the backups an early part needs are pur
 So a shard measures: it runs its first eligible rounds both ways, alternately, keeps the
 faster (by median) and measures again every :data:`RECHECK` rounds. A round is eligible
 when enough of the gradient is still on its way when the barrier completes (else both ways
-are the same round). ``ParameterServer(pipeline=True/False)`` forces the choice.
+are the same round). ``ParameterServer(pipeline=True/False)`` forces the choice. A choice
+measured before on this host for the same plan (:mod:`tensorx._ps.remembered`) is taken
+from the first round instead (:meth:`EarlyChooser.recall`): no probe until ``RECHECK``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class EarlyChooser:
         self._samples: dict[bool, list[float]] = {True: [], False: []}
         self._next_probe = SKIP
         self.decided: str | None = None  # the last decision, for the log
+        self.probed = 0         # rounds observed while probing
+        self.recalled = False   # the choice is one remembered from an earlier run
 
     def early(self) -> bool:
         """Apply parts as they land in the round that starts now?"""
@@ -51,12 +55,22 @@ class EarlyChooser:
         # probing: alternate, starting with the way that has fewer samples
         return len(self._samples[True]) <= len(self._samples[False])
 
+    def recall(self, choice: bool | None) -> None:
+        """``choice`` was measured before for this host and plan (None: nothing was): take
+        it as if just decided, so the next probe comes after ``RECHECK`` rounds."""
+        if choice is None or self.forced is not None:
+            return
+        self.choice, self.recalled = choice, True
+        self._samples = {True: [], False: []}
+        self._next_probe = self.rounds + RECHECK
+
     def observe(self, early: bool, seconds: float) -> None:
         """An eligible round took ``seconds`` (first push to commit), applied ``early``."""
         probing = self.forced is None and self.rounds >= self._next_probe
         self.rounds += 1
         if not probing:
             return
+        self.probed += 1
         self._samples[early].append(seconds)
         if min(len(s) for s in self._samples.values()) < PROBE:
             return

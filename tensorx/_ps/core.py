@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tensorx._ps.normx import NormExchange
     from tensorx._ps.optim_service import OptimService
     from tensorx._ps.outbox import Outbox
+    from tensorx._ps.remembered import Memory
     from tensorx._ps.round import PartBackups, Round
     from tensorx._ps.schedule import Decision, Scheduler
     from tensorx._ps.shard import OptimizerFactory, SchedulerFactory, ShardState
@@ -101,6 +102,7 @@ class ShardCore(abc.ABC):
     _applying: concurrent.futures.Future[Any] | None
     _deferred: list[Peer]  # joined while a round was open: welcomed after it
     _chooser: EarlyChooser  # whether a round applies parts as they land (_ps.choose)
+    _memory: Memory  # ... as measured in an earlier run (_ps.remembered)
     _until: str | None
     stats: dict[str, Any]
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tensorx._ps import remembered
 from tensorx._ps import round as rounds
 from tensorx._ps.answer import Peer
 from tensorx._ps.core import ShardCore
@@ -86,6 +87,7 @@ class Pipelined(ShardCore):
         self.stats["barrier_s"] += self.timings.barrier_done()
         self.optim.before_update(decision.apply, self.state)
         rnd.start(decision.apply)
+        self._recall(decision.apply)
         rnd.early = self._chooser.early()
         rnd.eligible = rnd.outstanding() >= rounds.EARLY_BYTES
         self._release = list(decision.release)
@@ -207,11 +209,30 @@ class Pipelined(ShardCore):
 
     def _measured(self, early: bool, seconds: float) -> None:
         """A round that could apply parts early took ``seconds``: tell the chooser, and
-        say once when it has decided (again)."""
+        say once when it has decided (again); remember it for the next run."""
         before = self._chooser.decided
         self._chooser.observe(early, seconds)
         if self._chooser.decided != before:
             logger.info("ps shard %d: pipelined rounds: %s", self.shard, self._chooser.decided)
+            self._memory.decided()
+
+    def _recall(self, ranks: list[int]) -> None:
+        """Key the chooser by the plan and how the round's ranks move their bytes (mapped,
+        or the lanes of their endpoints); a choice measured for that before is taken."""
+        peers = sorted((p for p in self._peers.values() if p.rank in ranks),
+                       key=lambda p: p.rank)
+        sig = (self.state, tuple((p.rank, p.mapped, id(p.ep)) for p in peers))
+
+        def how() -> tuple[str, str]:
+            moved = sorted({"mapped" if p.mapped else _lanes(p.ep) for p in peers})
+            return (self.state.layout.fingerprint if self.state else "",
+                    f"shard {self.shard}/{self.num_shards} workers {self.num_workers} "
+                    + ",".join(moved))
+
+        if self._memory.keyed(sig, how):
+            logger.info("ps shard %d: pipelined rounds: %s, as measured before on this host "
+                        "(%s)", self.shard, "parts applied as they land" if
+                        self._chooser.choice else "once all have landed", remembered.FILE)
 
     # -- when it cannot go on as it started ----------------------------------------------
     async def _rollback(self) -> None:
@@ -321,3 +342,10 @@ class Pipelined(ShardCore):
             return
         deferred, self._deferred = self._deferred, []
         await asyncio.gather(*(self._welcome(p) for p in deferred if p.ep in self._peers))
+
+
+def _lanes(ep: Endpoint) -> str:
+    """How ``ep`` moves host memory, in a word or two: ``tcp``, ``ucx``, ``tcp+cma``."""
+    info = ep.info
+    host = str(info.get("host", ""))
+    return str(info.get("transport")) + ("+" + host.split(" ", 1)[0] if host else "")
