@@ -219,13 +219,15 @@ class Node:
         if self.transport == "tcp":
             self._unavailable["ucx"] = "off (asked for transport='tcp')"
             return None
-        if self._listen is None and self.transport == "auto" and self.require is None:
+        if (self._listen is None and self.transport == "auto" and self.require is None
+                and _installed("ucxx")):
             later = UcxLater(self._ucx_options)  # see transport/_ucx_later.py
             why = later.prepare()
             if why:
                 self._unavailable["ucx"] = why
             else:
                 self._ucx_later = later
+            self._ucx_expected = True
             return None
         try:
             from tensorx.transport.ucx import UcxFactory

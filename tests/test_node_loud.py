@@ -49,9 +49,10 @@ async def test_ucx_installed_but_unused_is_one_warning(
     assert [r.levelno for r in said[1:]] == [logging.INFO] * (len(said) - 1)
     line = said[0].getMessage()
     assert "transport='tcp' chooses TCP without this warning" in line, line
-    # (which side lacks UCX depends on this process's one UCX context: said either way)
-    if "the peer has no UCX" in ep.info["skipped"]["ucx"]:
-        assert "the peer has no UCX" in line and "on the peer too" in line, line
+    # (which side warns first, and whether it lacks UCX itself or its peer does, depends
+    # on this process's one UCX context and on which node starts UCX: said either way)
+    if "the peer has no UCX" in line:
+        assert "on the peer too" in line, line
     else:
         assert "TENSORX_UCX_TCP=1" in line, line
     cma = ["cma"] if why == "here" else []  # a transport="tcp" peer offers no CMA
