@@ -136,13 +136,14 @@ def test_pipeline_training_equals_one_process(trained: dict[str, Any], run: dict
 
 def test_slots_follow_the_schedule(trained: dict[str, Any]) -> None:
     """1F1B registers at most (stages - sender) activation slots per boundary, GPipe one
-    per micro-batch; gradient slots: the stages the boundary spans, plus one."""
+    per micro-batch; gradient slots: the stages the boundary spans, plus one (1F1B), half
+    the micro-batches (GPipe)."""
     def slots(run: str, rank: int) -> list[tuple[int, ...]]:
         return sorted(tuple(row[:4]) for row in trained[run][rank]["plan"])
 
     # stage 2 receives from 1 and, over the skip connection, from 0
     assert slots("skip-1f1b-tcp", 2) == [(0, 2, 3, 3), (1, 2, 2, 2)]
-    assert slots("mlp-gpipe-4-stages-8-mb", 1) == [(0, 1, 8, 2), (1, 2, 8, 2)]
+    assert slots("mlp-gpipe-4-stages-8-mb", 1) == [(0, 1, 8, 4), (1, 2, 8, 4)]
     # 1F1B, 5 micro-batches over 4 stages: 4 in flight after stage 0, 2 after stage 2
     assert slots("cnn-1f1b-4-stages-5-mb", 1) == [(0, 1, 4, 2), (1, 2, 3, 2)]
     assert slots("cnn-1f1b-4-stages-5-mb", 3) == [(2, 3, 2, 2)]

@@ -67,6 +67,7 @@ logger = logging.getLogger("tensorx.pipelining")
 T = TypeVar("T")
 STORE_KEY = "tensorx/pp/{}"
 STAGING = 2  # staging slots per boundary and direction on the sending side
+INLINE_BYTES = 1 << 20  # a transfer up to this size is sent before the step goes on
 
 
 @dataclass
@@ -137,6 +138,7 @@ class _Edge:
         self.done: set[int] = set()  # transfers we are done with, not yet handed back
         self.handed = 0  # transfers we are done with (all below it)
         self.told = 0  # ... and the peer has been told about
+        self.arrived = 0  # transfers that arrived from the peer (all below it, at least)
         self.flush_due = False
         self.pending: list[asyncio.Task[None] | None] = [None] * STAGING
         self.taken = 0  # receiver: transfers the schedule took (caller's thread)
@@ -495,6 +497,8 @@ class PipelineStage:
                                     f"in flight on {edge.name}")
             if "c" in msg:
                 self._credited(edge, integer(msg, "c", who), who)
+            edge.arrived = max(edge.arrived, n + 1)
+            self._maybe_flush(edge)
             waiter = edge.waiting.pop(n, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
@@ -555,10 +559,13 @@ class PipelineStage:
         most micro-batches that can be in flight across it."""
         assert self._schedule is not None
         name, m = self._schedule
-        act = m if name == "ScheduleGPipe" else min(m, self.num_stages - src)
+        if name == "ScheduleGPipe":  # every forward before any backward: all in flight
+            act, grad = m, max(2, (m + 1) // 2)
+        else:
+            act, grad = min(m, self.num_stages - src), dst - src + 1
         if self.slots_override is not None:
             act = self.slots_override
-        return max(1, act), max(1, min(m, dst - src + 1))
+        return max(1, act), max(1, min(m, grad))
 
     def _maybe_accept(self, edge: _Edge) -> None:
         msg = edge.meta_msg
@@ -775,12 +782,20 @@ class PipelineStage:
     def _hand_back(self, edge: _Edge, n: int) -> None:
         """We are done with transfer ``n`` (in any order): every slot below the first
         transfer still in use goes back to the peer, with the next message we send it on
-        this boundary (``c``) or, if none goes before the loop turns, on its own."""
+        this boundary (``c``), or on its own once the peer's next transfer needs it."""
         edge.done.add(n)
         while edge.handed in edge.done:
             edge.done.discard(edge.handed)
             edge.handed += 1
-        if edge.handed > edge.told and not edge.flush_due:
+        self._maybe_flush(edge)
+
+    def _maybe_flush(self, edge: _Edge) -> None:
+        """Tell the peer about slots handed back if its next transfer into our ring (the
+        one after the last that arrived) needs one we have not told it about."""
+        if edge.handed <= edge.told or edge.flush_due:
+            return
+        slots = edge.grad_slots if edge.sending else edge.slots  # of our ring it writes
+        if edge.arrived + 1 - slots > edge.told:
             edge.flush_due = True
             self._loop.call_soon(self._flush_credit, edge)
 
@@ -885,10 +900,20 @@ class PipelineStage:
             credit = self._credit_due(edge)
             if credit is not None:
                 header["c"] = credit
-            edge.pending[n % STAGING] = self._issue(self._send(edge, "F", n, ops, header))
+            await self._dispatch(edge, "F", n, ops, header)
             sent.append((edge, n))
-        await asyncio.sleep(0)  # the writes start before the next micro-batch computes
         return sent
+
+    async def _dispatch(self, edge: _Edge, kind: str, n: int, ops: list[tuple[int, int]],
+                        header: dict[str, Any]) -> None:
+        """Send transfer ``n``: a small one at once (the copy is this core's work either
+        way, and a task per send costs more than it saves), a large one as a task that
+        the next micro-batch's compute overlaps."""
+        if sum(nb for _, nb in ops) <= INLINE_BYTES:
+            await self._send(edge, kind, n, ops, header)
+            return
+        edge.pending[n % STAGING] = self._issue(self._send(edge, kind, n, ops, header))
+        await asyncio.sleep(0)  # it starts before the next micro-batch computes
 
     def _issue(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = self._loop.create_task(coro)
@@ -935,8 +960,7 @@ class PipelineStage:
             if credit is not None:
                 header["c"] = credit
             edge.sent = max(edge.sent, n + 1)
-            edge.pending[n % STAGING] = self._issue(self._send(edge, "B", n, ops, header))
-        await asyncio.sleep(0)
+            await self._dispatch(edge, "B", n, ops, header)
 
     async def _grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[_Edge, int]],
                                 outputs: Sequence[torch.Tensor]
