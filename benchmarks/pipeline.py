@@ -15,8 +15,9 @@ is back), the median over the timed steps.
 * T2: two stages of two transformer blocks each, a sequence length per micro-batch drawn
   from 64-512: tensorx with ``dynamic=(1,)`` against torch with every micro-batch padded to
   512, and against tensorx with every micro-batch at the mean length (static slots).
-* T3: each step against the schedule model (m + p - 1)(t_f + t_b), t_f and t_b the slowest
-  stage's forward and backward of one micro-batch measured alone in this run.
+* T3: each step against the schedule model, GPipe's makespan with every micro-batch's
+  forward and backward timed alone in this run and no communication ((m + p - 1)(t_f +
+  t_b) when the micro-batches are alike): the floor.
 * T4: receive bytes registered per stage against torch's receive buffers (one per
   micro-batch and direction).
 """
@@ -175,10 +176,9 @@ def torch_stage(cfg: dict[str, Any], mod: nn.Module) -> tuple[Any, dict[str, Any
         recv = sum(t.numel() * t.element_size() for info in stage.args_recv_info.values()
                    for r in info for t in [getattr(r, "buffer", None)]
                    if isinstance(t, torch.Tensor))
-        grads = sum(t.numel() * t.element_size()
-                    for info in getattr(stage, "grad_recv_info", {}).values()
-                    for r in info for t in [getattr(r, "buffer", None)]
-                    if isinstance(t, torch.Tensor))
+        # its gradient receives are allocated per micro-batch at each backward (one per
+        # micro-batch and direction, as its activations): counted as torch documents them
+        grads = M * example.numel() * example.element_size() if rank == 0 else 0
         return {"registered": recv + grads}
 
     return run, {"final": final}
@@ -230,27 +230,48 @@ def rpc_main(cfg: dict[str, Any], steps: int) -> list[float]:
 
 
 # -- the floor: each stage's compute alone ------------------------------------------------
-def compute_floor(case: dict[str, Any], repeats: int = 5) -> tuple[float, float]:
-    """(t_f, t_b) of the slower stage for one micro-batch, one thread, this process."""
+def compute_floor(case: dict[str, Any], steps: int = 3) -> float:
+    """The schedule model: GPipe's makespan over two stages with every micro-batch's
+    forward and backward timed alone (one thread, this process, the run's own shapes) and
+    no communication; the median over ``steps`` steps."""
     torch.set_num_threads(1)
-    worst_f = worst_b = 0.0
-    for rank in range(2):
-        mod = module_for(case, rank)
-        fs, bs = [], []
-        for step in range(repeats):
-            for x in micro_batches(case, step)[:4]:
-                x = x.clone().requires_grad_(rank > 0)
+    spans = []
+    mods = [module_for(case, rank) for rank in range(2)]
+    for step in range(steps):
+        f: list[list[float]] = [[], []]
+        b: list[list[float]] = [[], []]
+        for x in micro_batches(case, step + 3):  # (the timed steps' shapes)
+            h = x
+            for rank, mod in enumerate(mods):
+                h = h.detach().requires_grad_(rank > 0)
                 t0 = time.perf_counter()
-                out = mod(x)
+                out = mod(h)
                 t1 = time.perf_counter()
                 (loss_fn(out, out) if rank == 1 else out).backward(
                     None if rank == 1 else torch.ones_like(out))
-                t2 = time.perf_counter()
-                fs.append(t1 - t0)
-                bs.append(t2 - t1)
-        worst_f = max(worst_f, statistics.median(fs))
-        worst_b = max(worst_b, statistics.median(bs))
-    return worst_f, worst_b
+                f[rank].append(t1 - t0)
+                b[rank].append(time.perf_counter() - t1)
+                h = out
+        spans.append(gpipe_makespan(f, b))
+    return statistics.median(spans)
+
+
+def gpipe_makespan(f: list[list[float]], b: list[list[float]]) -> float:
+    """When the last backward ends, each stage running its micro-batches' forwards in
+    order, then their backwards, each waiting for its input from the neighbour."""
+    p, m = len(f), len(f[0])
+    done_f = [[0.0] * m for _ in range(p)]
+    done_b = [[0.0] * m for _ in range(p)]
+    free = [0.0] * p
+    for s in range(p):
+        for j in range(m):
+            free[s] = max(free[s], done_f[s - 1][j] if s else 0.0) + f[s][j]
+            done_f[s][j] = free[s]
+    for s in reversed(range(p)):
+        for j in range(m):
+            free[s] = max(free[s], done_b[s + 1][j] if s < p - 1 else 0.0) + b[s][j]
+            done_b[s][j] = free[s]
+    return free[0]
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -316,8 +337,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     warm, steps = (1, 2) if args.quick else (3, 10)
     for case in cases(args.quick):
-        t_f, t_b = compute_floor(case)
-        model = (M + 2 - 1) * (t_f + t_b)
+        model = compute_floor(case)
         systems = ["tensorx", "torch", "rpc"] if case["kind"] == "t1" else (
             ["torch"] if case["shape"] == "padded" else ["tensorx"])
         for system in systems:
