@@ -618,7 +618,8 @@ class Node:
         if peer_side and accepted:
             logger.info("endpoint from %s: no UCX (%s)", ep.address, printable(gist(why)))
             return
-        how = ("install it on the peer too (pip install 'tensorx-rdma[ucx]')" if peer_side
+        how = ("make it usable on the peer too (`tensorx info` there says why it is not: not "
+               "installed, or no RDMA device without TENSORX_UCX_TCP=1)" if peer_side
                else "an RDMA NIC, or on a trusted network TENSORX_UCX_TCP=1 (or "
                "ucx_options={'allow_tcp': True})")
         fallback(logger, "ucx", "UCX is installed but unused (%s): data goes over tensorx's "

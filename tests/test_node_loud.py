@@ -51,8 +51,8 @@ async def test_ucx_installed_but_unused_is_one_warning(
     assert "transport='tcp' chooses TCP without this warning" in line, line
     # (which side warns first, and whether it lacks UCX itself or its peer does, depends
     # on this process's one UCX context and on which node starts UCX: said either way)
-    if "the peer has no UCX" in line:
-        assert "on the peer too" in line, line
+    if "the peer offers no UCX" in line:
+        assert "usable on the peer too" in line, line
     else:
         assert "TENSORX_UCX_TCP=1" in line, line
     cma = ["cma"] if why == "here" else []  # a transport="tcp" peer offers no CMA

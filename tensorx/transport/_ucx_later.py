@@ -61,8 +61,8 @@ class UcxLater:
     @staticmethod
     def not_offered(link: Link) -> str:
         """Why a link to a peer that offered no UCX has no UCX lane (``ep.info``)."""
-        return (f"the peer has no UCX (its transport={link.caps.get('transport')!r}); not "
-                "started here")
+        return (f"the peer offers no UCX (its transport={link.caps.get('transport')!r}: UCX "
+                "not installed or not usable there); not started here")
 
     async def start(self) -> LaneFactory | None:
         """The factory (one for every caller), or None with :attr:`why` set. The load

@@ -195,7 +195,7 @@ class UcxFactory(LaneFactory):
         offer = link.offer(self.name)
         if not isinstance(offer, dict):
             raise TransportUnavailableError(
-                f"the peer has no UCX (its transport={link.caps.get('transport')!r})")
+                f"the peer offers no UCX (its transport={link.caps.get('transport')!r})")
         return await self.connect(offer, peer=link.peer, timeout=timeout)
 
     async def connect(self, peer_info: dict[str, Any], *, peer: str,
