@@ -53,6 +53,20 @@ class Block:
         return f"{self.path.relative_to(ROOT)}:{self.line}"
 
 
+def stop_cleanly(proc: subprocess.Popen[str], name: str, failed: bool) -> None:
+    """SIGTERM ``proc``, which must then stop within 30 s, and with status 0 unless the
+    block it served ``failed`` already."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=30)
+        pytest.fail(f"{name} did not stop within 30 s of SIGTERM")
+    if not failed:
+        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{err}"
+
+
 def parse(path: Path) -> list[Block]:
     """The fenced blocks of one Markdown file, each with the marker just before it."""
     lines = path.read_text().splitlines()
@@ -178,15 +192,7 @@ class _Service:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate(timeout=30)
-            pytest.fail("service.py did not stop within 30 s of SIGTERM")
-        if exc[0] is None:
-            assert self.proc.returncode == 0, f"service.py exited {self.proc.returncode}:\n{err}"
+        stop_cleanly(self.proc, "service.py", failed=exc[0] is not None)
 
 
 def _readline(stream: Any, timeout: float) -> str:
@@ -241,15 +247,7 @@ class _Server:
 
     def __exit__(self, *exc: object) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate(timeout=30)
-            pytest.fail("tensorx ps did not stop within 30 s of SIGTERM")
-        if exc[0] is None:
-            assert self.proc.returncode == 0, f"tensorx ps exited {self.proc.returncode}:\n{err}"
+        stop_cleanly(self.proc, "tensorx ps", failed=exc[0] is not None)
 
 
 def test_readme_links_resolve() -> None:
