@@ -1134,15 +1134,9 @@ def _listen_of(address: str) -> str:
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    """The stage's own loop (its thread is tensorx's, not the caller's): uvloop where
-    installed, as tensorx's own processes use (``TENSORX_LOOP=asyncio`` turns it off)."""
-    from tensorx._eventloop import use_uvloop
-
-    if use_uvloop():
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        return loop
+    """The stage's own loop: asyncio's. (Not uvloop, whose loops refuse to start
+    subprocesses from two threads at once: stages in one process each have a loop, and
+    UCX's address probe starts one.)"""
     return asyncio.new_event_loop()
 
 
