@@ -18,9 +18,10 @@ See docs/pipelining.md.
 
 from __future__ import annotations
 
+from tensorx.pipelining._boundary import BoundaryRow, StagePlan
 from tensorx.pipelining._schedules import PipelineScheduleSingle, Schedule1F1B, ScheduleGPipe
 from tensorx.pipelining._split import Crossing, Pipe, build_stage, split
-from tensorx.pipelining._stage import BoundaryRow, PipelineStage, StagePlan
+from tensorx.pipelining._stage import PipelineStage
 
 __all__ = ["BoundaryRow", "Crossing", "Pipe", "PipelineScheduleSingle", "PipelineStage",
            "Schedule1F1B", "ScheduleGPipe", "StagePlan", "build_stage", "split"]

@@ -22,7 +22,8 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from tensorx._analyzer.boundary import BoundaryAnalyzer, _propagate_shapes, _scope, _trace
 from tensorx.errors import UsageError
-from tensorx.pipelining._stage import PipelineStage, _Routes
+from tensorx.pipelining._boundary import Routes
+from tensorx.pipelining._stage import PipelineStage
 
 __all__ = ["Pipe", "build_stage", "split"]
 
@@ -44,7 +45,7 @@ class Pipe:
     :meth:`describe` and :meth:`build_stage`."""
 
     def __init__(self, gm: fx.GraphModule, stages: list[fx.GraphModule],
-                 routes: _Routes, crossings: list[Crossing],
+                 routes: Routes, crossings: list[Crossing],
                  examples: list[tuple[Any, ...] | None]) -> None:
         self.split_gm = gm
         self._stages = stages
@@ -75,7 +76,7 @@ class Pipe:
         module = self._stages[stage_index].to(device)
         if options.get("input_args") is None and self._examples[stage_index] is not None:
             options["input_args"] = self._examples[stage_index]
-        routes = _Routes(self._routes.incoming, self._routes.outgoing).at(stage_index)
+        routes = Routes(self._routes.incoming, self._routes.outgoing).at(stage_index)
         return PipelineStage._routed(routes, module, stage_index, self.num_stages, device,
                                      **options)
 
@@ -186,7 +187,7 @@ def _build(gm: fx.GraphModule, nodes: list[fx.Node], stage_of: dict[fx.Node, int
                              incoming, outgoing, crossings)
         stages.append(fx.GraphModule(gm, graph, f"Stage{s}"))
         examples.append(_example(needs_sorted(needs[s], stage_of, nodes)) if s > 0 else None)
-    return Pipe(gm, stages, _Routes(incoming, outgoing), crossings, examples)
+    return Pipe(gm, stages, Routes(incoming, outgoing), crossings, examples)
 
 
 def needs_sorted(needed: list[fx.Node], stage_of: dict[fx.Node, int], nodes: list[fx.Node]

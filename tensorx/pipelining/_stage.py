@@ -27,8 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -48,8 +47,20 @@ from tensorx.errors import (
 )
 from tensorx.memregion import RegionDescriptor
 from tensorx.node import Node
+from tensorx.pipelining._boundary import (
+    STAGING,
+    BoundaryRow,
+    Edge,
+    Routes,
+    StagePlan,
+    descriptor_of,
+    either,
+    expire,
+    meta_of,
+    new_loop,
+    quietly,
+)
 from tensorx.pipelining._protocol import (
-    DTYPES,
     TensorMeta,
     decode,
     encode,
@@ -66,102 +77,7 @@ logger = logging.getLogger("tensorx.pipelining")
 
 T = TypeVar("T")
 STORE_KEY = "tensorx/pp/{}"
-STAGING = 2  # staging slots per boundary and direction on the sending side
 INLINE_BYTES = 1 << 20  # a transfer up to this size is sent before the step goes on
-
-
-@dataclass
-class BoundaryRow:
-    """One boundary as planned: who sends, what, how many slots, how many bytes."""
-
-    src: int
-    dst: int
-    tensors: list[TensorMeta]
-    slots: int
-    grad_slots: int
-    slot_bytes: int
-
-    @property
-    def activation_bytes(self) -> int:
-        return self.slots * self.slot_bytes
-
-    @property
-    def gradient_bytes(self) -> int:
-        return self.grad_slots * self.slot_bytes if any(t.grad for t in self.tensors) else 0
-
-
-@dataclass
-class StagePlan:
-    """The boundaries of one stage, as registered: ``rows`` (one per boundary it shares),
-    ``registered_bytes`` (receive rings this stage registered: activations it receives and
-    gradients it gets back) and :meth:`describe`."""
-
-    stage: int
-    rows: list[BoundaryRow] = field(default_factory=list)
-
-    @property
-    def registered_bytes(self) -> int:
-        own = sum(r.activation_bytes for r in self.rows if r.dst == self.stage)
-        return own + sum(r.gradient_bytes for r in self.rows if r.src == self.stage)
-
-    def describe(self) -> str:
-        lines = [f"stage {self.stage}: {len(self.rows)} boundaries, "
-                 f"{self.registered_bytes} B of receive slots registered here"]
-        for r in self.rows:
-            shapes = ", ".join(f"{t.dtype}{list(t.shape)}" for t in r.tensors)
-            lines.append(f"  {r.src} -> {r.dst}: {shapes}; {r.slots} activation slots, "
-                         f"{r.grad_slots} gradient slots of {r.slot_bytes} B")
-        return "\n".join(lines)
-
-
-class _Edge:
-    """A boundary as one of its two stages sees it (state lives on the stage's loop)."""
-
-    def __init__(self, src: int, dst: int, me: int) -> None:
-        self.src, self.dst = src, dst
-        self.sending = src == me  # we send activations (and get gradients back)
-        self.peer = dst if self.sending else src
-        self.layout: Layout | None = None
-        self.slots = 0
-        self.grad_slots = 0
-        self.mine: Ring | None = None  # the ring we receive into (activations or grads)
-        self.staging: Ring | None = None  # where what we send is copied first
-        self.theirs: RegionDescriptor | None = None  # the peer's receive ring
-        self.planned = asyncio.Event()  # layout, rings and the peer's descriptor known
-        self.meta_msg: dict[str, Any] | None = None  # receiver: the sender's meta, pending
-        self.sent = 0  # transfers we issued (F if sending, else B)
-        self.credits = 0  # transfers the peer handed back
-        self.inbox: dict[int, dict[str, Any]] = {}  # F (receiver) or B (sender) by n
-        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.credit_waits: list[tuple[int, asyncio.Future[None]]] = []
-        self.expect = 0  # next transfer we expect from the peer
-        self.done: set[int] = set()  # transfers we are done with, not yet handed back
-        self.handed = 0  # transfers we are done with (all below it)
-        self.told = 0  # ... and the peer has been told about
-        self.arrived = 0  # transfers that arrived from the peer (all below it, at least)
-        self.flush_due = False
-        self.pending: list[asyncio.Task[None] | None] = [None] * STAGING
-        self.taken = 0  # receiver: transfers the schedule took (caller's thread)
-        self.shapes: dict[int, list[tuple[int, ...]]] = {}  # sender: shapes of transfer n
-        self.bytes = 0
-
-    @property
-    def name(self) -> str:
-        return f"boundary {self.src} -> {self.dst}"
-
-    def fail(self, exc: BaseException) -> None:
-        futures: list[asyncio.Future[Any]] = [*self.waiting.values()]
-        futures += [f for _, f in self.credit_waits]
-        for fut in futures:
-            if not fut.done():
-                fut.set_exception(exc)
-        self.waiting.clear()
-        self.credit_waits.clear()
-
-    def close(self) -> None:
-        for ring in (self.mine, self.staging):
-            if ring is not None:
-                ring.close()
 
 
 class PipelineStage:
@@ -201,7 +117,7 @@ class PipelineStage:
                     store=store, routes=None)
 
     @classmethod
-    def _routed(cls, routes: _Routes, submodule: nn.Module, stage_index: int,
+    def _routed(cls, routes: Routes, submodule: nn.Module, stage_index: int,
                 num_stages: int, device: torch.device | str | int, **options: Any
                 ) -> PipelineStage:
         """A stage whose boundaries are ``routes`` (the split frontend's), not a chain."""
@@ -218,7 +134,7 @@ class PipelineStage:
                max_shapes: Sequence[Sequence[int]] | None = None,
                slots: int | None = None, timeout: float = 60.0,
                listen: str | None = None, store: Any = None,
-               routes: _Routes | None = None) -> None:
+               routes: Routes | None = None) -> None:
         if not isinstance(num_stages, int) or num_stages < 1:
             raise UsageError(f"num_stages must be an int >= 1, got {num_stages!r}")
         if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
@@ -244,7 +160,7 @@ class PipelineStage:
         self.slots_override = slots
         # routes: which stages this one receives from and sends to, and which of its inputs
         # and outputs each boundary carries (None: all, in order: the manual frontend)
-        self._routes: _Routes = routes or _Routes.chain(stage_index, num_stages)
+        self._routes: Routes = routes or Routes.chain(stage_index, num_stages)
         self._peers = dict(peers) if peers is not None else None
         self._store = store
         if self._peers is not None:
@@ -257,7 +173,7 @@ class PipelineStage:
         self._failure: BaseException | None = None
         self._failed: asyncio.Event | None = None  # made on the loop
         self._schedule: tuple[str, int] | None = None  # (name, n_microbatches) once known
-        self._edges: dict[tuple[int, int], _Edge] = {}
+        self._edges: dict[tuple[int, int], Edge] = {}
         self._links: dict[int, Endpoint] = {}
         self._link_waits: dict[int, asyncio.Future[Endpoint]] = {}
         self._addresses: dict[int, str] = {}
@@ -267,7 +183,7 @@ class PipelineStage:
         self._connected = False
         self._stats = {"transfers_sent": 0, "transfers_received": 0, "bytes_sent": 0,
                        "bytes_received": 0, "wait_s": 0.0, "credit_wait_s": 0.0, "steps": 0}
-        self._loop = _new_loop()
+        self._loop = new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"tensorx-pp-stage{stage_index}")
         self._thread.start()
@@ -309,20 +225,20 @@ class PipelineStage:
     async def _bounded(self, fut: asyncio.Future[Any]) -> Any:
         """``await fut`` for at most the stage's timeout (then asyncio.TimeoutError); a
         failure of the stage sets its exception on ``fut`` too."""
-        handle = self._loop.call_later(self.timeout, _expire, fut)
+        handle = self._loop.call_later(self.timeout, expire, fut)
         try:
             return await fut
         finally:
             handle.cancel()
 
-    async def _make_edge(self, src: int, dst: int) -> _Edge:
-        return _Edge(src, dst, self.stage_index)
+    async def _make_edge(self, src: int, dst: int) -> Edge:
+        return Edge(src, dst, self.stage_index)
 
     async def _start_node(self, listen: str | None, transport: str, require: str | None,
                           token: str | bytes | None) -> Node:
         if listen is None:
             if self._peers is not None:
-                listen = _listen_of(self._peers[self.stage_index])
+                listen = self._peers[self.stage_index]
             else:
                 master = os.environ.get("MASTER_ADDR", "127.0.0.1")
                 loopback = master in ("127.0.0.1", "localhost", "::1")
@@ -487,7 +403,7 @@ class PipelineStage:
             self._on_accept(edge, msg, who)
         elif kind == "grads" and not edge.sending and edge.theirs is None \
                 and edge.layout is not None:
-            edge.theirs = _descriptor(msg, who)
+            edge.theirs = descriptor_of(msg, who)
             edge.planned.set()
         elif (kind == "F" and not edge.sending) or (kind == "B" and edge.sending):
             n = integer(msg, "n", who)
@@ -529,7 +445,7 @@ class PipelineStage:
         origin = self.stage_index if origin is None else origin
         for stage, ep in list(self._links.items()):
             if stage != origin:
-                self._watch(_quietly(ep.notify(
+                self._watch(quietly(ep.notify(
                     encode("abort", origin=origin,
                            why=(why or f"{type(exc).__name__}: {exc}")[:1500]),
                     timeout=2.0)))
@@ -567,7 +483,7 @@ class PipelineStage:
             act = self.slots_override
         return max(1, act), max(1, min(m, grad))
 
-    def _maybe_accept(self, edge: _Edge) -> None:
+    def _maybe_accept(self, edge: Edge) -> None:
         msg = edge.meta_msg
         if msg is None or self._schedule is None:
             return
@@ -593,7 +509,7 @@ class PipelineStage:
         ep = self._links[edge.src]
         self._watch(self._send_accept(ep, edge, capacity, desc))
 
-    async def _send_accept(self, ep: Endpoint, edge: _Edge, capacity: list[TensorMeta],
+    async def _send_accept(self, ep: Endpoint, edge: Edge, capacity: list[TensorMeta],
                            desc: RegionDescriptor) -> None:
         try:
             await ep.notify(encode("accept", tensors=[m.pack() for m in capacity],
@@ -604,7 +520,7 @@ class PipelineStage:
         if not any(m.grad for m in capacity):
             edge.planned.set()
 
-    def _capacities(self, edge: _Edge, metas: list[TensorMeta]) -> list[TensorMeta]:
+    def _capacities(self, edge: Edge, metas: list[TensorMeta]) -> list[TensorMeta]:
         positions = self._routes.inputs_from(edge.src, len(metas))
         out = []
         for pos, meta in zip(positions, metas, strict=True):
@@ -624,7 +540,7 @@ class PipelineStage:
             out.append(TensorMeta(meta.dtype, cap, meta.grad))
         return out
 
-    def _on_accept(self, edge: _Edge, msg: dict[str, Any], who: str) -> None:
+    def _on_accept(self, edge: Edge, msg: dict[str, Any], who: str) -> None:
         capacity = meta_from(msg.get("tensors"), who)
         if edge.layout is not None or edge.meta_msg is None:
             raise ProtocolError(f"{who} accepted {edge.name} before it was offered")
@@ -636,7 +552,7 @@ class PipelineStage:
         edge.slots = integer(msg, "slots", who, 1, 1 << 16)
         edge.grad_slots = integer(msg, "grad_slots", who, 1, 1 << 16)
         edge.layout = Layout(capacity)
-        edge.theirs = _descriptor(msg, who)
+        edge.theirs = descriptor_of(msg, who)
         try:
             edge.staging = Ring(edge.layout, STAGING, self.device)
             grads = any(m.grad for m in capacity)
@@ -650,7 +566,7 @@ class PipelineStage:
             return
         edge.planned.set()
 
-    async def _offer(self, edge: _Edge, metas: list[TensorMeta]) -> None:
+    async def _offer(self, edge: Edge, metas: list[TensorMeta]) -> None:
         """Sender, first transfer: offer the boundary's tensors, wait for the slots."""
         assert self._schedule is not None
         deadline = Deadline(self.timeout)
@@ -660,10 +576,10 @@ class PipelineStage:
                                schedule=self._schedule[0], microbatches=self._schedule[1]))
         await self._planned(edge, deadline, "to accept the boundary's tensors")
 
-    async def _planned(self, edge: _Edge, deadline: Deadline, what: str) -> None:
+    async def _planned(self, edge: Edge, deadline: Deadline, what: str) -> None:
         self._check_failed()
         try:
-            await wait_for(_either(edge.planned.wait(), self._failed_event()), deadline.left())
+            await wait_for(either(edge.planned.wait(), self._failed_event()), deadline.left())
         except asyncio.TimeoutError:
             raise self._timeout(edge.peer, what, edge) from None
         self._check_failed()
@@ -675,13 +591,13 @@ class PipelineStage:
                 self._failed.set()
         return self._failed.wait()
 
-    def _timeout(self, peer: int, what: str, edge: _Edge, mb: str = "") -> TimeoutError:
+    def _timeout(self, peer: int, what: str, edge: Edge, mb: str = "") -> TimeoutError:
         return TimeoutError(f"stage {self.stage_index} waited {self.timeout:g} s for stage "
                             f"{peer} {what}{mb} ({edge.name}); is stage {peer} running and "
                             "at the same step?")
 
     # -- transfers ---------------------------------------------------------------------------
-    async def _await_message(self, edge: _Edge, n: int, what: str, mb: str) -> dict[str, Any]:
+    async def _await_message(self, edge: Edge, n: int, what: str, mb: str) -> dict[str, Any]:
         self._check_failed()
         if n in edge.inbox:
             return edge.inbox.pop(n)
@@ -692,7 +608,7 @@ class PipelineStage:
             edge.waiting.pop(n, None)
             raise self._timeout(edge.peer, what, edge, mb) from None
 
-    async def _receive(self, edge: _Edge, n: int, mb: str) -> list[torch.Tensor]:
+    async def _receive(self, edge: Edge, n: int, mb: str) -> list[torch.Tensor]:
         """Receiver: transfer ``n``'s activations, in place in their slot."""
         deadline = Deadline(self.timeout)
         if not edge.planned.is_set():
@@ -713,7 +629,7 @@ class PipelineStage:
         self._stats["transfers_received"] += 1
         return edge.mine.views(n, shapes)
 
-    async def _receive_grads(self, edge: _Edge, n: int, mb: str) -> list[torch.Tensor | None]:
+    async def _receive_grads(self, edge: Edge, n: int, mb: str) -> list[torch.Tensor | None]:
         """Sender of activations: the gradients of transfer ``n``, in place."""
         started = time.perf_counter()
         msg = await self._await_message(edge, n, "to send the gradients", mb)
@@ -731,7 +647,7 @@ class PipelineStage:
         views = edge.mine.views(n, shapes) if edge.mine is not None else [None] * len(has)
         return [v if h else None for v, h in zip(views, has, strict=True)]
 
-    async def _send(self, edge: _Edge, kind: str, n: int, ops: list[tuple[int, int]],
+    async def _send(self, edge: Edge, kind: str, n: int, ops: list[tuple[int, int]],
                     header: dict[str, Any]) -> None:
         """Write transfer ``n`` from the staging slot into the peer's ring, then mark it."""
         try:
@@ -779,7 +695,7 @@ class PipelineStage:
             self._set_failure(exc)
             raise
 
-    def _hand_back(self, edge: _Edge, n: int) -> None:
+    def _hand_back(self, edge: Edge, n: int) -> None:
         """We are done with transfer ``n`` (in any order): every slot below the first
         transfer still in use goes back to the peer, with the next message we send it on
         this boundary (``c``), or on its own once the peer's next transfer needs it."""
@@ -789,7 +705,7 @@ class PipelineStage:
             edge.handed += 1
         self._maybe_flush(edge)
 
-    def _maybe_flush(self, edge: _Edge) -> None:
+    def _maybe_flush(self, edge: Edge) -> None:
         """Tell the peer about slots handed back if its next transfer into our ring (the
         one after the last that arrived) needs one we have not told it about."""
         if edge.handed <= edge.told or edge.flush_due:
@@ -799,14 +715,14 @@ class PipelineStage:
             edge.flush_due = True
             self._loop.call_soon(self._flush_credit, edge)
 
-    def _credit_due(self, edge: _Edge) -> int | None:
+    def _credit_due(self, edge: Edge) -> int | None:
         """The credit to carry on a message being sent now, if any is due."""
         if edge.handed <= edge.told:
             return None
         edge.told = edge.handed
         return edge.handed
 
-    def _flush_credit(self, edge: _Edge) -> None:
+    def _flush_credit(self, edge: Edge) -> None:
         edge.flush_due = False
         credit = self._credit_due(edge)
         ep = self._links.get(edge.peer)
@@ -815,7 +731,7 @@ class PipelineStage:
         kind = "BR" if edge.sending else "FR"
         self._issue(self._notify_credit(ep, edge, encode(kind, n=credit)))
 
-    async def _notify_credit(self, ep: Endpoint, edge: _Edge, payload: bytes) -> None:
+    async def _notify_credit(self, ep: Endpoint, edge: Edge, payload: bytes) -> None:
         try:
             await ep.notify(payload, timeout=self.timeout)
         except TensorxError as exc:
@@ -823,7 +739,7 @@ class PipelineStage:
                 logger.debug("stage %d: handing back a slot to stage %d failed: %s",
                              self.stage_index, edge.peer, exc)
 
-    def _credited(self, edge: _Edge, n: int, who: str) -> None:
+    def _credited(self, edge: Edge, n: int, who: str) -> None:
         """The peer handed back every transfer below ``n`` on ``edge``."""
         if n > edge.sent:
             raise ProtocolError(f"{who} handed back {n} transfers on {edge.name}, "
@@ -848,7 +764,7 @@ class PipelineStage:
         self._connected = True
 
     async def _forward_inputs(self, mb: int, step: int, args: tuple[Any, ...]
-                              ) -> tuple[list[Any], list[bool], list[tuple[_Edge, int]]]:
+                              ) -> tuple[list[Any], list[bool], list[tuple[Edge, int]]]:
         """This micro-batch's positional inputs: the user's (first stage) and each
         incoming boundary's, in place; whether the sender wants each one's gradient; and
         the transfers they came in."""
@@ -871,20 +787,20 @@ class PipelineStage:
             received.append((edge, n))
         return inputs, grads, received
 
-    def _incoming(self) -> list[_Edge]:
+    def _incoming(self) -> list[Edge]:
         return sorted((e for e in self._edges.values() if not e.sending), key=lambda e: e.src)
 
-    def _outgoing(self) -> list[_Edge]:
+    def _outgoing(self) -> list[Edge]:
         return sorted((e for e in self._edges.values() if e.sending), key=lambda e: e.dst)
 
     async def _send_outputs(self, mb: int, outputs: Sequence[torch.Tensor], train: bool
-                            ) -> list[tuple[_Edge, int]]:
+                            ) -> list[tuple[Edge, int]]:
         sent = []
         for edge in self._outgoing():
             picked = self._routes.outputs_to(edge.dst, len(outputs))
             tensors = [outputs[i] for i in picked]
             if not edge.planned.is_set():
-                metas = [_meta_of(t, f"output {i} of stage {self.stage_index}")
+                metas = [meta_of(t, f"output {i} of stage {self.stage_index}")
                          for i, t in zip(picked, tensors, strict=True)]
                 await self._offer(edge, metas)
             assert edge.layout is not None
@@ -904,7 +820,7 @@ class PipelineStage:
             sent.append((edge, n))
         return sent
 
-    async def _dispatch(self, edge: _Edge, kind: str, n: int, ops: list[tuple[int, int]],
+    async def _dispatch(self, edge: Edge, kind: str, n: int, ops: list[tuple[int, int]],
                         header: dict[str, Any]) -> None:
         """Send transfer ``n``: a small one at once (the copy is this core's work either
         way, and a task per send costs more than it saves), a large one as a task that
@@ -920,13 +836,13 @@ class PipelineStage:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    async def _staging_free(self, edge: _Edge, n: int) -> None:
+    async def _staging_free(self, edge: Edge, n: int) -> None:
         prior = edge.pending[n % STAGING]
         if prior is not None:
             edge.pending[n % STAGING] = None
             await prior
 
-    def _check_fits(self, edge: _Edge, tensors: Sequence[torch.Tensor], mb: int) -> None:
+    def _check_fits(self, edge: Edge, tensors: Sequence[torch.Tensor], mb: int) -> None:
         assert edge.layout is not None
         for i, (t, m) in enumerate(zip(tensors, edge.layout.metas, strict=True)):
             dtype = str(t.dtype).removeprefix("torch.")
@@ -940,7 +856,7 @@ class PipelineStage:
                     f"{list(t.shape)} for this input) and dynamic= (the dimensions that vary), "
                     "or input_args at the largest size")
 
-    async def _send_grads(self, mb: int, received: Sequence[tuple[_Edge, int]],
+    async def _send_grads(self, mb: int, received: Sequence[tuple[Edge, int]],
                           inputs: Sequence[Any]) -> None:
         for edge, n in received:
             positions = self._routes.inputs_from(edge.src, len(edge.layout.metas)
@@ -962,9 +878,9 @@ class PipelineStage:
             edge.sent = max(edge.sent, n + 1)
             await self._dispatch(edge, "B", n, ops, header)
 
-    async def _grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[_Edge, int]],
+    async def _grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[Edge, int]],
                                 outputs: Sequence[torch.Tensor]
-                                ) -> tuple[list[torch.Tensor | None], list[tuple[_Edge, int]]]:
+                                ) -> tuple[list[torch.Tensor | None], list[tuple[Edge, int]]]:
         grads: list[torch.Tensor | None] = [None] * len(outputs)
         got = []
         for edge, n in sent:
@@ -977,7 +893,7 @@ class PipelineStage:
             got.append((edge, n))
         return grads, got
 
-    def _release(self, transfers: Sequence[tuple[_Edge, int]]) -> None:
+    def _release(self, transfers: Sequence[tuple[Edge, int]]) -> None:
         for edge, n in transfers:
             self._hand_back(edge, n)
 
@@ -1034,7 +950,7 @@ class PipelineStage:
 
     async def _aclose(self) -> None:
         for ep in list(self._links.values()):
-            await _quietly(ep.notify(encode("bye"), timeout=1.0))
+            await quietly(ep.notify(encode("bye"), timeout=1.0))
         for task in list(self._tasks):
             task.cancel()
         await self.node.aclose()
@@ -1066,90 +982,8 @@ class PipelineStage:
                 f"{'closed' if self._closed else self.node.address}>")
 
 
-class _Routes:
-    """Which stages a stage exchanges with, and which of its inputs and outputs each
-    boundary carries. The manual frontend chains stage i to i + 1 with every output."""
-
-    def __init__(self, incoming: Mapping[int, Mapping[int, list[int] | None]],
-                 outgoing: Mapping[int, Mapping[int, list[int] | None]]) -> None:
-        # incoming[stage][src] = input positions (None: all, in order)
-        # outgoing[stage][dst] = output indices (None: all, in order)
-        self.incoming = {s: dict(v) for s, v in incoming.items()}
-        self.outgoing = {s: dict(v) for s, v in outgoing.items()}
-        self.stage = -1
-        self.neighbours: list[int] = []
-
-    @classmethod
-    def chain(cls, stage: int, num_stages: int) -> _Routes:
-        routes = cls({s: {s - 1: None} for s in range(1, num_stages)},
-                     {s: {s + 1: None} for s in range(num_stages - 1)})
-        return routes.at(stage)
-
-    def at(self, stage: int) -> _Routes:
-        self.stage = stage
-        self.neighbours = sorted({*self.incoming.get(stage, {}), *self.outgoing.get(stage, {})})
-        return self
-
-    def pairs(self, stage: int) -> Iterator[tuple[int, int]]:
-        for src in self.incoming.get(stage, {}):
-            yield src, stage
-        for dst in self.outgoing.get(stage, {}):
-            yield stage, dst
-
-    def inputs_from(self, src: int, count: int) -> list[int]:
-        given = self.incoming.get(self.stage, {}).get(src)
-        return list(range(count)) if given is None else list(given)
-
-    def outputs_to(self, dst: int, count: int) -> list[int]:
-        given = self.outgoing.get(self.stage, {}).get(dst)
-        return list(range(count)) if given is None else list(given)
-
-
-def _meta_of(t: Any, what: str) -> TensorMeta:
-    if not isinstance(t, torch.Tensor):
-        raise UsageError(f"{what} is a {type(t).__name__}; a stage passes tensors to the next "
-                         "(return a tensor or a tuple of tensors)")
-    dtype = str(t.dtype).removeprefix("torch.")
-    if dtype not in DTYPES:
-        raise UsageError(f"{what} has dtype {dtype}, which cannot cross a stage boundary")
-    return TensorMeta(dtype, tuple(t.shape), bool(t.requires_grad))
-
-
-def _descriptor(msg: dict[str, Any], who: str) -> RegionDescriptor:
-    ring = msg.get("ring")
-    if not isinstance(ring, bytes):
-        raise ProtocolError(f"{who} sent {msg['t']!r} without a ring descriptor")
-    try:
-        return RegionDescriptor.from_bytes(ring)
-    except TensorxError as exc:
-        raise ProtocolError(f"{who} sent a malformed ring descriptor: {exc}") from None
-
-
 def _as_tuple(value: Any) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _listen_of(address: str) -> str:
-    return address
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    """The stage's own loop: asyncio's. (Not uvloop, whose loops refuse to start
-    subprocesses from two threads at once: stages in one process each have a loop, and
-    UCX's address probe starts one.)"""
-    return asyncio.new_event_loop()
-
-
-def _expire(fut: asyncio.Future[Any]) -> None:
-    if not fut.done():
-        fut.set_exception(asyncio.TimeoutError())
-
-
-async def _quietly(aw: Any) -> None:
-    try:
-        await aw
-    except (TensorxError, OSError):
-        pass
 
 
 async def _failing(stage: PipelineStage, aw: Any) -> None:
@@ -1157,13 +991,3 @@ async def _failing(stage: PipelineStage, aw: Any) -> None:
         await aw
     except TensorxError as exc:
         stage._set_failure(exc)
-
-
-async def _either(a: Coroutine[Any, Any, Any], b: Coroutine[Any, Any, Any]) -> None:
-    tasks = [asyncio.ensure_future(a), asyncio.ensure_future(b)]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
-
