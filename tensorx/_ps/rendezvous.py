@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from tensorx.errors import TimeoutError, UsageError
 
-__all__ = ["advertised", "connect_store", "launched", "lookup", "publish"]
+__all__ = ["advertised", "connect_store", "launched", "lookup", "publish", "wait_keys"]
 
 KEY = "tensorx/ps/{}"
 
@@ -64,9 +64,15 @@ def publish(store: Any, shard: int, address: str) -> None:
 def lookup(store: Any, num_shards: int, timeout: float = 300.0) -> list[str]:
     """Every shard's address, in shard order; waits until all have published."""
     keys = [KEY.format(s) for s in range(num_shards)]
+    return wait_keys(store, keys, timeout, f"parameter servers did not publish {keys}")
+
+
+def wait_keys(store: Any, keys: list[str], timeout: float, missing: str,
+              hint: str = "") -> list[str]:
+    """The values of ``keys`` in ``store``, waiting up to ``timeout`` s for all of them;
+    else TimeoutError saying ``missing`` (then ``hint``)."""
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception as exc:  # torch raises its own DistStoreError / RuntimeError
-        raise TimeoutError(f"parameter servers did not publish {keys} within {timeout} s: "
-                           f"{exc}") from exc
+        raise TimeoutError(f"{missing} within {timeout} s: {hint or exc}") from exc
     return [store.get(k).decode() for k in keys]

@@ -114,6 +114,42 @@ class Edge:
             if ring is not None:
                 ring.close()
 
+    # -- credits: slots handed back --------------------------------------------------------
+    def hand_back(self, n: int) -> None:
+        """We are done with transfer ``n`` (in any order): every slot below the first
+        transfer still in use can go back to the peer."""
+        self.done.add(n)
+        while self.handed in self.done:
+            self.done.discard(self.handed)
+            self.handed += 1
+
+    def flush_needed(self) -> bool:
+        """Whether the peer must be told about slots handed back now, on their own: its
+        next transfer into our ring (the one after the last that arrived) needs one we have
+        not told it about. (Else the credit goes with the next message we send it.)"""
+        if self.handed <= self.told or self.flush_due:
+            return False
+        slots = self.grad_slots if self.sending else self.slots  # of our ring it writes
+        return self.arrived + 1 - slots > self.told
+
+    def credit_due(self) -> int | None:
+        """The credit to carry on a message being sent now, if any is due."""
+        if self.handed <= self.told:
+            return None
+        self.told = self.handed
+        return self.handed
+
+    def credited(self, n: int, who: str) -> None:
+        """The peer handed back every transfer below ``n``."""
+        if n > self.sent:
+            raise ProtocolError(f"{who} handed back {n} transfers on {self.name}, "
+                                f"{self.sent} were sent")
+        self.credits = max(self.credits, n)
+        for need, fut in list(self.credit_waits):
+            if self.credits >= need and not fut.done():
+                fut.set_result(None)
+        self.credit_waits = [(k, f) for k, f in self.credit_waits if not f.done()]
+
 
 class Routes:
     """Which stages a stage exchanges with, and which of its inputs and outputs each
@@ -179,6 +215,14 @@ def new_loop() -> asyncio.AbstractEventLoop:
     subprocesses from two threads at once: stages in one process each have a loop, and
     UCX's address probe starts one.)"""
     return asyncio.new_event_loop()
+
+
+def retrieved_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
+    """A future on ``loop`` whose exception counts as retrieved: a wait that timed out
+    leaves it behind, and a failure later sets one on it."""
+    fut = loop.create_future()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
 
 
 def expire(fut: asyncio.Future[Any]) -> None:

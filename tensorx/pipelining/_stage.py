@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
@@ -34,7 +33,6 @@ import torch
 from torch import nn
 
 from tensorx._deadline import Deadline, wait_for
-from tensorx._text import printable
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     BrokenError,
@@ -46,7 +44,6 @@ from tensorx.errors import (
     UsageError,
 )
 from tensorx.memregion import RegionDescriptor
-from tensorx.node import Node
 from tensorx.pipelining._boundary import (
     STAGING,
     BoundaryRow,
@@ -58,11 +55,11 @@ from tensorx.pipelining._boundary import (
     expire,
     meta_of,
     new_loop,
-    quietly,
+    retrieved_future,
 )
+from tensorx.pipelining._meeting import Meeting
 from tensorx.pipelining._protocol import (
     TensorMeta,
-    decode,
     encode,
     integer,
     meta_from,
@@ -76,7 +73,6 @@ __all__ = ["PipelineStage", "StagePlan"]
 logger = logging.getLogger("tensorx.pipelining")
 
 T = TypeVar("T")
-STORE_KEY = "tensorx/pp/{}"
 INLINE_BYTES = 1 << 20  # a transfer up to this size is sent before the step goes on
 
 
@@ -161,35 +157,28 @@ class PipelineStage:
         # routes: which stages this one receives from and sends to, and which of its inputs
         # and outputs each boundary carries (None: all, in order: the manual frontend)
         self._routes: Routes = routes or Routes.chain(stage_index, num_stages)
-        self._peers = dict(peers) if peers is not None else None
-        self._store = store
-        if self._peers is not None:
-            missing = [s for s in self._routes.neighbours if s not in self._peers]
-            if missing or (listen is None and stage_index not in self._peers):
+        if peers is not None:
+            missing = [s for s in self._routes.neighbours if s not in peers]
+            if missing or (listen is None and stage_index not in peers):
                 raise UsageError(f"peers must give the address of stage {stage_index} (this "
                                  f"one) and of stages {self._routes.neighbours}; missing "
-                                 f"{sorted({*missing, stage_index} - set(self._peers))}")
+                                 f"{sorted({*missing, stage_index} - set(peers))}")
         self._closed = False
         self._failure: BaseException | None = None
         self._failed: asyncio.Event | None = None  # made on the loop
         self._schedule: tuple[str, int] | None = None  # (name, n_microbatches) once known
         self._edges: dict[tuple[int, int], Edge] = {}
-        self._links: dict[int, Endpoint] = {}
-        self._link_waits: dict[int, asyncio.Future[Endpoint]] = {}
-        self._addresses: dict[int, str] = {}
-        self._lanes: dict[int, dict[str, Any]] = {}  # per peer stage, as linked
-        self._gone: dict[int, str] = {}  # stages that said bye
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._connected = False
         self._stats = {"transfers_sent": 0, "transfers_received": 0, "bytes_sent": 0,
                        "bytes_received": 0, "wait_s": 0.0, "credit_wait_s": 0.0, "steps": 0}
         self._loop = new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"tensorx-pp-stage{stage_index}")
         self._thread.start()
+        self._meeting = Meeting(stage_index, num_stages, self._routes, self.timeout,
+                                _Events(self), self._loop, peers, store)
         try:
-            self.node = self._call(self._start_node(listen, transport, require, token))
-            self._publish()
+            self.node = self._call(self._meeting.start(listen, transport, require, token))
+            self._meeting.publish()
         except BaseException:
             self._stop_loop()
             raise
@@ -215,13 +204,6 @@ class PipelineStage:
             raise TimeoutError(f"stage {self.stage_index}: a call into its loop took over "
                                f"{timeout} s") from None
 
-    def _future(self) -> asyncio.Future[Any]:
-        """A future on the loop whose exception counts as retrieved: a wait that timed out
-        leaves it behind, and a failure later sets one on it."""
-        fut = self._loop.create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return fut
-
     async def _bounded(self, fut: asyncio.Future[Any]) -> Any:
         """``await fut`` for at most the stage's timeout (then asyncio.TimeoutError); a
         failure of the stage sets its exception on ``fut`` too."""
@@ -234,150 +216,10 @@ class PipelineStage:
     async def _make_edge(self, src: int, dst: int) -> Edge:
         return Edge(src, dst, self.stage_index)
 
-    async def _start_node(self, listen: str | None, transport: str, require: str | None,
-                          token: str | bytes | None) -> Node:
-        if listen is None:
-            if self._peers is not None:
-                listen = self._peers[self.stage_index]
-            else:
-                master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-                loopback = master in ("127.0.0.1", "localhost", "::1")
-                listen = "tcp://127.0.0.1:0" if loopback else "tcp://0.0.0.0:0"
-        node = Node(listen, transport=transport, require=require, token=token,
-                    timeout=self.timeout, handler=self._accepted)
-        await node.start()
-        return node
-
-    def _publish(self) -> None:
-        if self._peers is not None:
-            self._addresses = dict(self._peers)
-            return
-        from tensorx._ps.rendezvous import advertised, connect_store
-
-        if self._store is None:
-            self._store = connect_store(self.timeout)
-        self._store.set(STORE_KEY.format(self.stage_index), advertised(self.node.address))
-
-    def _address_of(self, stage: int) -> str:
-        if stage not in self._addresses:
-            from datetime import timedelta
-
-            key = STORE_KEY.format(stage)
-            try:
-                self._store.wait([key], timedelta(seconds=self.timeout))
-            except Exception as exc:  # torch raises its own store errors
-                raise TimeoutError(f"stage {self.stage_index}: stage {stage} did not publish "
-                                   f"its address ({key}) within {self.timeout} s: is it "
-                                   f"running?") from exc
-            self._addresses[stage] = self._store.get(key).decode()
-        return self._addresses[stage]
-
-    # -- meeting the other stages ---------------------------------------------------------
-    async def _open(self, stage: int, address: str) -> None:
-        deadline = Deadline(self.timeout)
-        delay = 0.05
-        while True:
-            try:
-                ep = await self.node.connect(address, timeout=deadline.least(10.0))
-                break
-            except (BrokenError, TimeoutError, ClosedError) as exc:
-                if deadline.expired:
-                    raise TimeoutError(f"stage {self.stage_index} could not reach stage "
-                                       f"{stage} at {address} within {self.timeout} s: "
-                                       f"{exc}") from None
-                await asyncio.sleep(min(delay, deadline.left() or 0.0))
-                delay = min(delay * 2, 1.0)
-        messages = ep.messages
-        await ep.notify(encode("hello", stage=self.stage_index, stages=self.num_stages))
-        self._linked(stage, ep)
-        self._watch(self._read(stage, ep, messages))
-
-    async def _accepted(self, ep: Endpoint) -> None:
-        """An earlier stage opened an endpoint to us: its first message says which."""
-        messages = ep.messages
-        try:
-            first = decode(await messages.get(self.timeout), f"peer {ep.peer}")
-        except TensorxError as exc:
-            logger.warning("stage %d: a peer at %s did not introduce itself: %s",
-                           self.stage_index, printable(ep.address), exc)
-            ep.abort()
-            return
-        peer = f"peer {printable(ep.peer)}"
-        stage = integer(first, "stage", peer, 0, self.num_stages - 1) \
-            if first["t"] == "hello" else -1
-        if (first["t"] != "hello" or stage >= self.stage_index
-                or stage not in self._routes.neighbours or stage in self._links
-                or first.get("stages") != self.num_stages):
-            logger.warning("stage %d: refused %s at %s: it introduced itself as %s",
-                           self.stage_index, peer, printable(ep.address),
-                           printable(repr({k: first.get(k) for k in ("t", "stage", "stages")})))
-            ep.abort()
-            return
-        self._linked(stage, ep)
-        await self._read(stage, ep, messages)
-
-    def _linked(self, stage: int, ep: Endpoint) -> None:
-        self._links[stage] = ep
-        info = ep.info
-        self._lanes[stage] = {"address": ep.address, "transport": info.get("transport"),
-                              "host": info.get("host"), "lanes": info.get("lanes"),
-                              "gpu": info.get("gpu")}
-        host = f", host memory {info['host']}" if info.get("host") else ""
-        logger.info("stage %d <-> stage %d at %s: %s%s", self.stage_index, stage,
-                    printable(ep.address), info.get("transport"), printable(host, 120))
-        waiter = self._link_waits.pop(stage, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(ep)
-
-    def _watch(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = self._loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _link(self, stage: int, deadline: Deadline, why: str) -> Endpoint:
-        if stage in self._links:
-            return self._links[stage]
-        self._check_failed()
-        waiter = self._link_waits.setdefault(stage, self._future())
-        try:
-            return await wait_for(asyncio.shield(waiter), deadline.left())
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"stage {self.stage_index} waited {self.timeout:g} s for "
-                               f"stage {stage} to connect ({why}); is it running, with "
-                               f"num_stages={self.num_stages} and the same peers?") from None
-
-    # -- messages ---------------------------------------------------------------------------
-    async def _read(self, stage: int, ep: Endpoint, messages: Any) -> None:
-        who = f"stage {stage}"
-        try:
-            while True:
-                payload = await messages.get(None)
-                msg = decode(payload, who)
-                if msg["t"] == "bye":
-                    self._gone[stage] = "closed"
-                    continue
-                self._on_message(stage, msg, who)
-        except ClosedError:
-            self._lost(stage, ep, None)
-        except BrokenError as exc:
-            self._lost(stage, ep, exc)
-        except ProtocolError as exc:
-            logger.error("stage %d: %s", self.stage_index, exc)
-            self._set_failure(exc)
-            ep.abort()
-        except asyncio.CancelledError:
-            raise
-
-    def _lost(self, stage: int, ep: Endpoint, exc: BaseException | None) -> None:
-        self._links.pop(stage, None)
-        if stage in self._gone or self._closed:
-            self._gone.setdefault(stage, "closed")
-            return
-        how = f"broke ({exc})" if exc is not None else "closed"
-        self._gone[stage] = how
+    def _lost(self, stage: int, address: str, how: str) -> None:
         self._set_failure(BrokenError(
-            f"stage {stage} at {printable(ep.address)} is gone (its connection {how}); "
-            f"stage {self.stage_index} stops: restart every stage"), stage,
+            f"stage {stage} at {address} is gone (its connection {how}); stage "
+            f"{self.stage_index} stops: restart every stage"), stage,
             f"it is gone (its connection to stage {self.stage_index} {how})")
 
     def _on_message(self, stage: int, msg: dict[str, Any], who: str) -> None:
@@ -387,8 +229,6 @@ class PipelineStage:
             why = text(msg, "why", who)
             self._set_failure(BrokenError(f"stage {origin} failed: {why}"), origin, why)
             return
-        if kind == "hello":
-            raise ProtocolError(f"{who} introduced itself twice")
         key = (stage, self.stage_index) if stage < self.stage_index else (self.stage_index,
                                                                           stage)
         edge = self._edges.get(key)
@@ -412,7 +252,7 @@ class PipelineStage:
                 raise ProtocolError(f"{who} sent {kind!r} for transfer {n}, which is not "
                                     f"in flight on {edge.name}")
             if "c" in msg:
-                self._credited(edge, integer(msg, "c", who), who)
+                edge.credited(integer(msg, "c", who), who)
             edge.arrived = max(edge.arrived, n + 1)
             self._maybe_flush(edge)
             waiter = edge.waiting.pop(n, None)
@@ -421,7 +261,7 @@ class PipelineStage:
             else:
                 edge.inbox[n] = msg
         elif (kind == "FR" and edge.sending) or (kind == "BR" and not edge.sending):
-            self._credited(edge, integer(msg, "n", who), who)
+            edge.credited(integer(msg, "n", who), who)
         else:
             raise ProtocolError(f"{who} sent {kind!r}, unexpected on {edge.name} now")
 
@@ -437,18 +277,8 @@ class PipelineStage:
             self._failed.set()
         for edge in self._edges.values():
             edge.fail(exc)
-        for waiter in self._link_waits.values():
-            if not waiter.done():
-                waiter.set_exception(exc)
-        # tell the others (a stage two boundaries away learns who failed, not only that
-        # its neighbour stopped)
         origin = self.stage_index if origin is None else origin
-        for stage, ep in list(self._links.items()):
-            if stage != origin:
-                self._watch(quietly(ep.notify(
-                    encode("abort", origin=origin,
-                           why=(why or f"{type(exc).__name__}: {exc}")[:1500]),
-                    timeout=2.0)))
+        self._meeting.fail(exc, origin, why or f"{type(exc).__name__}: {exc}")
 
     def _check_failed(self) -> None:
         if self._failure is not None:
@@ -506,8 +336,8 @@ class PipelineStage:
         except TensorxError as exc:
             self._set_failure(exc)
             return
-        ep = self._links[edge.src]
-        self._watch(self._send_accept(ep, edge, capacity, desc))
+        ep = self._meeting.links[edge.src]
+        self._meeting.watch(self._send_accept(ep, edge, capacity, desc))
 
     async def _send_accept(self, ep: Endpoint, edge: Edge, capacity: list[TensorMeta],
                            desc: RegionDescriptor) -> None:
@@ -559,7 +389,7 @@ class PipelineStage:
             if grads:
                 edge.mine = Ring(edge.layout, edge.grad_slots, self.device)
                 desc = self.node.export(edge.mine.region, access="w")
-                self._watch(_failing(self, self._links[edge.dst].notify(
+                self._meeting.watch(_failing(self, self._meeting.links[edge.dst].notify(
                     encode("grads", ring=desc.to_bytes()))))
         except TensorxError as exc:
             self._set_failure(exc)
@@ -570,7 +400,7 @@ class PipelineStage:
         """Sender, first transfer: offer the boundary's tensors, wait for the slots."""
         assert self._schedule is not None
         deadline = Deadline(self.timeout)
-        ep = await self._link(edge.dst, deadline, f"to plan {edge.name}")
+        ep = await self._meeting.link(edge.dst, deadline, f"to plan {edge.name}")
         edge.meta_msg = {"metas": metas}
         await ep.notify(encode("meta", tensors=[m.pack() for m in metas],
                                schedule=self._schedule[0], microbatches=self._schedule[1]))
@@ -601,7 +431,7 @@ class PipelineStage:
         self._check_failed()
         if n in edge.inbox:
             return edge.inbox.pop(n)
-        waiter = edge.waiting.setdefault(n, self._future())
+        waiter = edge.waiting.setdefault(n, retrieved_future(self._loop))
         try:
             return await self._bounded(waiter)  # type: ignore[no-any-return]
         except asyncio.TimeoutError:
@@ -612,7 +442,7 @@ class PipelineStage:
         """Receiver: transfer ``n``'s activations, in place in their slot."""
         deadline = Deadline(self.timeout)
         if not edge.planned.is_set():
-            await self._link(edge.src, deadline, f"to send {edge.name}")
+            await self._meeting.link(edge.src, deadline, f"to send {edge.name}")
             await self._planned(edge, deadline, "to offer its tensors")
         started = time.perf_counter()
         msg = await self._await_message(edge, n, "to send its activations", mb)
@@ -655,7 +485,7 @@ class PipelineStage:
             slots = edge.slots if kind == "F" else edge.grad_slots
             need = n + 1 - slots
             if edge.credits < need:
-                fut = self._future()
+                fut = retrieved_future(self._loop)
                 edge.credit_waits.append((need, fut))
                 try:
                     await self._bounded(fut)
@@ -663,7 +493,7 @@ class PipelineStage:
                     raise self._timeout(edge.peer, "to hand back a slot", edge,
                                         f" (transfer {n})") from None
             self._stats["credit_wait_s"] += time.perf_counter() - started
-            ep = self._links.get(edge.peer)
+            ep = self._meeting.links.get(edge.peer)
             if ep is None:
                 self._check_failed()
                 raise BrokenError(f"stage {edge.peer} is not connected")
@@ -686,7 +516,7 @@ class PipelineStage:
         except (BrokenError, ClosedError) as exc:
             if self._failure is not None:  # (what failed first is what every stage hears)
                 raise type(self._failure)(str(self._failure)) from None
-            where = self._lanes.get(edge.peer, {}).get("address", "?")
+            where = self._meeting.lanes.get(edge.peer, {}).get("address", "?")
             lost = BrokenError(f"stage {edge.peer} at {where} is gone ({exc}); stage "
                                f"{self.stage_index} stops: restart every stage")
             self._set_failure(lost, edge.peer, f"it is gone ({exc})")
@@ -696,36 +526,21 @@ class PipelineStage:
             raise
 
     def _hand_back(self, edge: Edge, n: int) -> None:
-        """We are done with transfer ``n`` (in any order): every slot below the first
-        transfer still in use goes back to the peer, with the next message we send it on
-        this boundary (``c``), or on its own once the peer's next transfer needs it."""
-        edge.done.add(n)
-        while edge.handed in edge.done:
-            edge.done.discard(edge.handed)
-            edge.handed += 1
+        """We are done with transfer ``n``: its slot goes back to the peer with the next
+        message we send it on this boundary (``c``), or on its own once the peer's next
+        transfer needs it."""
+        edge.hand_back(n)
         self._maybe_flush(edge)
 
     def _maybe_flush(self, edge: Edge) -> None:
-        """Tell the peer about slots handed back if its next transfer into our ring (the
-        one after the last that arrived) needs one we have not told it about."""
-        if edge.handed <= edge.told or edge.flush_due:
-            return
-        slots = edge.grad_slots if edge.sending else edge.slots  # of our ring it writes
-        if edge.arrived + 1 - slots > edge.told:
+        if edge.flush_needed():
             edge.flush_due = True
             self._loop.call_soon(self._flush_credit, edge)
 
-    def _credit_due(self, edge: Edge) -> int | None:
-        """The credit to carry on a message being sent now, if any is due."""
-        if edge.handed <= edge.told:
-            return None
-        edge.told = edge.handed
-        return edge.handed
-
     def _flush_credit(self, edge: Edge) -> None:
         edge.flush_due = False
-        credit = self._credit_due(edge)
-        ep = self._links.get(edge.peer)
+        credit = edge.credit_due()
+        ep = self._meeting.links.get(edge.peer)
         if credit is None or ep is None:
             return
         kind = "BR" if edge.sending else "FR"
@@ -735,33 +550,15 @@ class PipelineStage:
         try:
             await ep.notify(payload, timeout=self.timeout)
         except TensorxError as exc:
-            if edge.peer not in self._gone:
+            if edge.peer not in self._meeting.gone:
                 logger.debug("stage %d: handing back a slot to stage %d failed: %s",
                              self.stage_index, edge.peer, exc)
 
-    def _credited(self, edge: Edge, n: int, who: str) -> None:
-        """The peer handed back every transfer below ``n`` on ``edge``."""
-        if n > edge.sent:
-            raise ProtocolError(f"{who} handed back {n} transfers on {edge.name}, "
-                                f"{edge.sent} were sent")
-        edge.credits = max(edge.credits, n)
-        for need, fut in list(edge.credit_waits):
-            if edge.credits >= need and not fut.done():
-                fut.set_result(None)
-        edge.credit_waits = [(k, f) for k, f in edge.credit_waits if not f.done()]
-
     # -- what a schedule runs (a step is a coroutine on the stage's loop) ------------------
     async def _prepare(self) -> None:
-        """Open the endpoints to the later stages this one shares a boundary with (an
-        earlier stage opens the one to us), retrying while they are not up yet."""
+        """Link this stage to the others (once)."""
         self._check_failed()
-        if self._connected:
-            return
-        for stage in self._routes.neighbours:
-            if stage > self.stage_index:
-                address = await asyncio.to_thread(self._address_of, stage)
-                await self._open(stage, address)
-        self._connected = True
+        await self._meeting.connect()
 
     async def _forward_inputs(self, mb: int, step: int, args: tuple[Any, ...]
                               ) -> tuple[list[Any], list[bool], list[tuple[Edge, int]]]:
@@ -813,7 +610,7 @@ class PipelineStage:
             if train:
                 edge.shapes[n] = [tuple(t.shape) for t in tensors]
             header = {"shapes": [list(t.shape) for t in tensors], "mb": mb, "train": train}
-            credit = self._credit_due(edge)
+            credit = edge.credit_due()
             if credit is not None:
                 header["c"] = credit
             await self._dispatch(edge, "F", n, ops, header)
@@ -872,7 +669,7 @@ class PipelineStage:
                 ops = edge.staging.fill(n, grads)
             self._hand_back(edge, n)  # (its credit goes with the gradients)
             header: dict[str, Any] = {"has": [g is not None for g in grads], "mb": mb}
-            credit = self._credit_due(edge)
+            credit = edge.credit_due()
             if credit is not None:
                 header["c"] = credit
             edge.sent = max(edge.sent, n + 1)
@@ -927,7 +724,7 @@ class PipelineStage:
     def info(self) -> dict[str, Any]:
         """``{"stage", "address", "peers": {stage: {"address", "transport", "host",
         "lanes"}}}``: the lane every other stage is reached over."""
-        peers = {stage: dict(lane) for stage, lane in sorted(self._lanes.items())}
+        peers = {stage: dict(lane) for stage, lane in sorted(self._meeting.lanes.items())}
         return {"stage": self.stage_index, "num_stages": self.num_stages,
                 "address": self.node.address, "peers": peers}
 
@@ -941,6 +738,7 @@ class PipelineStage:
         if self._closed:
             return
         self._closed = True
+        self._meeting.closing = True  # a link that ends from now on is no failure
         if self._thread.is_alive():
             try:
                 self._call(self._aclose(), timeout=10.0)
@@ -949,11 +747,7 @@ class PipelineStage:
         self._stop_loop()
 
     async def _aclose(self) -> None:
-        for ep in list(self._links.values()):
-            await quietly(ep.notify(encode("bye"), timeout=1.0))
-        for task in list(self._tasks):
-            task.cancel()
-        await self.node.aclose()
+        await self._meeting.aclose()
         for edge in self._edges.values():
             edge.fail(ClosedError(f"stage {self.stage_index} is closed"))
             edge.close()
@@ -980,6 +774,25 @@ class PipelineStage:
     def __repr__(self) -> str:
         return (f"<PipelineStage {self.stage_index}/{self.num_stages} "
                 f"{'closed' if self._closed else self.node.address}>")
+
+
+class _Events:
+    """What a stage's :class:`Meeting` tells it."""
+
+    def __init__(self, stage: PipelineStage) -> None:
+        self._stage = stage
+
+    def message(self, stage: int, msg: dict[str, Any], who: str) -> None:
+        self._stage._on_message(stage, msg, who)
+
+    def lost(self, stage: int, address: str, how: str) -> None:
+        self._stage._lost(stage, address, how)
+
+    def failed(self, exc: BaseException) -> None:
+        self._stage._set_failure(exc)
+
+    def check_failed(self) -> None:
+        self._stage._check_failed()
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
