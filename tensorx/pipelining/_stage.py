@@ -37,7 +37,6 @@ from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     BrokenError,
     ClosedError,
-    PlanMismatchError,
     ProtocolError,
     TensorxError,
     TimeoutError,
@@ -58,11 +57,11 @@ from tensorx.pipelining._boundary import (
     retrieved_future,
 )
 from tensorx.pipelining._meeting import Meeting
+from tensorx.pipelining._planning import accepted, capacities, check_fits, offered, slot_counts
 from tensorx.pipelining._protocol import (
     TensorMeta,
     encode,
     integer,
-    meta_from,
     shapes_from,
     text,
 )
@@ -300,35 +299,18 @@ class PipelineStage:
             if edge.meta_msg is not None:
                 self._maybe_accept(edge)
 
-    def _slot_counts(self, src: int, dst: int) -> tuple[int, int]:
-        """(activation, gradient) slots of the boundary src -> dst under the schedule: the
-        most micro-batches that can be in flight across it."""
-        assert self._schedule is not None
-        name, m = self._schedule
-        if name == "ScheduleGPipe":  # every forward before any backward: all in flight
-            act, grad = m, max(2, (m + 1) // 2)
-        else:
-            act, grad = min(m, self.num_stages - src), dst - src + 1
-        if self.slots_override is not None:
-            act = self.slots_override
-        return max(1, act), max(1, min(m, grad))
-
     def _maybe_accept(self, edge: Edge) -> None:
         msg = edge.meta_msg
         if msg is None or self._schedule is None:
             return
         who = f"stage {edge.src}"
         try:
-            metas = meta_from(msg.get("tensors"), who)
-            schedule = [text(msg, "schedule", who, 40), integer(msg, "microbatches", who, 1)]
-            if tuple(schedule) != self._schedule:
-                raise UsageError(
-                    f"stage {edge.src} runs {schedule[0]} with {schedule[1]} micro-batches "
-                    f"and stage {self.stage_index} {self._schedule[0]} with "
-                    f"{self._schedule[1]}: every stage must build the same schedule")
-            capacity = self._capacities(edge, metas)
+            metas = offered(msg, who, self._schedule, edge.src, self.stage_index)
+            capacity = capacities(edge, metas, self._routes, self.stage_index,
+                                  self.max_shapes, self.example)
             edge.layout = Layout(capacity)
-            edge.slots, edge.grad_slots = self._slot_counts(edge.src, edge.dst)
+            edge.slots, edge.grad_slots = slot_counts(self._schedule, self.num_stages,
+                                                      edge.src, edge.dst, self.slots_override)
             edge.mine = Ring(edge.layout, edge.slots, self.device)
             if any(m.grad for m in capacity):
                 edge.staging = Ring(edge.layout, STAGING, self.device)
@@ -350,37 +332,8 @@ class PipelineStage:
         if not any(m.grad for m in capacity):
             edge.planned.set()
 
-    def _capacities(self, edge: Edge, metas: list[TensorMeta]) -> list[TensorMeta]:
-        positions = self._routes.inputs_from(edge.src, len(metas))
-        out = []
-        for pos, meta in zip(positions, metas, strict=True):
-            cap = meta.shape
-            if self.max_shapes is not None:
-                if pos >= len(self.max_shapes):
-                    raise UsageError(f"max_shapes gives {len(self.max_shapes)} shapes but "
-                                     f"stage {self.stage_index} takes input {pos}")
-                cap = self.max_shapes[pos]
-            elif self.example is not None and pos < len(self.example):
-                cap = tuple(self.example[pos].shape)
-            if len(cap) != len(meta.shape):
-                raise PlanMismatchError(
-                    f"{edge.name}, input {pos} of stage {self.stage_index}: stage {edge.src} "
-                    f"sends {len(meta.shape)}-d tensors {list(meta.shape)}, the slot is "
-                    f"planned {len(cap)}-d {list(cap)}: fix max_shapes/input_args")
-            out.append(TensorMeta(meta.dtype, cap, meta.grad))
-        return out
-
     def _on_accept(self, edge: Edge, msg: dict[str, Any], who: str) -> None:
-        capacity = meta_from(msg.get("tensors"), who)
-        if edge.layout is not None or edge.meta_msg is None:
-            raise ProtocolError(f"{who} accepted {edge.name} before it was offered")
-        offered = edge.meta_msg["metas"]
-        if len(capacity) != len(offered) or any(
-                c.dtype != o.dtype or c.grad != o.grad or len(c.shape) != len(o.shape)
-                for c, o in zip(capacity, offered, strict=True)):
-            raise ProtocolError(f"{who} accepted {edge.name} with other tensors than offered")
-        edge.slots = integer(msg, "slots", who, 1, 1 << 16)
-        edge.grad_slots = integer(msg, "grad_slots", who, 1, 1 << 16)
+        capacity, edge.slots, edge.grad_slots = accepted(edge, msg, who)
         edge.layout = Layout(capacity)
         edge.theirs = descriptor_of(msg, who)
         try:
@@ -602,7 +555,7 @@ class PipelineStage:
                 await self._offer(edge, metas)
             assert edge.layout is not None
             assert edge.staging is not None
-            self._check_fits(edge, tensors, mb)
+            check_fits(edge, tensors, mb, self.stage_index)
             n = edge.sent
             edge.sent += 1
             await self._staging_free(edge, n)
@@ -638,20 +591,6 @@ class PipelineStage:
         if prior is not None:
             edge.pending[n % STAGING] = None
             await prior
-
-    def _check_fits(self, edge: Edge, tensors: Sequence[torch.Tensor], mb: int) -> None:
-        assert edge.layout is not None
-        for i, (t, m) in enumerate(zip(tensors, edge.layout.metas, strict=True)):
-            dtype = str(t.dtype).removeprefix("torch.")
-            fits = (len(t.shape) == len(m.shape)
-                    and all(d <= c for d, c in zip(t.shape, m.shape, strict=True)))
-            if dtype != m.dtype or not fits:
-                raise PlanMismatchError(
-                    f"{edge.name}, tensor {i}, micro-batch {mb}: stage {self.stage_index} "
-                    f"produced {dtype}{list(t.shape)} but the slot was planned for "
-                    f"{m.dtype}{list(m.shape)}. Give stage {edge.dst} max_shapes= (at least "
-                    f"{list(t.shape)} for this input) and dynamic= (the dimensions that vary), "
-                    "or input_args at the largest size")
 
     async def _send_grads(self, mb: int, received: Sequence[tuple[Edge, int]],
                           inputs: Sequence[Any]) -> None:
