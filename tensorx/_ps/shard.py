@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import checkpoint, parts, resume
-from tensorx._ps.changed import ChangedRows, row_local
+from tensorx._ps import checkpoint, resume
+from tensorx._ps.changed import ChangedRows
 from tensorx._ps.checksum import checksum
 from tensorx._ps.device import allocate_arenas, fence
 from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
-from tensorx._ps.flat import FlatUpdate, elementwise
-from tensorx._ps.fold import DenseFold
+from tensorx._ps.flat import FlatUpdate
+from tensorx._ps.fold import DenseFold, Units
 from tensorx._ps.optim import build_optimizer, step_failure
-from tensorx._ps.rows import Rows, SparseRows, no_invariant_checks
+from tensorx._ps.rows import Rows, SparseRows
 from tensorx._ps.rowsgd import RowSGD
 from tensorx._ps.shard_layout import (
     ShardLayout,
@@ -36,7 +36,8 @@ from tensorx._ps.shard_layout import (
     single_dtype,
     views,
 )
-from tensorx.errors import OptimizerError, UsageError
+from tensorx._ps.update import TorchStep, choose, dense_grads
+from tensorx.errors import UsageError
 from tensorx.memregion import MemoryRegion
 
 __all__ = ["CHECKPOINT_FORMAT", "OptimizerFactory", "SchedulerFactory", "ShardLayout",
@@ -102,48 +103,35 @@ class ShardState:
                        for v in split(self.params_region)]
         self.names = [f"flat.{k}" for k in range(len(self.params))] if self.flat \
             else [p.name for p in layout.param_specs()]
-        self._acc = split(self._acc_region)
-        self._reset_grads()
+        acc = split(self._acc_region)
+        dense_grads(self.params, acc, self.rows)
         # a shard the plan left empty still counts versions, with nothing to optimize
         self.optimizer = build_optimizer(optimizer, self.named_parameters()) \
             if self.params else None
         # what the factory gave, before a schedule changes it: see tensorx._ps.resume
         self._given = resume.given(self.optimizer) if self.optimizer is not None else []
-        self._fast: FlatUpdate | None = None
         self._row_sgd = RowSGD.build(self.optimizer, self.params, self.rows, device)
-        self.update = self._choose_update(flat)
-        self._fold = DenseFold(self._fast.views if self._fast is not None
-                               else dense_splitter(layout), self._acc_region, self.slot_region)
+        self._torch = TorchStep(self.optimizer, self.params, acc, self.rows, self.changed,
+                                self._row_sgd, self.params_region, self._failure)
+        # chosen once: the shard steps, folds and saves through it without asking which
+        self._update = choose(flat, self.flat, self._torch, self._new_fold,
+                              dense_splitter(layout), layout.param_specs(), self.names,
+                              layout.nbytes)
+        self._fold = self._update.fold
+        self.update = self._update.description
         logger.info("ps shard %d update: %s", layout.shard, self.update)
         self.lr_scheduler = lr_scheduler(self.optimizer) \
             if lr_scheduler and self.optimizer is not None else None
         self.verify = verify
         self._checksum: int | None = None
-        self._gathered = False  # the gradient memory holds this update's gradient
 
-    def _choose_update(self, flat: bool | None) -> str:
-        """Set up the flat update when ``flat`` is None and it gives the same result;
-        what the update is, and why, for the log."""
-        if self.flat:
-            return f"flat parameters ({len(self.params)}, flat=True)"
-        if self.optimizer is None:
-            return "none (no parameters on this shard)"
-        if flat is not None:
-            return "per-tensor (flat=False)" if not flat else \
-                "per-tensor (flat=True needs one dtype in the arena and no sparse table)"
-        why = elementwise(self.optimizer)
-        if why is not None:
-            return f"per-tensor ({why})"
-        if len(self.rows) == len(self.params):
-            return "per-tensor (only sparse tables on this shard)"
-        self._fast = FlatUpdate(self.optimizer, self.params, self.layout.param_specs(),
-                                self.params_region, parts.PART_BYTES)
-        return self._fast.describe()
+    def _new_fold(self, units: Units) -> DenseFold:
+        return DenseFold(units, self._acc_region, self.slot_region)
 
     @property
     def fast(self) -> FlatUpdate | None:
         """The flat update of a per-tensor optimizer, while it runs (see :mod:`.flat`)."""
-        return self._fast if self._fast is not None and self._fast.active else None
+        return self._update.fast
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(model name, parameter) of what the optimizer sees, in model order."""
@@ -187,9 +175,7 @@ class ShardState:
                 new.view(torch.uint8, (n,), 0).copy_(old.view(torch.uint8, (n,), 0))
         for p, v in zip(self.params, self._split(new), strict=True):
             p.data = v
-        if self._fast is not None:
-            for p, v in zip(self._fast.flat, self._fast.views(new), strict=True):
-                p.data = v
+        self._update.rebind(new)
         self.views = views(self.layout, new)
         self.params_region = new
         fence(self.device)  # copied before the update (or a send) reads the new arena
@@ -199,9 +185,7 @@ class ShardState:
     def num_parts(self) -> int:
         """Parts the update can be applied in, one after another (flat: the sparse tables
         first, one part each, then the flat ranges; else 1)."""
-        if self.fast is not None:
-            return len(self.rows) + len(self.fast.ranges)
-        return len(self.params) if self.flat else 1
+        return self._update.num_parts
 
     @property
     def in_parts(self) -> bool:
@@ -210,39 +194,25 @@ class ShardState:
         part: a thread hop per part costs more than it overlaps (DLRM-shaped: ~4 of 8 ms).
         Never on a GPU: the whole update is a few kernel launches, over well before a
         thread hop per part would let the first part leave."""
-        if self.params_region.is_cuda:
-            return False
-        if self.fast is not None:
-            return sum(r.nbytes for r in self.fast.ranges) > parts.PART_BYTES
-        return self.num_parts > 1
+        return not self.params_region.is_cuda and self._update.worth_parts()
 
     @property
     def pipelined(self) -> bool:
         """The update can be applied part by part while gradients land (see
         :mod:`tensorx._ps.round`): the flat update in host memory, no sparse table."""
-        return self.fast is not None and not self.rows and self.num_parts > 1 \
-            and not self.params_region.is_cuda
+        return not self.params_region.is_cuda and self._update.pipelines()
 
     def part_state(self, k: int) -> tuple[dict[Any, Any], Any]:
         """Where the optimizer keeps flat range ``k``'s state: (mapping, key)."""
-        assert self._fast is not None
-        return self._fast.engine.state, self._fast.flat[k]
+        return self._update.part_state(k)
 
     def part_table(self, k: int) -> int | None:
         """The sparse table part ``k`` is (its index among the parameters), if it is one."""
-        return self._tables[k] if self.fast is not None and k < len(self.rows) else None
+        return self._update.part_table(k)
 
     def part_bytes(self, k: int) -> tuple[int, int]:
         """(offset, nbytes) of part ``k`` in the arena."""
-        if self.fast is not None:
-            if k < len(self.rows):
-                return self.rows.span(self._tables[k])
-            r = self.fast.ranges[k - len(self.rows)]
-            return r.start, r.nbytes
-        if not self.flat:
-            return 0, self.layout.nbytes
-        view = self.params[k]
-        return view.data_ptr() - self.params_region.address, view.numel() * view.element_size()
+        return self._update.part_bytes(k)
 
     def fold(self, ranks: list[int], parts: list[int] | None = None) -> None:
         """Fold ``ranks``' dense gradients (of ``parts``; default all) out of their slots
@@ -262,11 +232,7 @@ class ShardState:
 
     def _units(self, parts: list[int] | None) -> list[int] | None:
         """The fold's units of ``parts`` (the flat update's ranges; a table has none)."""
-        if parts is None:
-            return None
-        if self.fast is None:
-            raise UsageError("only a flat update folds part by part")
-        return [k - len(self.rows) for k in parts if k >= len(self.rows)]
+        return None if parts is None else self._update.units(parts)
 
     def gather(self, ranks: Iterable[int]) -> None:
         """Fold ``ranks``' gradients into the gradient memory (unless :meth:`fold` did),
@@ -275,13 +241,13 @@ class ShardState:
         ranks = list(ranks)
         self.rows.gather(ranks)
         self._fold.ensure(ranks)
-        self._gathered = True
+        self._torch.gathered = True
         for i, p in enumerate(self.params):
-            p.grad = self._grad(ranks, i)
+            p.grad = self._torch.grad(ranks, i)
 
     def ungather(self) -> None:
         """Forget a :meth:`gather` (or :meth:`fold`) whose update will not be made."""
-        self._gathered = False
+        self._torch.gathered = False
         self._fold.forget()
         self.rows.ungather()
 
@@ -292,7 +258,7 @@ class ShardState:
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """(model name, averaged gradient) in model order, after :meth:`gather`; a sparse
         table's is sparse (coalesced), and absent when no rank touched it."""
-        grads = [(n, self._grad([], i)) for i, n in enumerate(self.names)]
+        grads = [(n, self._torch.grad([], i)) for i, n in enumerate(self.names)]
         return [(n, g) for n, g in grads if g is not None]
 
     def grad_sumsq(self) -> float:
@@ -316,15 +282,7 @@ class ShardState:
         did) and take one optimizer step."""
         ranks = list(ranks)
         self._fold.ensure(ranks)
-        if self.fast is not None:
-            self._step_tables(ranks, self._tables)
-            self._fast_step([self._fast_grad(ranks, k) for k in range(len(self.fast.ranges))])
-        else:
-            fused = self._fused_tables(ranks, self._tables)
-            for i, p in enumerate(self.params):
-                p.grad = None if fused and i in self.rows else self._grad(ranks, i)
-            if not fused or len(self.rows) < len(self.params):
-                self._step()
+        self._update.apply(ranks)
         self.finish_update()
         fence(self.device)  # the update is in the arena before a byte of it leaves
 
@@ -333,20 +291,7 @@ class ShardState:
         :meth:`finish_update`, is the same update as :meth:`apply` for the elementwise
         optimizers ``flat`` is meant for. The other parts' gradients are unset meanwhile, so
         the optimizer skips them. Runs in a worker thread while the event loop sends."""
-        if self.fast is not None:
-            if k < len(self.rows):
-                self._step_tables(ranks, [self._tables[k]])
-            else:
-                k -= len(self.rows)
-                self._fast_step([self._fast_grad(ranks, k) if i == k else None
-                                 for i in range(len(self.fast.ranges))])
-            fence(self.device)
-            return
-        self._fold.ensure(ranks)
-        grad = self._acc[k]
-        for i, p in enumerate(self.params):
-            p.grad = grad if i == k else None
-        self._step()
+        self._update.apply_part(ranks, k)
         # part k is written out as soon as this returns: its kernels (queued by this
         # thread, on its current stream) must be done; an event, not a device-wide sync
         fence(self.device)
@@ -355,96 +300,24 @@ class ShardState:
         """The update of the sparse-table parts ``parts`` (see :meth:`part_table`) in one
         optimizer step: the same as :meth:`apply_part` of each, with one pass over the
         optimizer's parameters instead of one per table."""
-        tables = [self._tables[k] for k in parts]
-        self._step_tables(ranks, tables)
+        self._update.apply_tables(ranks, parts)
         fence(self.device)
 
     def finish_update(self) -> None:
         """After the last part: step the schedule, count the version."""
-        if self.fast is None:  # the flat update leaves the parameters' .grad as it is
-            self._reset_grads()
+        self._update.finish()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self._gathered = False
+        self._torch.gathered = False
         self._fold.forget()
         self.rows.ungather()
         self.version += 1
         self._checksum = None
         self.changed.finished(self.version)
 
-    def _reset_grads(self) -> None:
-        """Dense parameters' ``.grad``: the accumulator; sparse tables': none."""
-        for i, (p, g) in enumerate(zip(self.params, self._acc, strict=True)):
-            p.grad = None if i in self.rows else g
-
-    @property
-    def _tables(self) -> list[int]:
-        return list(self.rows)
-
-    def _grad(self, ranks: list[int], i: int) -> torch.Tensor | None:
-        """Parameter ``i``'s gradient for an update of ``ranks``: a sparse table's rows, or
-        of the fold (made before: :meth:`apply`, :meth:`gather`)."""
-        if i in self.rows:
-            return self.rows.grad(ranks, i)
-        return self._acc[i]
-
-    def _step_tables(self, ranks: list[int], tables: list[int]) -> None:
-        """Step the sparse ``tables`` alone (the face of a flat update): every other
-        parameter's ``.grad`` is unset meanwhile, so the optimizer skips it."""
-        if not tables or self._fused_tables(ranks, tables):
-            return  # (no table: a pass over every parameter, and a step of none)
-        saved = [p.grad for p in self.params]
-        try:
-            for i, p in enumerate(self.params):
-                p.grad = self._grad(ranks, i) if i in tables else None
-            self._step()
-        finally:
-            for p, g in zip(self.params, saved, strict=True):
-                p.grad = g
-
-    def _fused_tables(self, ranks: list[int], tables: list[int]) -> bool:
-        """Step all the tables with plain SGD's few ops, if :class:`RowSGD` may now
-        (not for some of them, nor a gradient gathered to be changed first)."""
-        sgd = self._row_sgd
-        if sgd is None or self._gathered or len(tables) != len(self.rows) or not sgd.usable():
-            return False
-        try:
-            changed = sgd.step(ranks, self.params_region)
-        except Exception as exc:
-            self.changed.forget()
-            raise OptimizerError(self._failure(exc)) from exc
-        self.changed.noted(changed)
-        return True
-
-    def _step(self) -> None:
-        """One optimizer step; its failure, as an :class:`OptimizerError` naming the tensors."""
-        if self.optimizer is None:
-            return
-        try:
-            with no_invariant_checks():
-                self.optimizer.step()
-        except Exception as exc:
-            self.changed.forget()
-            raise OptimizerError(self._failure(exc)) from exc
-        self.changed.stepped(self.params, row_local(self.optimizer,
-                                                    [self.params[i] for i in self.rows]))
-
-    def _fast_step(self, grads: list[torch.Tensor | None]) -> None:
-        assert self.fast is not None
-        try:
-            self.fast.step(grads)
-        except Exception as exc:
-            self.changed.forget()
-            raise OptimizerError(self._failure(exc)) from exc
-
     def _failure(self, exc: Exception) -> str:
         return (f"update {self.version + 1} not applied: "
                 f"{step_failure(self.optimizer, self.named_parameters(), exc)}")
-
-    def _fast_grad(self, ranks: list[int], k: int) -> torch.Tensor:
-        """Range ``k``'s gradient for the flat update: of the fold, folded now if need be."""
-        self._fold.ensure(ranks, [k])
-        return self._fold.acc[k]
 
     def checksum(self) -> int | None:
         """The current parameters' checksum when verification is on (cached per version)."""
@@ -457,10 +330,7 @@ class ShardState:
     def param_labels(self) -> dict[int, str] | None:
         """``id(param)`` -> label (:attr:`ParamSpec.label`) of the optimizer's parameters;
         None when flat (a parameter covers several tensors)."""
-        if self.flat:
-            return None
-        return {id(p): s.label
-                for p, s in zip(self.params, self.layout.param_specs(), strict=True)}
+        return self._update.labels()
 
     def param_numels(self) -> dict[str, int]:
         """Label -> elements of each parameter the (per-tensor) optimizer sees."""
@@ -523,28 +393,23 @@ class ShardState:
             raise UsageError(f"checkpoint was taken with flat={bool(state.get('flat'))}; "
                              f"this server runs flat={self.flat}: run it with "
                              f"flat={bool(state.get('flat'))}, or {resume.FRESH}")
-        if not self.flat and state.get("param_names") != self.names:
+        if not self._update.same_params(state.get("param_names")):
             raise UsageError("checkpoint's optimizer parameters differ from this shard's (its "
                              f"optimizer was given other parameters): {resume.FRESH}")
         saved = state.get("optimizer")
         if self.optimizer is None or saved is None:
             return None, []
-        if self.flat:
-            saved = parts.split_state(saved, self._part_sizes())
+        saved = self._update.loaded_state(saved)
         label_of = self.param_labels() or {id(p): n for n, p in self.named_parameters()}
         return resume.check(self.optimizer, label_of, saved, state.get("optimizer_class"),
                             state.get("optimizer_given"), self._given)
-
-    def _part_sizes(self) -> list[int]:
-        return [p.numel() for p in self.params]
 
     def _optimizer_state(self) -> dict[str, Any] | None:
         """The optimizer's state; a flat shard's in the one-parameter form (whatever the
         part size, see :mod:`tensorx._ps.parts`)."""
         if self.optimizer is None:
             return None
-        state = self.optimizer.state_dict()
-        return parts.merge_state(state, self._part_sizes()) if self.flat else state
+        return self._update.saved_state(self.optimizer.state_dict())
 
     def save(self, path: Path, plan_bytes: bytes, keep: int = checkpoint.KEEP) -> None:
         """Write durably and atomically, keeping ``keep`` generations (see
