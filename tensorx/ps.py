@@ -41,6 +41,7 @@ import os
 from typing import Any
 
 from tensorx._ps import observe
+from tensorx._ps.applier import Applier
 from tensorx._ps.checkpoint import check_schedule
 from tensorx._ps.choose import EarlyChooser
 from tensorx._ps.device import resolve as resolve_device
@@ -248,7 +249,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self._round = self._round_of = self._backups = None  # see tensorx._ps.pipelined
         self._writes, self._release, self._deferred = {}, [], []
         self._round_t0 = 0.0
-        self._applier = self._applying = None
+        self._applier = Applier()  # the apply thread: see tensorx._ps.applier
         self._chooser = EarlyChooser(pipeline)
         self._memory = Memory("pipelined", self._chooser)
         self._sessions: set[asyncio.Task[None]] = set()

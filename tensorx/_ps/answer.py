@@ -2,10 +2,10 @@
 
 A worker that copies gets the parameter arena written into its own (one-sided); one that
 mapped the shard's arena (same host) only gets the notification. With a flat shard in
-several parts (:mod:`tensorx._ps.parts`) the update is applied part by part, in a thread
-(torch releases the GIL), and each finished part is already on its way while the next is
-computed; the notification travels with the last part, so a worker never sees it before
-every part has landed.
+several parts (:mod:`tensorx._ps.parts`) the update is applied part by part, in the shard's
+apply thread (:mod:`tensorx._ps.applier`; torch releases the GIL), and each finished part is
+already on its way while the next is computed; the notification travels with the last part,
+so a worker never sees it before every part has landed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from tensorx._ps.applier import Applier
 from tensorx._ps.changed import runs
 from tensorx.endpoint import Endpoint
 from tensorx.memregion import MemoryRegion, RegionDescriptor
@@ -63,12 +64,12 @@ class RowsAnswer:
         return self.sparse.rows_op(rank, state, region, self.changed)  # type: ignore[no-any-return]
 
 
-async def apply_in_parts(state: Any, ranks: list[int], copies: list[Peer],
+async def apply_in_parts(applier: Applier, state: Any, ranks: list[int], copies: list[Peer],
                          timeout: float | None, sparse: Any = None
                          ) -> dict[int, list[asyncio.Future[None]]]:
-    """Apply ``state``'s update part by part and start writing each finished part to
-    ``copies``; all but the last part, which :func:`send_params` sends with the
-    notification. The sparse tables' changed rows go packed into a worker's inbox where
+    """Apply ``state``'s update part by part in ``applier``'s thread and start writing each
+    finished part to ``copies``; all but the last part, which :func:`send_params` sends
+    with the notification. The sparse tables' changed rows go packed into a worker's inbox where
     :meth:`RowsAnswer.plan` says so (``sparse``: the shard's SparseReceiver). Returns the
     writes in flight, by rank."""
     sending: dict[int, list[asyncio.Future[None]]] = {p.rank: [] for p in copies}
@@ -79,7 +80,7 @@ async def apply_in_parts(state: Any, ranks: list[int], copies: list[Peer],
     groups += [[k] for k in range(len(tables), last + 1)]
     for group in groups:
         try:
-            await asyncio.to_thread(_apply_parts, state, ranks, group)
+            await applier.run(_apply_parts, state, ranks, group)
         except BaseException:  # the parts on their way are waited for, their errors dropped
             await asyncio.gather(*(f for fs in sending.values() for f in fs),
                                  return_exceptions=True)

@@ -17,9 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import concurrent.futures
-
     from tensorx._ps.answer import Peer
+    from tensorx._ps.applier import Applier
     from tensorx._ps.choose import EarlyChooser
     from tensorx._ps.grads import GradProcessing
     from tensorx._ps.losses import LossWatch
@@ -98,8 +97,7 @@ class ShardCore(abc.ABC):
     _writes: dict[int, list[asyncio.Future[None]]]  # parts on their way, by rank
     _release: list[int]  # the ranks the round answers
     _round_t0: float
-    _applier: concurrent.futures.ThreadPoolExecutor | None
-    _applying: concurrent.futures.Future[Any] | None
+    _applier: Applier  # the apply thread, of the round and of an answer sent in parts
     _deferred: list[Peer]  # joined while a round was open: welcomed after it
     _chooser: EarlyChooser  # whether a round applies parts as they land (_ps.choose)
     _memory: Memory  # ... as measured in an earlier run (_ps.remembered)

@@ -14,7 +14,6 @@ for NaN and Inf is each part as folded into the shard's own memory, which is wha
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from typing import Any
@@ -126,10 +125,7 @@ class Pipelined(ShardCore):
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         """Run ``fn`` in the shard's apply thread; if we are cancelled meanwhile (the server
         closes), the thread still finishes what it does (see :meth:`_abandon_round`)."""
-        if self._applier is None:
-            self._applier = concurrent.futures.ThreadPoolExecutor(1, "tensorx-ps-apply")
-        self._applying = self._applier.submit(fn, *args)
-        return await asyncio.wrap_future(self._applying)
+        return await self._applier.run(fn, *args)
 
     def _check_parts(self, ranks: list[int], parts: list[int]) -> Verdict:
         """Fold ``parts`` of ``ranks``' gradients into the shard's memory, and check that
@@ -327,14 +323,13 @@ class Pipelined(ShardCore):
         await self._welcome_deferred()
 
     async def _abandon_round(self) -> None:
-        """The server closes mid-round: let the apply thread finish, then undo the parts,
-        so that a checkpoint never holds part of an update."""
-        if self._applying is not None and not self._applying.done():
-            await asyncio.to_thread(concurrent.futures.wait, [self._applying])
+        """The server closes mid-round: let the apply thread finish (a round's part, or an
+        answer's: :mod:`tensorx._ps.applier`), then undo the round's parts, so that a
+        checkpoint never holds part of a round's update."""
+        await self._applier.settle()
         if self._round is not None and self._round.open:
             await self._rollback()
-        if self._applier is not None:
-            self._applier.shutdown(wait=False)
+        self._applier.close()
 
     async def _welcome_deferred(self) -> None:
         """Welcome the workers that joined while a round was open (they get its result)."""

@@ -93,8 +93,8 @@ class Steps(ShardCore):
             copies = [p for p in targets if not p.mapped and not self.outbox.pending(p.rank)]
             try:
                 if copies and self.state.in_parts:
-                    sending = await apply_in_parts(self.state, decision.apply, copies,
-                                                   self.send_timeout, self._sparse)
+                    sending = await apply_in_parts(self._applier, self.state, decision.apply,
+                                                   copies, self.send_timeout, self._sparse)
                 else:
                     self.state.apply(decision.apply)
             except OptimizerError as exc:
