@@ -317,7 +317,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
 
         ``until="workers_done"``: also return once every rank ``0..num_workers-1`` has said
         goodbye (a worker's ``aclose()``, leaving its ``async with`` block, closing a
-        :class:`~tensorx.worker.RemoteOptimizer`). A worker that crashed has not: the
+        :class:`~tensorx.RemoteOptimizer`). A worker that crashed has not: the
         server keeps waiting for it to rejoin."""
         if until not in UNTIL:
             raise UsageError(f"until must be one of {UNTIL}, got {until!r}")

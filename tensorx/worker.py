@@ -507,8 +507,7 @@ def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "RemoteOptimizer":  # it lives in its own module, which imports this one
-        from tensorx.remote_optimizer import RemoteOptimizer
-
-        return RemoteOptimizer
+    if name == "RemoteOptimizer":  # served here once; its module imports this one
+        raise AttributeError("tensorx.worker.RemoteOptimizer is gone: use "
+                             "tensorx.RemoteOptimizer (from tensorx import RemoteOptimizer)")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,7 +62,6 @@ IO = {"asyncio", "socket", "selectors"}
 # new one appears, and when one of these is gone (then strike it off).
 KNOWN_CYCLES = [
     {"tensorx.endpoint", "tensorx.node"},
-    {"tensorx.remote_optimizer", "tensorx.worker"},  # tensorx.worker.RemoteOptimizer (compat)
 ]
 
 

@@ -68,3 +68,13 @@ def test_the_transport_layer_imports_without_the_lazy_modules() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_remote_optimizer_is_no_longer_served_by_the_worker_module() -> None:
+    """Its one place is ``tensorx.RemoteOptimizer``; old code fails saying so."""
+    import tensorx.worker
+
+    with pytest.raises(AttributeError, match=r"use tensorx\.RemoteOptimizer"):
+        _ = tensorx.worker.RemoteOptimizer  # type: ignore[attr-defined]
+    with pytest.raises(ImportError, match="cannot import name 'RemoteOptimizer'"):
+        exec("from tensorx.worker import RemoteOptimizer", {})

@@ -13,12 +13,13 @@ import pytest
 import torch
 from torch import nn
 
+from tensorx import RemoteOptimizer
 from tensorx._ps import choose
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, merge_adjacent, together
 from tensorx.errors import TransportUnavailableError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer
-from tensorx.worker import RemoteOptimizer, Worker
+from tensorx.worker import Worker
 
 from .conftest import HAVE_UCX, assert_link, link_options, links
 from .models import mlp

@@ -111,7 +111,7 @@ def tensorx_serve(args: argparse.Namespace) -> None:
 
 
 def tensorx_client(args: argparse.Namespace) -> None:
-    from tensorx.worker import RemoteOptimizer
+    from tensorx import RemoteOptimizer
 
     model = build_model(args.model)
     with RemoteOptimizer(model, args.address, rank=args.rank, num_workers=WORKERS,

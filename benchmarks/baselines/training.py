@@ -5,7 +5,7 @@ parameters, 80 MB) on small batches of synthetic data, so a step moves far more 
 it computes. Two systems:
 
 * ``tensorx``: :class:`tensorx.ps.ParameterServer` (sync, SGD, default options) and, per
-  worker, the blocking :class:`tensorx.worker.RemoteOptimizer` in an ordinary PyTorch loop
+  worker, the blocking :class:`tensorx.RemoteOptimizer` in an ordinary PyTorch loop
   (``--overlap`` on or off: gradient buckets written during backward, or all at ``step``;
   auto, the default: measured;
   ``--share-memory on``: the workers map the PS's arenas, nothing is copied at all).
@@ -72,7 +72,7 @@ def tensorx_serve(args: argparse.Namespace) -> None:
 
 
 def tensorx_client(args: argparse.Namespace) -> None:
-    from tensorx.worker import RemoteOptimizer
+    from tensorx import RemoteOptimizer
 
     model = build_model()
     with RemoteOptimizer(model, args.address, rank=args.rank, num_workers=WORKERS,

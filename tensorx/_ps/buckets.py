@@ -4,7 +4,7 @@ The plan lays a shard's entries out in gradient-ready order, so a bucket is a co
 byte range of the gradient arena. A ``register_post_accumulate_grad_hook`` on each
 parameter marks it done; the bucket's write to the shard starts when its last parameter is
 done, while backward is still running (truly in parallel when the worker's loop runs on
-another thread, as under :class:`tensorx.worker.RemoteOptimizer`). At ``step`` whatever was
+another thread, as under :class:`tensorx.RemoteOptimizer`). At ``step`` whatever was
 not written yet (unused parameters, gradients accumulated over several backward passes) is
 written before the push notification, which is therefore still ordered after every byte.
 
