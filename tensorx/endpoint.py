@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tensorx import _cuda, _rows
 from tensorx._counters import OpStats
@@ -47,10 +47,7 @@ from tensorx.transport.base import DataLane, Op
 from tensorx.transport.control import ChannelEvents, ControlChannel
 from tensorx.transport.owner import OwnerService
 
-if TYPE_CHECKING:
-    from tensorx.node import Node
-
-__all__ = ["DEFAULT", "Connection", "Endpoint"]
+__all__ = ["DEFAULT", "Connection", "Endpoint", "EndpointEvents"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +61,6 @@ class _Default:
 
 DEFAULT: Any = _Default()
 """Timeout sentinel: use the node's ``timeout``. ``None`` means wait forever."""
-
 
 
 @dataclass(eq=False)
@@ -81,6 +77,23 @@ class Connection:
     binding: bytes  # the handshake's, under which the factories keep what they offered
 
 
+class EndpointEvents(Protocol):
+    """What an endpoint reports to the node that made it, and asks of it: the node's side
+    of its endpoints (``tensorx._peers.Peers``). On the event loop; only ``dial`` waits."""
+
+    @property
+    def timeout(self) -> float | None: ...  # the node's: what DEFAULT means
+    @property
+    def notifications(self) -> asyncio.Queue[tuple[Endpoint, bytes]]: ...  # not claimed
+    async def dial(self, address: str, timeout: float | None) -> Connection: ...  # again
+    def former_peers(self, address: str) -> list[str]: ...  # reached there before
+    def revoke_acked(self, ep: Endpoint, region_id: int, cookie: int) -> None: ...
+    def lost(self, ep: Endpoint, exc: BaseException | None) -> None: ...  # reconnecting
+    def relinked(self, ep: Endpoint, binding: bytes) -> None: ...  # under this handshake
+    def ended(self, ep: Endpoint, exc: BaseException | None) -> None: ...  # for good
+    def closed(self, ep: Endpoint) -> None: ...  # aclose() or abort()
+
+
 class Endpoint:
     """A connection to one peer; both sides of a connection get one and can use it fully.
 
@@ -94,12 +107,12 @@ class Endpoint:
     is broken for good (every op raises BrokenError saying why, ``messages`` ends, the node
     puts it on ``node.disconnected``)."""
 
-    def __init__(self, node: Node, conn: Connection, *, address: str,
+    def __init__(self, events: EndpointEvents, conn: Connection, *, address: str,
                  claimed: bool = False, reconnect: float | None = None) -> None:
         """Made by the node once the handshake is done and the lanes are open; starts
         serving the peer (``claimed``: its notifications go to :attr:`messages` from the
-        first one)."""
-        self._node = node
+        first one). ``events``: the node's side, told what happens to it."""
+        self._events = events
         self.address = address
         self._reconnect = reconnect
         self._rejoin: asyncio.Task[None] | None = None  # reconnecting now
@@ -130,7 +143,7 @@ class Endpoint:
         conn.channel.start(conn.owner, ChannelEvents(
             deliver=self._deliver, revoked=self._revoke,
             ended=lambda exc: self._ended(conn, exc),
-            revoke_acked=lambda rid, cookie: self._node._revoke_acked(self, rid, cookie),
+            revoke_acked=lambda rid, cookie: self._events.revoke_acked(self, rid, cookie),
             deliver_now=self._deliver_now))
 
     @property
@@ -148,13 +161,13 @@ class Endpoint:
         """Where a notification from the peer goes (an awaitable: waits while it is full)."""
         if self._claimed:
             return self._stream.put(payload)
-        return self._node.notifications.put((self, payload))
+        return self._events.notifications.put((self, payload))
 
     def _deliver_now(self, payload: bytes) -> bool:
         """:meth:`_deliver` where it would not wait; False (nothing done) where it would."""
         if self._claimed:
             return self._stream.put_nowait(payload)
-        queue = self._node.notifications
+        queue = self._events.notifications
         if queue.full():
             return False
         queue.put_nowait((self, payload))
@@ -168,31 +181,31 @@ class Endpoint:
             return
         self._lane.peer_gone(str(exc or "the peer closed the endpoint"))
         if self._reconnect is not None and not self._closed:
-            self._node._link_lost(self, exc)
+            self._events.lost(self, exc)
             self._rejoin = asyncio.get_running_loop().create_task(
                 self._redial(exc), name=f"tx-reconnect {self.address}")
             return
         self._stream.end(exc)
-        self._node._endpoint_ended(self, exc)
+        self._events.ended(self, exc)
 
     async def _redial(self, why: BaseException | None) -> None:
         """Connect to :attr:`address` again (see :func:`tensorx._redial.redial`); then
         serve the new connection, or end as broken for good."""
         assert self._reconnect is not None
         try:
-            conn = await redial(self.address, self._reconnect, self._node._dial)
+            conn = await redial(self.address, self._reconnect, self._events.dial)
         except BrokenError as exc:
             self._rejoin = None
             self._gone = BrokenError(f"endpoint to {self.address}: the connection ended "
                                      f"({printable(str(why or 'the peer closed it'))}) and "
                                      f"{exc}")
             self._stream.end(self._gone)
-            self._node._endpoint_ended(self, self._gone)
+            self._events.ended(self, self._gone)
             return
         self._rejoin = None
         former = self._peer
         self._use(conn)
-        self._node._relinked(self, conn.binding)
+        self._events.relinked(self, conn.binding)
         logger.warning("endpoint to %s reconnected%s", self.address,
                        "" if conn.peer == former else f"; node {former} there restarted as "
                        f"node {conn.peer}: its exports have new descriptors")
@@ -267,7 +280,7 @@ class Endpoint:
             raise type(self._channel.broken)(str(self._channel.broken))
 
     def _timeout(self, timeout: Any) -> float | None:
-        return self._node.timeout if timeout is DEFAULT else timeout  # type: ignore[no-any-return]
+        return self._events.timeout if timeout is DEFAULT else timeout  # type: ignore[no-any-return]
 
     # -- data ---------------------------------------------------------------------------
     async def write(self, region: MemoryRegion, remote: RegionDescriptor | bytes,
@@ -475,7 +488,7 @@ class Endpoint:
 
     async def _ack_revoke(self, region_id: int, cookie: int) -> None:
         try:
-            await self._lane.flush(timeout=self._node.timeout)
+            await self._lane.flush(timeout=self._events.timeout)
         except TensorxError as exc:  # a broken or closed lane has nothing in flight either
             logger.debug("flush before acknowledging a revocation: %s", exc)
         if not self._channel.broken:
@@ -493,7 +506,7 @@ class Endpoint:
         else from the owner's earlier answer."""
         if desc.owner != self.peer:
             raise RegionError(foreign(desc, self.peer, self.address,
-                                      self._node._former_peers(self.address)))
+                                      self._events.former_peers(self.address)))
         self._check_not_revoked(desc)
         if not self._lane.bypasses_owner:  # the owner checks every op itself
             return desc.nbytes, desc.access
@@ -564,7 +577,7 @@ class Endpoint:
             for task in list(self._acks):
                 task.cancel()
             await self._channel.aclose()
-            self._node._forget(self)
+            self._events.closed(self)
 
     def abort(self) -> None:
         """Close at once; ops in flight fail with ClosedError. Idempotent."""
@@ -574,7 +587,7 @@ class Endpoint:
             task.cancel()
         self._lane.abort()
         self._channel.abort()
-        self._node._forget(self)
+        self._events.closed(self)
 
     def _stop_rejoining(self) -> None:
         """We close it: no more reconnecting (the old connection has ended already, so

@@ -21,9 +21,8 @@ from urllib.parse import urlsplit
 from tensorx import _auth, _wire
 from tensorx._deadline import Deadline, wait_for
 from tensorx._exports import ExportTable
-from tensorx._loud import fallback
+from tensorx._peers import Peers
 from tensorx._queues import LatestQueue, NotificationQueue
-from tensorx._redial import PeerHistory
 from tensorx._text import gist, printable
 from tensorx.endpoint import DEFAULT, Connection, Endpoint
 from tensorx.errors import (
@@ -144,21 +143,19 @@ class Node:
         self._exports = ExportTable(self.id)
         self._factories: list[LaneFactory] = []  # fastest first, TCP last
         self._unavailable: dict[str, str] = {}  # factories this node could not start: why
-        self._ucx_expected = False  # UCX is installed and transport="auto": TCP is a fallback
         self._ucx_later: UcxLater | None = None  # UCX, until a peer offers it (see there)
         self._listener: TcpListener | None = None
-        self._endpoints: dict[Endpoint, bytes] = {}  # and their connection's binding
-        self._peers_at = PeerHistory()  # which nodes we reached at each address
         self._handler = handler
         self._handling: set[asyncio.Task[None]] = set()  # handler(ep) tasks
-        # revoked exports, as (region id, cookie), whose memory peers may still reach:
-        # the region and the peers yet to acknowledge that revocation
-        self._held: dict[tuple[int, int], tuple[MemoryRegion, set[Endpoint]]] = {}
         self._state = "new"
         self.notifications: asyncio.Queue[tuple[Endpoint, bytes]] = NotificationQueue(
             *notify_queue)
         self.disconnected: asyncio.Queue[Endpoint] = LatestQueue(
             MAX_DISCONNECTED, f"node {self.id}: disconnected endpoints")
+        # our endpoints and what we keep for them; what they report to (see _peers.py)
+        self._peers = Peers(self.id, lambda: self._factories, dial=self._dial,
+                            timeout=lambda: self.timeout, notifications=self.notifications,
+                            disconnected=self.disconnected)
 
     def __repr__(self) -> str:
         return f"<Node {self.id} {self._state} {self.address if self._listener else ''}>"
@@ -227,12 +224,12 @@ class Node:
                 self._unavailable["ucx"] = why
             else:
                 self._ucx_later = later
-            self._ucx_expected = True
+            self._peers.ucx_expected = True  # TCP is a fallback
             return None
         try:
             from tensorx.transport.ucx import UcxFactory
 
-            self._ucx_expected = self.transport == "auto" and _installed("ucxx")
+            self._peers.ucx_expected = self.transport == "auto" and _installed("ucxx")
             return UcxFactory(**self._ucx_options)
         except (ImportError, TransportUnavailableError) as exc:
             why = f"UCX unavailable ({exc})"
@@ -257,7 +254,7 @@ class Node:
             for task in list(self._handling):
                 task.cancel()
             await asyncio.gather(*self._handling, return_exceptions=True)
-            await asyncio.gather(*(ep.aclose() for ep in list(self._endpoints)),
+            await asyncio.gather(*(ep.aclose() for ep in list(self._peers.endpoints)),
                                  return_exceptions=True)
         finally:
             for factory in self._factories:  # every lane has waited for its ops
@@ -268,7 +265,7 @@ class Node:
     def abort(self) -> None:
         for task in list(self._handling):
             task.cancel()
-        for ep in list(self._endpoints):
+        for ep in list(self._peers.endpoints):
             ep.abort()
         for factory in self._factories:
             factory.abort()
@@ -298,7 +295,7 @@ class Node:
 
     @property
     def endpoints(self) -> list[Endpoint]:
-        return list(self._endpoints)
+        return list(self._peers.endpoints)
 
     # -- memory -------------------------------------------------------------------------
     def export(self, region: MemoryRegion | Any, access: str = "rw", *,
@@ -336,7 +333,7 @@ class Node:
         replaced = self._exports.remove(region)
         desc = self._exports.add(region, access, keys, name)
         if replaced is not None:
-            self._revoke(region, replaced)
+            self._peers.revoke(region, replaced)
         region.add_close_callback(self.unexport)
         logger.debug("exported %r as %s%s", region, access,
                      "" if name is None else f" under the name {printable(name)!r}")
@@ -393,35 +390,7 @@ class Node:
         a late write lands in the old memory, never in memory reused for something else."""
         exported = self._exports.remove(region)
         if exported is not None:
-            self._revoke(region, exported)
-
-    def _revoke(self, region: MemoryRegion, export: RegionDescriptor) -> None:
-        """Tell every connected peer that ``export`` of ``region`` is gone, and hold the
-        memory for those that may reach it without us until each has acknowledged this
-        revocation (see :meth:`unexport`)."""
-        holders = set()
-        for ep in list(self._endpoints):  # a peer found gone as it is told leaves the dict
-            ep._unexported(export)
-            if ep.bypassed and not ep.closed:
-                holders.add(ep)
-        if not holders:
-            return
-        for factory in self._factories:
-            factory.hold(region)
-        self._held[(export.region_id, export.cookie)] = (region, holders)
-
-    def _revoke_acked(self, ep: Endpoint, region_id: int, cookie: int) -> None:
-        """``ep``'s peer has no op on that export of the region in flight any more."""
-        if (region_id, cookie) in self._held:
-            self._release(ep, (region_id, cookie))
-
-    def _release(self, ep: Endpoint, key: tuple[int, int]) -> None:
-        region, holders = self._held[key]
-        holders.discard(ep)
-        if not holders:
-            del self._held[key]
-            for factory in self._factories:
-                factory.release(region)
+            self._peers.revoke(region, exported)
 
     def exports(self) -> list[RegionDescriptor]:
         """Descriptors of every region this node exports now."""
@@ -449,11 +418,6 @@ class Node:
 
         return caps
 
-    def _forget_offers(self, bindings: list[bytes]) -> None:
-        for binding in bindings:
-            for factory in self._factories:
-                factory.forget(binding)
-
     async def connect(self, address: str, *, timeout: float | None = DEFAULT,
                       reconnect: float | None = None) -> Endpoint:
         """Connect and authenticate to the node at ``address``; ``timeout`` is one budget for
@@ -472,8 +436,8 @@ class Node:
             raise UsageError(f"reconnect is seconds to keep trying (a number > 0) or None, "
                              f"not {reconnect!r}")
         conn = await self._dial(address, self.timeout if timeout is DEFAULT else timeout)
-        ep = Endpoint(self, conn, address=address, reconnect=reconnect)
-        self._adopt(ep, conn.binding)
+        ep = Endpoint(self._peers, conn, address=address, reconnect=reconnect)
+        self._peers.adopt(ep, conn.binding)
         return ep
 
     async def _dial(self, address: str, timeout: float | None) -> Connection:
@@ -494,10 +458,10 @@ class Node:
                 deadline.left(), _auth.refused(self._gate.credential, self._given_token),
                 prepare=self._meet)
             conn = await self._finish(channel, hello, deadline.left())
-            self._peers_at.met(address, conn.peer)
+            self._peers.met(address, conn.peer)
             return conn
         except BaseException:
-            self._forget_offers(bindings)
+            self._peers.forget_offers(bindings)
             channel.abort()
             raise
 
@@ -530,17 +494,17 @@ class Node:
             hello = await self._gate.admit(channel, peer, self._token,
                                            self._caps_for(bindings, channel), deadline)
             conn = await self._finish(channel, hello, deadline.left())
-            ep = Endpoint(self, conn, address=f"tcp://{peer}",
+            ep = Endpoint(self._peers, conn, address=f"tcp://{peer}",
                           claimed=self._handler is not None)
-            self._adopt(ep, conn.binding, accepted=True)
+            self._peers.adopt(ep, conn.binding, accepted=True)
             if self._handler is not None:
                 self._handle(ep, self._handler)
         except TensorxError as exc:
             self._gate.refused(channel, peer, exc)
-            self._forget_offers(bindings)
+            self._peers.forget_offers(bindings)
             channel.abort()
         except BaseException:
-            self._forget_offers(bindings)
+            self._peers.forget_offers(bindings)
             channel.abort()
             raise
         finally:
@@ -589,66 +553,6 @@ class Node:
                           {**choice.notes, "skipped": choice.skipped}, bypassed,
                           hello.binding)
 
-    def _adopt(self, ep: Endpoint, binding: bytes, accepted: bool = False) -> None:
-        """``ep`` is ours, on a connection just made (under the handshake's ``binding``):
-        one short INFO line says how it moves data (the reasons go to DEBUG and
-        ``ep.info``), and the first fallback from UCX in this process is a WARNING (on
-        the side that connected where the peer is the reason: a server is not made to
-        warn by what its clients lack)."""
-        self._endpoints[ep] = binding
-        info = ep.info
-        skipped = info.get("skipped", {})
-        missed = [f"{name} ({printable(gist(str(why)), 80)})" for name, why in skipped.items()
-                  if not str(why).startswith("off")]
-        logger.info("endpoint %s <-> %s (%s): transport=%s lanes=%s%s%s", self.id, ep.peer,
-                    ep.address, info["transport"], ",".join(info["lanes"]),
-                    f" gpu={gist(info['gpu'])}" if "gpu" in info else "",
-                    f"; not used: {', '.join(missed)}" if missed else "")
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("endpoint %s <-> %s: why=%s; host=%s; gpu=%s; skipped=%s", self.id,
-                         ep.peer, printable(info["why"], 2000),
-                         printable(info.get("host", "none"), 2000),
-                         info.get("gpu", "no GPU path"), printable(skipped, 4000))
-        if self._ucx_expected and info["transport"] != "ucx":
-            self._say_no_ucx(ep, str(skipped.get("ucx", "")), accepted)
-
-    def _say_no_ucx(self, ep: Endpoint, why: str, accepted: bool) -> None:
-        """UCX is installed here, yet ``ep`` moves data over tensorx's TCP lane."""
-        peer_side = "the peer" in why
-        if peer_side and accepted:
-            logger.info("endpoint from %s: no UCX (%s)", ep.address, printable(gist(why)))
-            return
-        how = ("make it usable on the peer too (`tensorx info` there says why it is not: not "
-               "installed, or no RDMA device without TENSORX_UCX_TCP=1)" if peer_side
-               else "an RDMA NIC, or on a trusted network TENSORX_UCX_TCP=1 (or "
-               "ucx_options={'allow_tcp': True})")
-        fallback(logger, "ucx", "UCX is installed but unused (%s): data goes over tensorx's "
-                 "TCP lane%s. To use UCX: %s; transport='tcp' chooses TCP without this "
-                 "warning", printable(gist(why) or "it did not open", 160),
-                 ", host memory to same-host peers by CMA" if "cma" in ep.info["lanes"]
-                 else "", how)
-
-    def _link_lost(self, ep: Endpoint, exc: BaseException | None) -> None:
-        """``ep``'s connection ended and it reconnects: it stays ours, but what was kept
-        for that connection (offers, memory held for its peer) goes."""
-        logger.warning("endpoint to %s (%s) lost its connection (%s); reconnecting",
-                       ep.peer, ep.address, printable(str(exc or "the peer closed it")))
-        binding = self._endpoints.get(ep)
-        if binding:
-            self._forget_offers([binding])
-        self._endpoints[ep] = b""
-        self._release_held(ep)
-
-    def _relinked(self, ep: Endpoint, binding: bytes) -> None:
-        """``ep`` reconnected, under the handshake's ``binding``."""
-        if ep in self._endpoints:
-            self._adopt(ep, binding)
-
-    def _former_peers(self, address: str) -> list[str]:
-        """The nodes this node reached at ``address`` before the one there now: a
-        descriptor of theirs is one of a node that restarted."""
-        return self._peers_at.former(address)
-
     def _answer(self, what: str, name: str | None = None, start: int = 0) -> dict[str, Any]:
         """What an authenticated peer may learn about this node (``Endpoint.query``: one
         page of it, from item ``start`` on, see :func:`tensorx._wire.page`), and the
@@ -666,28 +570,7 @@ class Node:
         if what == "endpoints":
             return _wire.page({"node": self.id, "endpoints": [
                 {k: v for k, v in ep.info.items() if k != "socket"}
-                for ep in self._endpoints]}, "endpoints", start)
+                for ep in self._peers.endpoints]}, "endpoints", start)
         raise UsageError(f"unknown query '{printable(what)}'; ask for 'exports' or "
                          "'endpoints'")
 
-    def _endpoint_ended(self, ep: Endpoint, exc: BaseException | None) -> None:
-        """``ep``'s connection ended (the peer left or broke it, or we closed it); it has
-        released its lanes."""
-        if exc is not None:
-            logger.warning("endpoint to %s broke: %s", ep.peer, printable(str(exc)))
-        if ep in self._endpoints:
-            self._forget(ep)
-            self.disconnected.put_nowait(ep)
-        self._release_held(ep)
-
-    def _forget(self, ep: Endpoint) -> None:
-        """``ep`` is closed or gone: no longer ours, and it holds no memory of ours."""
-        binding = self._endpoints.pop(ep, None)
-        if binding is not None:
-            self._forget_offers([binding])
-        self._release_held(ep)
-
-    def _release_held(self, ep: Endpoint) -> None:
-        """``ep`` is gone, its UCX endpoint closed: it no longer holds any memory."""
-        for key in list(self._held):
-            self._release(ep, key)

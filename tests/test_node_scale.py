@@ -41,7 +41,7 @@ def many_peers(node: tx.Node, like: Any, count: int) -> Iterator[None]:
             self.info = {**like.info, "peer": f"{i:016x}"}
 
     fakes = [Seen(i) for i in range(count)]
-    table: dict[Any, Any] = node._endpoints
+    table: dict[Any, Any] = node._peers.endpoints
     table.update(dict.fromkeys(fakes))
     try:
         yield

@@ -68,7 +68,7 @@ async def test_a_ucx_peer_killed_unnoticed_leaves_errors_to_callers_and_none_log
             else:
                 await node.aclose()
         assert len(got) == 8 and [g for g in got if not isinstance(g, EXPECTED)] == [], got
-        assert node._held == {} and node.endpoints == []
+        assert node._peers.held == {} and node.endpoints == []
     del ep, node, got
     gc.collect()  # a future nobody retrieved is logged as it is collected
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

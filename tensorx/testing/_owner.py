@@ -283,7 +283,7 @@ class _Owner:
 
     async def do_held(self) -> int:
         """Closed regions whose memory the node still holds for its peers."""
-        return len(getattr(self.node, "_held", ()))
+        return len(self.node._peers.held)
 
     async def do_notes(self) -> list[bytes]:
         return list(self.notes)
