@@ -41,9 +41,9 @@ import os
 from typing import Any
 
 from tensorx._ps import observe
+from tensorx._ps.abtimer import EarlyChooser
 from tensorx._ps.applier import Applier
 from tensorx._ps.checkpoint import check_schedule
-from tensorx._ps.choose import EarlyChooser
 from tensorx._ps.device import resolve as resolve_device
 from tensorx._ps.grads import GradHook, GradProcessing
 from tensorx._ps.losses import LossWatch

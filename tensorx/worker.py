@@ -29,15 +29,17 @@ import torch
 from tensorx._backoff import Backoff
 from tensorx._deadline import Deadline, wait_for
 from tensorx._ps import optim_state, protocol
-from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, windowed
+from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
 from tensorx._ps.checksum import checksum
+from tensorx._ps.gather import windowed
 from tensorx._ps.hyper import heard as hyper_heard
 from tensorx._ps.hyper import snapshot as hyper_snapshot
 from tensorx._ps.links import ShardLinks
 from tensorx._ps.optim_client import OptimStates
 from tensorx._ps.parts import check_parts, split_ops
+from tensorx._ps.shard_layout import dynamic_path_ok
 from tensorx._ps.shared import SharedArenas
-from tensorx._ps.sparse import SparseSender, dynamic_path_ok
+from tensorx._ps.sparse import SparseSender
 from tensorx._ps.stats import WorkerTimings
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
@@ -393,7 +395,7 @@ class Worker:
     async def _each(self, shards: list[int], call: Callable[[int], Awaitable[None]]) -> None:
         """``call(s)`` for each of ``shards``, every one run to its end (a retry then goes
         on where each stopped), then the first error raised; one shard is called in place
-        (no task, as :func:`tensorx._ps.buckets.together`)."""
+        (no task, as :func:`tensorx._ps.gather.together`)."""
         if len(shards) == 1:
             await call(shards[0])
             return

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import choose, parts, protocol
+from tensorx._ps import abtimer, parts, protocol
 from tensorx._ps import round as rounds
 from tensorx._ps.parts import check_parts, split_ops
 from tensorx._ps.round import PartBackups, Round
@@ -108,23 +108,23 @@ def test_a_push_is_cut_at_the_parts_bounds() -> None:
 
 
 def test_the_faster_way_is_chosen_by_measuring_both() -> None:
-    slow_early = choose.EarlyChooser()
+    slow_early = abtimer.EarlyChooser()
     seen = []
-    for _ in range(choose.SKIP + 2 * choose.PROBE):
+    for _ in range(abtimer.SKIP + 2 * abtimer.PROBE):
         early = slow_early.early()
         seen.append(early)
         slow_early.observe(early, 0.048 if early else 0.033)
-    assert seen[choose.SKIP:].count(True) == seen[choose.SKIP:].count(False) == choose.PROBE
+    assert seen[abtimer.SKIP:].count(True) == seen[abtimer.SKIP:].count(False) == abtimer.PROBE
     assert slow_early.early() is False and "once all have landed" in str(slow_early.decided)
-    for _ in range(choose.RECHECK - 1):  # until the next probe it sticks to it
+    for _ in range(abtimer.RECHECK - 1):  # until the next probe it sticks to it
         assert slow_early.early() is False
         slow_early.observe(False, 0.033)
-    fast_early = choose.EarlyChooser()
-    for _ in range(choose.SKIP + 2 * choose.PROBE):
+    fast_early = abtimer.EarlyChooser()
+    for _ in range(abtimer.SKIP + 2 * abtimer.PROBE):
         early = fast_early.early()
         fast_early.observe(early, 0.020 if early else 0.033)
     assert fast_early.early() is True
-    assert choose.EarlyChooser(forced=False).early() is False
+    assert abtimer.EarlyChooser(forced=False).early() is False
 
 
 # -- end to end --------------------------------------------------------------------------
@@ -370,7 +370,7 @@ async def test_a_server_closing_mid_round_checkpoints_the_version_before(
 async def test_by_default_the_shard_measures_both_ways_and_says_which_it_keeps(
         caplog: pytest.LogCaptureFixture) -> None:
     models = [make_model(), make_model(seed=99)]
-    rounds = choose.SKIP + 2 * choose.PROBE
+    rounds = abtimer.SKIP + 2 * abtimer.PROBE
     with caplog.at_level(logging.INFO, logger="tensorx.ps"):
         async with cluster("tcp", SGD_MOMENTUM, models, pipeline=None) as (ps, ws):
             await _steps(ws, models, batches(rounds + 1, 2))
@@ -400,10 +400,10 @@ async def test_a_second_run_takes_the_choices_the_first_measured(
                 await asyncio.gather(*(w.aclose() for w in ws), return_exceptions=True)
         return ps, ws
 
-    ps, ws = await run(choose.SKIP + 2 * choose.PROBE + 2)
+    ps, ws = await run(abtimer.SKIP + 2 * abtimer.PROBE + 2)
     assert ps._chooser.decided and all(w._pusher.choice.decided for w in ws)  # type: ignore[union-attr]
     assert ps._chooser.probed > 0 and not ps._chooser.recalled
-    ps, ws = await run(choose.SKIP + 2)
+    ps, ws = await run(abtimer.SKIP + 2)
     assert ps._chooser.recalled and ps._chooser.probed == 0
     for w in ws:
         assert w._pusher.choice.recalled and w._pusher.choice.probed == 0  # type: ignore[union-attr]

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from tensorx import RemoteOptimizer
-from tensorx._ps import choose
-from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, merge_adjacent, together
+from tensorx._ps import abtimer
+from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, merge_adjacent
+from tensorx._ps.gather import together
 from tensorx.errors import TransportUnavailableError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer
@@ -121,15 +122,15 @@ async def test_overlap_by_default_is_measured_and_the_faster_kept(
     pusher = BucketPusher(buckets, model, write, asyncio.get_running_loop(), overlap=None)
     now, seen = 0.0, []
     with caplog.at_level(logging.INFO, logger="tensorx._ps.buckets"):
-        for _ in range(choose.SKIP + 2 * choose.PROBE + 1):
+        for _ in range(abtimer.SKIP + 2 * abtimer.PROBE + 1):
             before = pusher.early  # buckets started during backward, so far
             model(torch.randn(3, 64)).sum().backward()
             seen.append(pusher.early > before)
             now += 0.030 if seen[-1] == (faster == "on") else 0.045
             pusher.measure(now)
             await pusher.settle()
-    probe = seen[choose.SKIP + 1:]
-    assert probe.count(True) == probe.count(False) == choose.PROBE
+    probe = seen[abtimer.SKIP + 1:]
+    assert probe.count(True) == probe.count(False) == abtimer.PROBE
     for _ in range(3):
         before = pusher.early
         model(torch.randn(3, 64)).sum().backward()

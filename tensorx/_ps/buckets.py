@@ -19,7 +19,7 @@ move the bytes (kernel TCP on a small host), sending during backward only slows 
 backward (two namespaces on this project's 2-core VM, wide MLP: 1.35x the RPC PS with it,
 1.56x without). ``overlap=None`` (the worker's default) measures: the time from one step's
 push to the next, with and without, as a shard chooses its pipelined round
-(:class:`tensorx._ps.choose.EarlyChooser`), and keeps the faster; one INFO line says which.
+(:class:`tensorx._ps.abtimer.EarlyChooser`), and keeps the faster; one INFO line says which.
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from tensorx import _cuda
-from tensorx._ps.choose import EarlyChooser
+from tensorx._ps.abtimer import EarlyChooser
 from tensorx._ps.remembered import Memory
 
-__all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent", "together",
-           "windowed"]
+__all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,6 @@ Write = Callable[["Bucket"], Coroutine[Any, Any, None]]
 # (a mapped arena) or cannot be read from the host (GPU memory).
 Fingerprint = Callable[["Bucket"], "int | None"]
 WATCH_STEPS = 3  # steps during which early buckets are checked for later in-place edits
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -275,32 +273,3 @@ class BucketPusher:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-
-
-async def together(aws: list[Awaitable[T]]) -> list[T]:
-    """``asyncio.gather(*aws)``, with a single awaitable awaited in place: no task and no
-    loop turns for it (with one shard, a step's push, pull and answer each paid ~20 us)."""
-    if len(aws) == 1:
-        return [await aws[0]]
-    return list(await asyncio.gather(*aws))
-
-
-# A pipelined push (see tensorx._ps.round) writes its parts this way, a few in flight.
-async def windowed(calls: list[Callable[[], Awaitable[None]]], window: int) -> None:
-    """Run ``calls`` in order with at most ``window`` of them in flight; the first error
-    cancels the rest and is raised."""
-    running: set[asyncio.Task[None]] = set()
-    try:
-        for call in calls:
-            if len(running) >= window:
-                done, running = await asyncio.wait(running,
-                                                   return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()
-            running.add(asyncio.ensure_future(call()))
-        await asyncio.gather(*running)
-    except BaseException:
-        for task in running:
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
-        raise

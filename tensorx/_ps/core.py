@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tensorx._ps.abtimer import EarlyChooser
     from tensorx._ps.answer import Peer
     from tensorx._ps.applier import Applier
-    from tensorx._ps.choose import EarlyChooser
     from tensorx._ps.grads import GradProcessing
     from tensorx._ps.losses import LossWatch
     from tensorx._ps.nonfinite import NonFiniteGuard
@@ -99,7 +99,7 @@ class ShardCore(abc.ABC):
     _round_t0: float
     _applier: Applier  # the apply thread, of the round and of an answer sent in parts
     _deferred: list[Peer]  # joined while a round was open: welcomed after it
-    _chooser: EarlyChooser  # whether a round applies parts as they land (_ps.choose)
+    _chooser: EarlyChooser  # whether a round applies parts as they land (_ps.abtimer)
     _memory: Memory  # ... as measured in an earlier run (_ps.remembered)
     _until: str | None
     stats: dict[str, Any]

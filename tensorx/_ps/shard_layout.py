@@ -11,12 +11,11 @@ import torch
 
 from tensorx._ps import parts
 from tensorx._ps.optim import ParamSpec, param_specs
-from tensorx._ps.sparse import dynamic_path_ok
 from tensorx.errors import UsageError
 from tensorx.memregion import MemoryRegion
 
-__all__ = ["ShardLayout", "Slot", "dense_splitter", "entry_key", "flat_splitter",
-           "param_splitter",
+__all__ = ["ShardLayout", "Slot", "dense_splitter", "dynamic_path_ok", "entry_key",
+           "flat_splitter", "param_splitter",
            "single_dtype", "to_dtype", "views"]
 
 
@@ -52,6 +51,13 @@ class ShardLayout:
         slots = tuple(Slot(entry_key(e), e.offset, e.numel, to_dtype(e.dtype)) for e in entries)
         return cls(shard, plan.num_shards, plan.arena_bytes(shard), slots, plan.fingerprint,
                    param_specs(entries, to_dtype, dynamic_path_ok(plan)))
+
+
+def dynamic_path_ok(plan: Any) -> bool:
+    """True when the plan has sparse tensors and none of them was split into chunks: then
+    they travel as rows (:mod:`tensorx._ps.sparse`), and both sides lay them out so."""
+    dynamic = [e for e in plan.entries if e.kind == "dynamic"]
+    return bool(dynamic) and all(e.whole for e in dynamic)
 
 
 def entry_key(entry: Any) -> str:

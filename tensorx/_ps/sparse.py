@@ -28,13 +28,7 @@ from tensorx._text import printable
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
-__all__ = ["SparseReceiver", "SparseSender", "dynamic_path_ok"]
-
-
-def dynamic_path_ok(plan: Any) -> bool:
-    """True when the plan has sparse tensors and none of them was split into chunks."""
-    dynamic = [e for e in plan.entries if e.kind == "dynamic"]
-    return bool(dynamic) and all(e.whole for e in dynamic)
+__all__ = ["SparseReceiver", "SparseSender"]
 
 
 class SparseSender:

@@ -1,4 +1,8 @@
-"""Whether a pipelined round applies parts as they land, chosen by measuring both. Pure.
+"""Choosing between two ways of running a round by timing both (an A/B timer). Pure.
+
+Both sides use it: a shard chooses whether a pipelined round applies parts as they land
+(:class:`EarlyChooser`'s own labels), a worker whether it pushes gradient buckets during
+backward (:mod:`tensorx._ps.buckets`).
 
 Applying part ``k`` while later parts are still arriving (see :mod:`tensorx._ps.round`)
 shortens a round only where moving the bytes leaves the shard's cores time to spare: an
