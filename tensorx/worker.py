@@ -109,16 +109,11 @@ class Worker:
         self._plan_options = dict(plan_options or {})
         self.plan: Any = None
         self.binding: Any = None
-        self.version = [0] * len(self.addresses)
         self.steps = 0
         self.mode = ""
-        self.optim: list[dict[str, Any]] = []        # per shard: its optimizer, at welcome
-        self.hyper: list[list[dict[str, Any]]] = []  # per shard: group values it last told us
-        self._links = ShardLinks(self.node, rank)  # our endpoints, and the replies on them
+        # per shard: our endpoint, what it told us, and the replies on it
+        self._links = ShardLinks(self.node, rank, self.addresses)
         self._states = OptimStates(self._links, self.node)  # RemoteOptimizer's state dicts
-        self._slots: list[RegionDescriptor] = []
-        self._parts: list[list[tuple[int, int]]] = []  # per shard: its pipelined parts
-        self._headers: list[bytes] = []
         self._overlap = overlap
         self.reconnect = reconnect
         self._bucket_bytes = bucket_bytes
@@ -139,6 +134,22 @@ class Worker:
     @property
     def num_shards(self) -> int:
         return len(self.addresses)
+
+    @property
+    def version(self) -> list[int]:
+        """Per shard: the version of the parameters we last took from it."""
+        return [link.version for link in self._links.shards]
+
+    @property
+    def optim(self) -> list[dict[str, Any]]:
+        """Per shard: its optimizer, as it described it when it welcomed us ([] before)."""
+        return [link.optim for link in self._links.shards if link.optim is not None]
+
+    @property
+    def hyper(self) -> list[list[dict[str, Any]]]:
+        """Per shard: its optimizer's group values as it last told us ([] before it
+        welcomed us; [] for a shard whose optimizer has no groups)."""
+        return [link.hyper for link in self._links.shards if link.optim is not None]
 
     @property
     def _eps(self) -> list[Endpoint]:
@@ -194,22 +205,21 @@ class Worker:
     async def _handshake(self, eps: list[Endpoint] | None = None) -> None:
         self._sent.clear()  # new connections: no shard holds anything of ours
         self._answered.clear()
-        self._links.eps = eps if eps is not None else await self._connect_all(self.timeout)
+        self._links.use(eps if eps is not None else await self._connect_all(self.timeout))
         await asyncio.gather(*(self._hello(s) for s in range(self.num_shards)))
         welcomes = await asyncio.gather(*(self._expect(s, "welcome")
                                           for s in range(self.num_shards)))
-        self._slots = [RegionDescriptor.from_bytes(w["slot"]) for w in welcomes]
-        self._headers = [w["headers"] for w in welcomes]
-        self._parts = [check_parts(w["parts"], self.plan.arena_bytes(s))
-                       for s, w in enumerate(welcomes)]
+        for s, (link, w) in enumerate(zip(self._links.shards, welcomes, strict=True)):
+            optim = protocol.optim_info(w)
+            link.welcomed(RegionDescriptor.from_bytes(w["slot"]), w["headers"],
+                          check_parts(w["parts"], self.plan.arena_bytes(s)), optim,
+                          hyper_snapshot([g["hp"] for g in optim["groups"]]))
         if self._pusher is None:
             self._pusher = BucketPusher(make_buckets(self.plan, self._bucket_bytes),
                                         self.model, self._write_bucket,
                                         asyncio.get_running_loop(), self._overlap,
                                         self._bucket_fingerprint, f"worker rank {self.rank}")
         self.mode = welcomes[0]["mode"]
-        self.optim = [protocol.optim_info(w) for w in welcomes]
-        self.hyper = [hyper_snapshot([g["hp"] for g in o["groups"]]) for o in self.optim]
         for s, w in enumerate(welcomes):
             self._accept_params(s, w)
         assert self._shared is not None
@@ -344,8 +354,8 @@ class Worker:
         return self._shared is not None and self._shared.mapped[shard]
 
     def _bucket_op(self, bucket: Bucket) -> tuple[Any, ...]:
-        return (self._region(bucket.shard, "grads"), self._slots[bucket.shard], bucket.offset,
-                bucket.offset, bucket.nbytes)
+        return (self._region(bucket.shard, "grads"), self._links.shards[bucket.shard].slot,
+                bucket.offset, bucket.offset, bucket.nbytes)
 
     def _bucket_fingerprint(self, bucket: Bucket) -> int | None:
         """CRC-32 of a bucket's gradient bytes; None where an edit reaches the shard
@@ -367,18 +377,20 @@ class Worker:
         the push notification travels with the data (never ahead of it). A pipelined shard
         gets the push first, then each part with its own notification (see
         :mod:`tensorx._ps.round`), so it can apply the first parts while later ones land."""
+        link = self._links.shards[shard]
+        assert link.optim is not None  # it welcomed us
         ops = [] if self._mapped(shard) else [self._bucket_op(b) for b in rest]
         staging: dict[str, bytes] = {}
         inbox = b""
-        if self._sparse is not None and self._headers[shard]:
+        if self._sparse is not None and link.header:
             staging = self._sparse.stage(shard)
             inbox = b"" if self._mapped(shard) else self._sparse.inbox(shard)
-            ops.append((self._region(shard, "headers"), self._headers[shard]))
-        by_part = split_ops(ops, self._parts[shard]) if self._parts[shard] else None
-        msg = protocol.encode("push", step=self.steps, version=self.version[shard],
+            ops.append((self._region(shard, "headers"), link.header))
+        by_part = split_ops(ops, link.parts) if link.parts else None
+        msg = protocol.encode("push", step=self.steps, version=link.version,
                               staging=staging, mapped=self._mapped(shard),
-                              hyper=hyper if self.optim[shard]["groups"] else [],
-                              inbox=inbox, parts=[k for k in range(len(self._parts[shard]))
+                              hyper=hyper if link.optim["groups"] else [],
+                              inbox=inbox, parts=[k for k in range(len(link.parts))
                                      if by_part is not None and k not in by_part])
         ep = self._eps[shard]
         with self._links.naming(shard):
@@ -475,9 +487,10 @@ class Worker:
     def _accept_params(self, shard: int, msg: dict[str, Any]) -> None:
         if msg["t"] == "params" and self._sparse is not None:
             self._sparse.accept(shard, msg)  # rows the shard wrote into our inbox
-        self.version[shard] = msg["version"]
+        link = self._links.shards[shard]
+        link.version = msg["version"]
         if msg.get("hyper"):
-            self.hyper[shard] = hyper_heard(shard, self.hyper[shard], msg["hyper"])
+            link.hyper = hyper_heard(shard, link.hyper, msg["hyper"])
         expected = msg["checksum"]
         if self.verify and expected is not None:
             got = checksum(self._region(shard, "params"))  # on the arena's device
@@ -496,7 +509,7 @@ class Worker:
         hyperparameters ``hps``: into every shard, or (the first shard's error) into none.
         Every rank loads the same state between the same two steps (see
         :mod:`tensorx._ps.optim_load`)."""
-        await self._states.load(self.num_shards, hps, states, self.hyper, self.timeout)
+        await self._states.load(self.num_shards, hps, states, self.timeout)
 
 
 def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:

@@ -73,7 +73,8 @@ def nan_over_slot(worker: Worker, loop: asyncio.AbstractEventLoop) -> Callable[[
     """``worker`` (rank 1) writing NaN over its whole gradient slot on shard 0, as it may at
     any moment: through the mapping when it mapped the slot, else one-sided over its
     endpoint (from the shard's apply thread: it waits until the write has landed)."""
-    slot = worker._slots[0]
+    slot = worker._links.shards[0].slot
+    assert slot is not None
     nan = torch.full((slot.nbytes // 4,), float("nan"))
 
     def write() -> None:

@@ -173,7 +173,7 @@ async def _steps(ws: list[Worker], models: list[nn.Module],
 async def test_a_pipelined_sync_round_equals_single_process(lane: str, opt: OptFactory) -> None:
     models = [make_model(), make_model(seed=99)]
     async with cluster(lane, opt, models) as (ps, ws):
-        assert len(ws[0]._parts[0]) > 4  # tensors over 64 bytes cut into several parts
+        assert len(ws[0]._links.shards[0].parts) > 4  # tensors over 64 bytes cut into several parts
         await _steps(ws, models, batches(6, 2))
         assert ps.stats["parts_early"] > 0 and ps.stats["rollbacks"] == 0
         _lane_used(ws, lane)
@@ -191,7 +191,7 @@ async def test_a_large_model_is_pipelined_by_default() -> None:
                                log_every=None, pipeline=True) as ps, \
             Worker(model, ps.address, rank=0, num_workers=1, transport="tcp",
                    share_memory=False, overlap=False) as w:
-        assert len(w._parts[0]) > 1
+        assert len(w._links.shards[0].parts) > 1
         w.zero_grad()
         model(torch.randn(2, 2048)).sum().backward()
         await w.step()
@@ -203,7 +203,7 @@ async def _push_partly(worker: Worker, k: int) -> None:
     mid-push leaves it (the caller then drops its connection)."""
     worker.binding.ensure_bound()
     rest = await worker._pusher.settle()  # type: ignore[union-attr]
-    by_part = split_ops([worker._bucket_op(b) for b in rest], worker._parts[0])
+    by_part = split_ops([worker._bucket_op(b) for b in rest], worker._links.shards[0].parts)
     ep = worker._eps[0]
     await ep.notify(protocol.encode("push", step=worker.steps, version=worker.version[0],
                                     staging={}, mapped=False, hyper=[], inbox=b"",

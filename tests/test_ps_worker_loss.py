@@ -71,7 +71,7 @@ async def _worker(rank: int, share: bool, conn: Connection) -> None:
     model = Params()
     async with Worker(model, address, rank=rank, num_workers=2, transport="tcp", timeout=30,
                       share_memory=share) as w:
-        report: dict[str, Any] = {"slot": w._slots[0].to_bytes(), "mapped": w.mapped,
+        report: dict[str, Any] = {"slot": w._links.shards[0].slot.to_bytes(), "mapped": w.mapped,
                                   "values": values(model.a),
                                   "slot_file": w._region(0, "grads").shared_name}
         if stale:
@@ -97,7 +97,7 @@ async def _poison(w: Worker, model: Params) -> None:
     (model.a * POISON).sum().backward()
     if not w.mapped[0]:
         grads = w._region(0, "grads")
-        await w._eps[0].write(grads, w._slots[0], nbytes=grads.nbytes // 2)
+        await w._eps[0].write(grads, w._links.shards[0].slot, nbytes=grads.nbytes // 2)
 
 
 async def _write_to(w: Worker, desc: RegionDescriptor) -> str:

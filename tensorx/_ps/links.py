@@ -1,4 +1,5 @@
-"""The worker's links to its shards: one endpoint per shard, and the replies that come back.
+"""The worker's links to its shards: one :class:`ShardLink` per shard (its endpoint and what
+the shard told us), and the replies that come back.
 
 Connecting is all or nothing (a partial set is closed before the error is raised). A reply
 is awaited by kind, on that shard's own message stream, in order: a ``waiting`` note from
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorx._deadline import Deadline
@@ -27,9 +29,10 @@ from tensorx.errors import (
     TimeoutError,
     error_from_code,
 )
+from tensorx.memregion import RegionDescriptor
 from tensorx.node import Node
 
-__all__ = ["BYE_TIMEOUT", "ShardLinks"]
+__all__ = ["BYE_TIMEOUT", "ShardLink", "ShardLinks"]
 
 logger = logging.getLogger("tensorx.worker")  # its lines read as the worker's
 
@@ -38,23 +41,58 @@ logger = logging.getLogger("tensorx.worker")  # its lines read as the worker's
 BYE_TIMEOUT = 5.0
 
 
-class ShardLinks:
-    """The endpoints of worker ``rank`` to its shards, in shard order (:attr:`eps`, set by
-    the worker to those :meth:`connect_all` gave it), and the replies read from them."""
+@dataclass(eq=False)
+class ShardLink:
+    """What a worker keeps of one shard: the endpoint it reaches it on and what the shard
+    told it (its welcome, then its answers). Kept across reconnections: a new welcome
+    replaces what the last one said."""
 
-    def __init__(self, node: Node, rank: int) -> None:
+    address: str
+    ep: Endpoint | None = None  # None while not connected
+    version: int = 0  # of the parameters we last took from it
+    optim: dict[str, Any] | None = None  # its optimizer, as its welcome said (None: not yet)
+    hyper: list[dict[str, Any]] = field(default_factory=list)  # group values it last told us
+    slot: RegionDescriptor | None = None  # where our gradient goes
+    header: bytes = b""  # where our sparse headers go (b"": no dynamic path)
+    parts: list[tuple[int, int]] = field(default_factory=list)  # its pipelined parts
+    note: str | None = None  # why its sync barrier holds us (latest)
+
+    def welcomed(self, slot: RegionDescriptor, header: bytes, parts: list[tuple[int, int]],
+                 optim: dict[str, Any], hyper: list[dict[str, Any]]) -> None:
+        self.slot, self.header, self.parts = slot, header, parts
+        self.optim, self.hyper = optim, hyper
+
+
+class ShardLinks:
+    """The links of worker ``rank`` to the shards at ``addresses``, in shard order
+    (:attr:`shards`; their endpoints set by the worker to those :meth:`connect_all` gave
+    it), and the replies read from them."""
+
+    def __init__(self, node: Node, rank: int, addresses: list[str]) -> None:
         self._node = node
         self._rank = rank
-        self.eps: list[Endpoint] = []
-        self._addresses: list[str] = []  # where the shards were last connected to
-        self._notes: dict[int, str] = {}  # shard -> why its sync barrier holds us (latest)
+        self.shards = [ShardLink(address) for address in addresses]
+
+    @property
+    def eps(self) -> list[Endpoint]:
+        """Our endpoint to each shard, in shard order: all of them, or none."""
+        return [link.ep for link in self.shards if link.ep is not None]
+
+    def use(self, eps: list[Endpoint]) -> None:
+        """Reach the shards over ``eps`` (one per shard, in shard order) from now on."""
+        for link, ep in zip(self.shards, eps, strict=True):
+            link.ep = ep
 
     # -- connections ----------------------------------------------------------------------
     async def connect_all(self, addresses: list[str], timeout: float | None) -> list[Endpoint]:
-        """One endpoint per shard, or none: a partial set is closed before raising."""
-        self._addresses = list(addresses)
-        got = await asyncio.gather(*(self._connect(a, timeout) for a in addresses),
-                                   return_exceptions=True)
+        """One endpoint per shard, at ``addresses`` (the worker's, which its user may set
+        until it starts), or none: a partial set is closed before raising."""
+        if len(addresses) != len(self.shards):
+            self.shards = [ShardLink(address) for address in addresses]
+        for link, address in zip(self.shards, addresses, strict=True):
+            link.address = address
+        got = await asyncio.gather(*(self._connect(link.address, timeout)
+                                     for link in self.shards), return_exceptions=True)
         failed = [r for r in got if isinstance(r, BaseException)]
         if failed:
             for ep in got:
@@ -74,7 +112,8 @@ class ShardLinks:
         for ep in self.eps:
             with contextlib.suppress(TensorxError):
                 await ep.aclose()
-        self.eps = []
+        for link in self.shards:
+            link.ep = None
 
     async def bye(self) -> None:
         """Say goodbye to every shard, best effort."""
@@ -93,7 +132,7 @@ class ShardLinks:
                 self._held(shard, msg["why"])
                 continue
             if msg["t"] == kind:
-                self._notes.pop(shard, None)
+                self.shards[shard].note = None
                 return msg
             if msg["t"] == "error":
                 raise error_from_code(msg["code"], msg["msg"], f"ps shard {shard}: ")
@@ -104,8 +143,8 @@ class ShardLinks:
         try:
             payload = await self.eps[shard].messages.get(deadline.left())
         except TimeoutError:
-            note = self._notes.get(shard)
-            raise TimeoutError(f"ps shard {shard} ({self._addresses[shard]}) sent no {kind!r} "
+            note = self.shards[shard].note
+            raise TimeoutError(f"ps shard {shard} ({self.shards[shard].address}) sent no {kind!r} "
                                f"within {timeout} s"
                                + (f": {note}" if note else "")) from None
         except (BrokenError, ClosedError) as exc:
@@ -117,15 +156,16 @@ class ShardLinks:
             raise self._lost(shard, f"bad message: {exc}") from exc
 
     def _held(self, shard: int, why: str) -> None:
-        if self._notes.get(shard) != why:
+        link = self.shards[shard]
+        if link.note != why:
             logger.info("worker rank %d: ps shard %d holds our step: %r", self._rank, shard,
                         why)
-        self._notes[shard] = why
+        link.note = why
 
     # -- naming ---------------------------------------------------------------------------
     def _lost(self, shard: int, detail: str = "") -> BrokenError:
         return BrokenError(f"lost the connection to ps shard {shard} "
-                           f"({self._addresses[shard]}){': ' if detail else ''}{detail}")
+                           f"({self.shards[shard].address}){': ' if detail else ''}{detail}")
 
     @contextlib.contextmanager
     def naming(self, shard: int) -> Iterator[None]:

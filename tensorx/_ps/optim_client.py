@@ -61,22 +61,20 @@ class OptimStates:
         return msg["manifest"], state
 
     async def load(self, num_shards: int, hps: list[dict[str, Any]],
-                   states: list[optim_state.State], hyper: list[list[dict[str, Any]]],
-                   timeout: float | None) -> None:
+                   states: list[optim_state.State], timeout: float | None) -> None:
         """Load ``states[s]`` into shard ``s``'s optimizer with the groups' ``hps``: into
-        every shard, or (the first shard's error) into none. ``hyper``: per shard, the
-        group values last heard from it (``[]``: its optimizer has no groups); the entry of
-        each shard that answered the commit becomes what it reports, even when another
-        shard's error is raised."""
+        every shard, or (the first shard's error) into none. The group values last heard
+        from each shard that answered the commit (its link's ``hyper``; ``[]``: its
+        optimizer has no groups) become what it reports, even when another shard's error
+        is raised."""
         packed = [optim_state.pack(state) for state in states]
         regions = [p.region() for p in packed]
         try:
-            checked = await asyncio.gather(*(self._put(s, hps, packed[s], regions[s], hyper,
-                                                       timeout)
+            checked = await asyncio.gather(*(self._put(s, hps, packed[s], regions[s], timeout)
                                              for s in range(num_shards)),
                                            return_exceptions=True)
             refused = [r for r in checked if isinstance(r, BaseException)]
-            done = await asyncio.gather(*(self._commit(s, not refused, hyper, timeout)
+            done = await asyncio.gather(*(self._commit(s, not refused, timeout)
                                           for s, r in enumerate(checked)
                                           if not isinstance(r, BaseException)),
                                         return_exceptions=True)
@@ -88,10 +86,9 @@ class OptimStates:
                 raise result
 
     async def _put(self, shard: int, hps: list[dict[str, Any]], packed: optim_state.Packed,
-                   region: MemoryRegion, hyper: list[list[dict[str, Any]]],
-                   timeout: float | None) -> None:
+                   region: MemoryRegion, timeout: float | None) -> None:
         """Phase one: ``shard`` has read and checked its part (see _ps.optim_load)."""
-        groups = [{"hp": hp, "params": []} for hp in hps] if hyper[shard] else []
+        groups = [{"hp": hp, "params": []} for hp in hps] if self._links.shards[shard].hyper else []
         desc = self._node.export(region, access="r")
         with self._links.naming(shard):
             await self._links.eps[shard].notify(protocol.encode(
@@ -99,8 +96,7 @@ class OptimStates:
                 digest=optim_state.digest(region)), timeout=timeout)
             await self._links.expect(shard, "state_checked", timeout)
 
-    async def _commit(self, shard: int, load: bool, hyper: list[list[dict[str, Any]]],
-                      timeout: float | None) -> None:
+    async def _commit(self, shard: int, load: bool, timeout: float | None) -> None:
         """Phase two: load it (every shard checked its part) or drop it."""
         with self._links.naming(shard):
             await self._links.eps[shard].notify(protocol.encode("state_commit", load=load),
@@ -111,5 +107,6 @@ class OptimStates:
                 if load:
                     raise
                 return  # dropped, as asked: the refusal that made us ask is raised instead
-        if hyper[shard]:
-            hyper[shard] = heard(shard, hyper[shard], msg["hyper"])
+        link = self._links.shards[shard]
+        if link.hyper:
+            link.hyper = heard(shard, link.hyper, msg["hyper"])
