@@ -14,8 +14,7 @@ import pytest
 import tensorx as tx
 from tensorx import _deadline
 from tensorx.transport._ucx_probe import AddressProbe
-
-from .conftest import HAVE_UCX
+from tests.support.lanes import HAVE_UCX
 
 needs_ucx = pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")
 

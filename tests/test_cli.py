@@ -17,7 +17,7 @@ def tensorx(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_plan_prints_the_resnet50_summary() -> None:
-    out = tensorx("plan", "tests.models:resnet50", "--shards", "2", "--summary")
+    out = tensorx("plan", "tests.support.models:resnet50", "--shards", "2", "--summary")
     assert out.returncode == 0, out.stderr
     assert "161 tensors, 25557032 elements, 2 shard(s)" in out.stdout
     assert "imbalance" in out.stdout

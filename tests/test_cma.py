@@ -33,8 +33,7 @@ from tensorx.testing import (
     wait_until,
 )
 from tensorx.transport import cma
-
-from .conftest import cma_lane, lanes_of
+from tests.support.lanes import cma_lane, lanes_of
 
 
 async def pair(owner: OwnerProcess, node: tx.Node) -> tx.Endpoint:

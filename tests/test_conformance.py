@@ -12,8 +12,7 @@ import pytest
 
 import tensorx as tx
 from tensorx.testing import LANE_CHECKS, LanePair, MakePair, check_lane, owner_pair
-
-from .conftest import assert_lane, lanes, node_transport
+from tests.support.lanes import assert_lane, lanes, node_transport
 
 
 def lane_pair(lane: str) -> MakePair:

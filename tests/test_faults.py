@@ -23,8 +23,7 @@ from tensorx.testing import (
     recv_refusal,
     wait_until,
 )
-
-from .conftest import transports
+from tests.support.lanes import transports
 
 
 def open_fds() -> int:

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 import tensorx as tx  # noqa: E402
 from tensorx.errors import BrokenError, ClosedError  # noqa: E402
 from tensorx.testing import wait_until  # noqa: E402
-from tests.conftest import HAVE_UCX  # noqa: E402
+from tests.support.lanes import HAVE_UCX  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

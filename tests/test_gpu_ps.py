@@ -31,20 +31,12 @@ from tensorx._ps.shard import (
     views,
 )
 from tensorx.ps import ParameterServer
-
-from . import test_ps_flat_update as flat_update
-from .conftest import HAVE_UCX
-from .test_ps_train import (
-    ADAM,
-    SGD_MOMENTUM,
-    OptFactory,
-    backward,
-    batches,
-    make_model,
-    reference,
-    servers,
-    workers,
-)
+from tests.support import flat_update
+from tests.support.clusters import servers, workers
+from tests.support.data import backward, batches
+from tests.support.lanes import HAVE_UCX
+from tests.support.models import small_mlp
+from tests.support.training import ADAM, SGD_MOMENTUM, OptFactory, reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,7 +93,7 @@ async def train_sync(opt: OptFactory, transport: str, server: str, model: str,
     """1 shard on ``server``, 2 workers with their models on ``model``; rank 0's final
     parameters, on the CPU."""
     data = data_on(model, STEPS)
-    models = [make_model().to(model), make_model(seed=99).to(model)]
+    models = [small_mlp().to(model), small_mlp(seed=99).to(model)]
     async with servers(1, 2, transport_of(transport), mode="sync", optimizer=opt, device=server,
                        share_memory=share_memory, **lanes(transport)) as (ps,), \
             workers(models, [ps.address], transport_of(transport), verify=True,
@@ -127,7 +119,7 @@ async def train_sync(opt: OptFactory, transport: str, server: str, model: str,
 
 
 def train_single(opt: OptFactory, device: str) -> list[torch.Tensor]:
-    model = make_model().to(device)
+    model = small_mlp().to(device)
     optimizer = opt(list(model.parameters()))  # type: ignore[arg-type]
     for step in data_on(device, STEPS):
         optimizer.zero_grad()
@@ -189,11 +181,11 @@ async def test_checkpoint_moves_between_gpu_and_cpu_servers(tmp_path: Path, tran
             return ps.version
 
     second = "cpu" if first == CUDA else CUDA
-    assert await train(first, make_model(), data[:3]) == 3
+    assert await train(first, small_mlp(), data[:3]) == 3
     saved = load_checkpoint(checkpoint_path(tmp_path, 0, 1))
     assert saved is not None
     assert all(t.device.type == "cpu" for t in tensors_of(saved))  # whatever the server's
-    fresh = make_model(seed=5)  # the checkpoint, not rank 0, seeds the resumed server
+    fresh = small_mlp(seed=5)  # the checkpoint, not rank 0, seeds the resumed server
     assert await train(second, fresh, data[3:]) == 6
     assert_same([p.detach().cpu() for p in fresh.parameters()],
                 [p.detach() for p in reference(data).parameters()])
@@ -253,16 +245,16 @@ def test_a_gpu_shard_steps_the_flat_update_by_default(name: str) -> None:
     arena's ranges, the whole update at once), the same parameters and optimizer state as
     stepping each tensor there (SGD bit for bit)."""
     cls, kw = flat_update.ELEMENTWISE[name]
-    make = flat_update._two_groups(cls, **kw)
-    layout = flat_update._layout()
+    make = flat_update.two_groups(cls, **kw)
+    layout = flat_update.layout()
     auto, ref = (ShardState(layout, 2, make, flat=f, device=CUDA) for f in (None, False))
     try:
         assert auto.fast is not None and ref.fast is None
         assert auto.update.startswith("flat over"), auto.update
         assert auto.fast.flat[0].is_cuda and not auto.in_parts
-        flat_update._train(auto, range(6))
-        flat_update._train(ref, range(6))
-        flat_update._same(auto, ref, exact=cls is torch.optim.SGD)
+        flat_update.train(auto, range(6))
+        flat_update.train(ref, range(6))
+        flat_update.same(auto, ref, exact=cls is torch.optim.SGD)
     finally:
         auto.close()
         ref.close()

@@ -14,7 +14,7 @@ from torch import nn
 
 from tensorx.errors import PlanMismatchError, ProtocolError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer, PlanEntry, TransferPlan
-from tests import models
+from tests.support import models
 
 
 def plan_of(model: nn.Module, **kw: object) -> TransferPlan:
@@ -200,7 +200,7 @@ def test_fingerprint_is_stable_and_sensitive() -> None:
 
 
 def test_fingerprint_is_the_same_in_another_process() -> None:
-    code = ("from tests import models; from tensorx.graph_analyzer import GraphAnalyzer;"
+    code = ("from tests.support import models; from tensorx.graph_analyzer import GraphAnalyzer;"
             "print(GraphAnalyzer(models.cnn(), num_shards=2).plan().fingerprint)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)

@@ -21,7 +21,7 @@ from torch import nn
 
 from tensorx.errors import ProtocolError
 from tensorx.graph_analyzer import GraphAnalyzer, TransferPlan
-from tests import models
+from tests.support import models
 
 DTYPES = [torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.int8]
 Spec = list[tuple[tuple[int, ...], torch.dtype]]

@@ -18,7 +18,7 @@ from tensorx.graph_analyzer import (
     read_header,
 )
 from tensorx.memregion import MemoryRegion
-from tests import models
+from tests.support import models
 
 
 def inside(t: torch.Tensor, region: MemoryRegion) -> bool:

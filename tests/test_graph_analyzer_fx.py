@@ -12,7 +12,7 @@ from tensorx._commands import plan as plan_command
 from tensorx.errors import UsageError
 from tensorx.graph_analyzer import HEADER_BYTES, BoundaryAnalyzer
 from tensorx.memregion import MemoryRegion
-from tests import models
+from tests.support import models
 
 PLACEMENT = {"stage0": "gpu0", "stage1": "gpu1"}
 
@@ -128,7 +128,7 @@ def run_cli(argv: list[str]) -> int:
 
 
 def test_cli_prints_the_resnet50_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_cli(["plan", "tests.models:resnet50", "--shards", "2", "--summary"]) == 0
+    assert run_cli(["plan", "tests.support.models:resnet50", "--shards", "2", "--summary"]) == 0
     out = capsys.readouterr().out
     assert "170 entries, 161 tensors, 25557032 elements, 2 shard(s)" in out
     assert "shard 0: 29 entries, dense 51113920 B, params arena 51113920 B" in out
@@ -137,18 +137,19 @@ def test_cli_prints_the_resnet50_plan(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_cli_table_and_options(capsys: pytest.CaptureFixture[str]) -> None:
-    assert plan_command.main(["tests.models:cnn", "--include-buffers", "--max-rows", "3"]) == 0
+    assert plan_command.main(["tests.support.models:cnn", "--include-buffers", "--max-rows",
+                              "3"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:2] == ["shard", "offset"]
     assert "more entries" in out
 
 
-@pytest.mark.parametrize("target", ["nope", "no_such_module:f", "tests.models:missing"])
+@pytest.mark.parametrize("target", ["nope", "no_such_module:f", "tests.support.models:missing"])
 def test_cli_bad_targets_exit_2(target: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_command.main([target]) == 2
     assert "tensorx plan: error:" in capsys.readouterr().err
 
 
 def test_cli_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert plan_command.main(["tests.models:mlp", "--alignment", "3"]) == 2
+    assert plan_command.main(["tests.support.models:mlp", "--alignment", "3"]) == 2
     assert "alignment" in capsys.readouterr().err

@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from tensorx.remote_optimizer import RemoteOptimizer
-
-from .conftest import assert_link, link_options, links
-from .test_ps_examples import run_example
-from .test_remote_optimizer import on_ranks
+from tests.support.clusters import on_ranks, run_example
+from tests.support.lanes import assert_link, link_options, links
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -26,9 +26,8 @@ import pytest
 from tensorx._netns import TwoHosts, Unavailable, enter_netns, two_hosts
 from tensorx.memregion import RegionDescriptor
 from tensorx.testing import OwnerProcess, digest, pattern, wait_until
-
-from .conftest import transports
-from .test_ps_cli import PsProcess
+from tests.support.clusters import PsProcess
+from tests.support.lanes import transports
 
 pytestmark = pytest.mark.netns
 

@@ -12,8 +12,8 @@ import pytest
 
 import tensorx as tx
 from tensorx.testing import OwnerProcess, pattern, wait_until
-
-from .conftest import HAVE_UCX, assert_lane, lanes, node_transport, only_warning
+from tests.support.lanes import HAVE_UCX, assert_lane, lanes, node_transport
+from tests.support.logs import only_warning
 
 
 async def test_info_and_one_log_line_per_endpoint(caplog: pytest.LogCaptureFixture) -> None:

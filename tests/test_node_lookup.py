@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import tensorx as tx
-
-from .conftest import lanes, node_transport
+from tests.support.lanes import lanes, node_transport
 
 
 @pytest.mark.parametrize("lane", lanes())

@@ -18,8 +18,7 @@ import pytest
 
 import tensorx as tx
 from tensorx import _cuda, node
-
-from .conftest import HAVE_UCX
+from tests.support.lanes import HAVE_UCX
 
 pytestmark = pytest.mark.usefixtures("fresh_fallbacks")
 ROOT = Path(__file__).resolve().parents[1]

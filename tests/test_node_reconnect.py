@@ -16,8 +16,7 @@ import pytest
 import tensorx as tx
 from tensorx.testing import wait_until
 from tensorx.testing._table import COLS, TableOwner
-
-from .conftest import assert_lane, node_transport
+from tests.support.lanes import assert_lane, node_transport
 
 logger = logging.getLogger(__name__)
 

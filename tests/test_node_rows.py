@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import tensorx as tx
-
-from .conftest import assert_lane, lanes, node_transport
+from tests.support.lanes import assert_lane, lanes, node_transport
 
 
 @pytest.mark.parametrize("lane", lanes())

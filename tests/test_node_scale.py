@@ -23,8 +23,7 @@ from tensorx import _wire
 from tensorx._commands.info import format_node, query_node
 from tensorx._ps import protocol
 from tensorx.graph_analyzer import GraphAnalyzer
-
-from .conftest import transports
+from tests.support.lanes import transports
 
 EXPORTS = 10_000  # the issue saw 1000 fail
 PEERS = 900       # ... and 90 peers over tcp (70 over ucx)

@@ -12,7 +12,7 @@ import pytest
 
 import tensorx as tx
 from tensorx.testing import wait_until
-from tests.conftest import HAVE_UCX
+from tests.support.lanes import HAVE_UCX
 
 needs_ucx = pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")
 

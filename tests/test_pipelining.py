@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests import pipeline_models as models
-from tests.conftest import HAVE_UCX
+from tests.support import pipeline_models as models
+from tests.support.lanes import HAVE_UCX
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -74,7 +74,7 @@ def launch(tmp: Path, runs: list[dict[str, Any]], timeout: float = 240.0
     (tmp / "spec.json").write_text(json.dumps(spec))
     world = max(r["stages"] for r in runs)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.pipeline_worker",
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.pipeline_worker",
                                str(tmp / "spec.json"), str(rank)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]

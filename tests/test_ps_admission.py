@@ -19,18 +19,13 @@ from tensorx.ps import ParameterServer
 from tensorx.transport import handshake
 from tensorx.transport.control import ControlChannel
 from tensorx.worker import Worker
-
-from .conftest import transports
+from tests.support.lanes import transports
+from tests.support.models import small_mlp
 
 TRANSPORTS = transports()
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_model(hidden: int = 16) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 3))
 
 
 async def train(w: Worker, model: nn.Module, steps: int) -> None:
@@ -48,10 +43,10 @@ async def test_second_live_claimant_of_a_rank_is_refused(transport: str) -> None
     kw: dict[str, Any] = {"num_workers": 2, "transport": transport, "reconnect": 5.0,
                           "timeout": 20, "share_memory": False}
     async with ParameterServer(num_workers=2, mode="async", transport=transport) as ps:
-        holder_model = make_model()
+        holder_model = small_mlp()
         async with Worker(holder_model, ps.address, rank=0, **kw) as holder:
             await train(holder, holder_model, 2)
-            rival = Worker(make_model(), ps.address, rank=0, **kw)
+            rival = Worker(small_mlp(), ps.address, rank=0, **kw)
             with pytest.raises(RankTakenError, match="rank 0 is taken"):
                 await rival.start()
             await train(holder, holder_model, 3)  # the holder never noticed
@@ -67,14 +62,14 @@ async def test_rank_passes_on_once_its_holder_is_gone(transport: str) -> None:
     kw: dict[str, Any] = {"num_workers": 2, "transport": transport, "timeout": 20,
                           "share_memory": False}
     async with ParameterServer(num_workers=2, mode="async", transport=transport) as ps:
-        old_model = make_model()
+        old_model = small_mlp()
         old = Worker(old_model, ps.address, rank=0, **kw)
         await old.start()
         try:
             await train(old, old_model, 2)
             for ep in old._eps:
                 ep.abort()  # no bye, at once
-            new_model = make_model()
+            new_model = small_mlp()
             async with Worker(new_model, ps.address, rank=0, **kw) as new:
                 await train(new, new_model, 2)
         finally:
@@ -101,7 +96,7 @@ async def raw_hello(address: str, transport: str, plan: Any, rank: int) -> dict[
 
 
 async def honest_pair(address: str, transport: str, steps: int = 3) -> None:
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     ws = [Worker(m, address, rank=r, num_workers=2, transport=transport, timeout=20,
                  share_memory=False) for r, m in enumerate(models)]
     try:
@@ -130,7 +125,7 @@ async def test_a_plan_too_big_to_allocate_is_refused_and_not_adopted(transport: 
 async def test_a_worker_of_another_model_that_leaves_does_not_lock_the_plan(
         transport: str, rank: int) -> None:
     async with ParameterServer(num_workers=2, mode="sync", transport=transport) as ps:
-        stranger = Worker(make_model(hidden=17), ps.address, rank=rank, num_workers=2,
+        stranger = Worker(small_mlp(hidden=17), ps.address, rank=rank, num_workers=2,
                           transport=transport, timeout=3, share_memory=False)
         if rank == 0:  # says hello, seeds the parameters, leaves
             await stranger.start()
@@ -186,7 +181,7 @@ async def test_building_a_large_state_does_not_starve_other_handshakes() -> None
 
         thread = threading.Thread(target=late_peer)
         thread.start()
-        model = make_model()
+        model = small_mlp()
         worker = Worker(model, ps.address, rank=0, num_workers=2, transport="tcp")
         joining = asyncio.ensure_future(worker.start())  # waits for rank 1: never comes
         await asyncio.to_thread(thread.join, 60)
@@ -201,7 +196,7 @@ async def join_and_leave(address: str, rank: int, how: str) -> tuple[float, list
     """A worker joins (its start timed: connect, handshake, welcome, first pull) and leaves
     ``how``: "clean" (closes), "abort" (its connection dropped right after joining) or
     "push" (dropped once its push is on its way)."""
-    model = make_model()
+    model = small_mlp()
     w = Worker(model, address, rank=rank, num_workers=2, timeout=10)
     t0 = asyncio.get_running_loop().time()
     await w.start()
@@ -239,14 +234,14 @@ async def test_rank_0_gives_the_parameters_again_to_a_plan_left_idle() -> None:
     """Every worker left before the first update: the plan is kept for rank 1 to come
     back to, and rank 0's next hello gives the parameters again, as its first did."""
     async with ParameterServer(num_workers=2, mode="sync", transport="tcp") as ps:
-        first = make_model()
+        first = small_mlp()
         async with Worker(first, ps.address, rank=0, num_workers=2, transport="tcp"):
             pass
-        again = make_model()
+        again = small_mlp()
         with torch.no_grad():
             for p in again.parameters():
                 p.fill_(0.5)
         async with Worker(again, ps.address, rank=0, num_workers=2, transport="tcp"), \
-                Worker(make_model(), ps.address, rank=1, num_workers=2,
+                Worker(small_mlp(), ps.address, rank=1, num_workers=2,
                        transport="tcp") as w1:
             assert all(bool((p == 0.5).all()) for p in w1.model.parameters())

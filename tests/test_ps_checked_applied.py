@@ -29,9 +29,10 @@ from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
-
-from .conftest import assert_link, link_options, links
-from .test_ps_train import SGD_MOMENTUM, backward, batches, make_model, train_single
+from tests.support.data import backward, batches
+from tests.support.lanes import assert_link, link_options, links
+from tests.support.models import small_mlp
+from tests.support.training import SGD_MOMENTUM, train_single
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -122,7 +123,7 @@ async def train(link: str, variant: str, monkeypatch: pytest.MonkeyPatch | None
                 ) -> list[torch.Tensor]:
     """Rank 0's parameters after :data:`STEPS` steps; with ``monkeypatch``, rank 1 writes
     NaN over its slot at step :data:`ATTACKED` once the shard has checked it."""
-    models = [make_model(), make_model(seed=99)]
+    models = [small_mlp(), small_mlp(seed=99)]
     armed: list[Callable[[], None]] = []
     if monkeypatch is not None:
         attack_when_applying(monkeypatch, armed)
@@ -166,7 +167,7 @@ async def test_nan_written_into_a_checked_slot_never_reaches_the_parameters(
 # -- the check, without I/O ----------------------------------------------------------------
 @pytest.fixture
 def state() -> Any:
-    model = make_model()
+    model = small_mlp()
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     shard = ShardState(ShardLayout.from_plan(GraphAnalyzer(model).plan(), 0), 2, sgd)
     yield shard

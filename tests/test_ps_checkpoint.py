@@ -20,16 +20,17 @@ from tensorx.errors import UsageError
 from tensorx.graph_analyzer import TransferPlan
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
-
-from .conftest import NOBODY, as_root, only_warning
-from .test_ps_train import backward, batches, make_model
+from tests.support.data import backward, batches
+from tests.support.host import NOBODY, as_root
+from tests.support.logs import only_warning
+from tests.support.models import small_mlp
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 async def train(directory: Path, steps: int, **kw: object) -> ParameterServer:
     """``steps`` sync steps of one worker against a server checkpointing in ``directory``."""
-    model = make_model()
+    model = small_mlp()
     async with ParameterServer(num_workers=1, transport="tcp", checkpoint_dir=directory,
                                **kw) as ps:  # type: ignore[arg-type]
         async with Worker(model, ps.address, transport="tcp", timeout=10.0) as w:
@@ -165,7 +166,7 @@ async def test_a_full_disk_fails_the_checkpoint_not_the_training(
         small_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tensorx")
     disk = small_disk
-    model = make_model()
+    model = small_mlp()
     async with ParameterServer(num_workers=1, transport="tcp", checkpoint_dir=disk,
                                checkpoint_every=1) as ps:
         async with Worker(model, ps.address, transport="tcp", timeout=10.0) as w:

@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,56 +13,10 @@ from torch import nn
 from tensorx._commands.ps import _arguments, parse_lr_scheduler, parse_optimizer, shard_listen
 from tensorx.errors import UsageError
 from tensorx.worker import Worker
-
-from .test_ps_train import backward, batches, make_model, reference
-
-
-class PsProcess:
-    """``python -m tensorx._commands.ps ...`` with its stdout lines collected; ``prefix``
-    goes in front of the command (``ip netns exec NS``), ``env`` adds variables."""
-
-    def __init__(self, *args: str, prefix: Sequence[str] = (),
-                 env: dict[str, str] | None = None) -> None:
-        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self._log = tempfile.TemporaryFile(mode="w+")  # a file: a chatty log never blocks
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "tensorx._commands.ps", *args], env=environ,
-            stdout=subprocess.PIPE, stderr=self._log, text=True)
-        self.lines: list[str] = []
-        self.log = ""
-        self._got_line = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.strip())
-            self._got_line.set()
-
-    def addresses(self, n: int, timeout: float = 30.0) -> list[str]:
-        for _ in range(int(timeout * 10)):
-            found = [ln.rsplit(" ", 1)[1] for ln in self.lines if "listening on" in ln]
-            if len(found) >= n:
-                return found
-            if self.proc.poll() is not None:
-                break
-            self._got_line.wait(0.1)
-            self._got_line.clear()
-        raise AssertionError(f"no address from tensorx ps: {self.stop()}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-        if not self._log.closed:
-            self._log.seek(0)
-            self.log = self._log.read()
-            self._log.close()
-        return self.log
+from tests.support.clusters import PsProcess
+from tests.support.data import backward, batches
+from tests.support.models import small_mlp
+from tests.support.training import reference
 
 
 async def _train(address: str, model: nn.Module, rounds: list[list[tuple[torch.Tensor, ...]]]
@@ -84,7 +32,7 @@ async def test_sigterm_checkpoints_and_a_restart_resumes(tmp_path: Path) -> None
     args = ["--listen", "tcp://127.0.0.1:0", "--workers", "1", "--transport", "tcp",
             "--optimizer", "adam:lr=0.01", "--checkpoint-dir", str(tmp_path)]
     data = batches(6, 1)
-    model = make_model()
+    model = small_mlp()
     for rounds in (data[:3], data[3:]):
         ps = PsProcess(*args)
         try:
@@ -94,7 +42,7 @@ async def test_sigterm_checkpoints_and_a_restart_resumes(tmp_path: Path) -> None
             log = ps.stop()
         assert ps.proc.returncode == 0, log
         assert "checkpointed shard 0 at version" in log
-        model = make_model(seed=7)  # the restarted server, not this init, decides
+        model = small_mlp(seed=7)  # the restarted server, not this init, decides
     assert "resumed from" in log
     want = reference(data)
     assert (tmp_path / "ps-shard0-of1.pt").exists()

@@ -17,8 +17,8 @@ from tensorx._ps.shard import to_cpu
 from tensorx._ps.sharing import Sharing
 from tensorx.errors import UsageError
 from tensorx.ps import ParameterServer
-
-from .test_ps_train import SGD_MOMENTUM, train_sync
+from tests.support.clusters import train_sync
+from tests.support.training import SGD_MOMENTUM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.clusters import run_example
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_example(name: str, *args: str, timeout: float = 100) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 def test_train_digits_reaches_95_percent() -> None:

@@ -16,10 +16,11 @@ from tensorx.errors import BrokenError, TimeoutError
 from tensorx.ps import ParameterServer
 from tensorx.testing import wait_until
 from tensorx.worker import Worker
-
-from .conftest import assert_link, link_options, links, transports
-from .test_ps_cli import PsProcess
-from .test_ps_train import SGD_MOMENTUM, backward, batches, make_model
+from tests.support.clusters import PsProcess
+from tests.support.data import backward, batches
+from tests.support.lanes import assert_link, link_options, links, transports
+from tests.support.models import small_mlp
+from tests.support.training import SGD_MOMENTUM
 
 TRANSPORTS = transports()
 
@@ -51,7 +52,7 @@ async def train(worker: Worker, model: torch.nn.Module,
 def uneven_reference(short: int, data: list[list[tuple[torch.Tensor, ...]]]
                      ) -> list[torch.Tensor]:
     """One process: both ranks' batches while both train, then rank 1's alone."""
-    model = make_model()
+    model = small_mlp()
     opt = SGD_MOMENTUM(list(model.parameters()))  # type: ignore[arg-type]
     for i, step in enumerate(data):
         opt.zero_grad()
@@ -66,7 +67,7 @@ async def test_a_worker_started_before_the_server_waits_for_it(
         transport: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tensorx")
     port = free_port()
-    model = make_model()
+    model = small_mlp()
     worker = Worker(model, f"tcp://127.0.0.1:{port}", transport=transport, timeout=60.0)
     attempts = 0
     connect_all = worker._connect_all
@@ -98,7 +99,7 @@ async def test_a_worker_started_before_the_server_waits_for_it(
 
 async def test_the_first_join_gives_up_after_the_timeout() -> None:
     port = free_port()
-    worker = Worker(make_model(), f"tcp://127.0.0.1:{port}", transport="tcp", timeout=0.5)
+    worker = Worker(small_mlp(), f"tcp://127.0.0.1:{port}", transport="tcp", timeout=0.5)
     with pytest.raises(BrokenError, match=r"no ps shard .* answered within 0.5 s") as info:
         await worker.start()
     # why, even when the budget ran out during the last attempt (it said "timed out")
@@ -114,7 +115,7 @@ async def test_sync_goes_on_without_a_rank_that_finished(
     is not held at the barrier (no timeout) and its last rounds are its gradient alone."""
     caplog.set_level(logging.INFO, logger="tensorx")
     data = batches(5, 2)
-    models = [make_model(), make_model(seed=5)]
+    models = [small_mlp(), small_mlp(seed=5)]
     async with ParameterServer(num_workers=2, optimizer=SGD_MOMENTUM,
                                **link_options(link)) as ps:
         ws = [Worker(m, ps.address, rank=r, num_workers=2, timeout=20.0, **link_options(link))
@@ -146,7 +147,7 @@ async def test_a_worker_held_by_a_departed_rank_is_told_which_and_why(
     """Rank 1 vanishes without a goodbye (its node closes, as in a crash): rank 0's step
     waits per on_worker_loss='wait', and its TimeoutError names rank 1 and the policy."""
     caplog.set_level(logging.INFO, logger="tensorx")
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     async with ParameterServer(num_workers=2, transport="tcp", worker_loss_timeout=60) as ps:
         ws = [Worker(m, ps.address, rank=r, num_workers=2, transport="tcp", timeout=3.0)
               for r, m in enumerate(models)]
@@ -168,7 +169,7 @@ async def test_a_worker_held_by_a_rank_that_never_joined_is_told_so() -> None:
     """No loss timer applies to a rank that never joined: the message says it never did
     and what to do (it said "rank 1 has not joined yet; it waits for them to rejoin" and
     quoted the loss timer)."""
-    model = make_model()
+    model = small_mlp()
     async with ParameterServer(num_workers=2, transport="tcp", worker_loss_timeout=60) as ps:
         address = ps.address
         async with Worker(model, address, rank=0, num_workers=2, transport="tcp",
@@ -185,7 +186,7 @@ async def test_serve_until_workers_done_checkpoints_and_returns(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tensorx")
     data = batches(3, 2)
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     ps = await ParameterServer(num_workers=2, transport="tcp", checkpoint_dir=tmp_path).start()
     serving = asyncio.ensure_future(ps.serve(until="workers_done"))
     ws = [Worker(m, ps.address, rank=r, num_workers=2, transport="tcp")
@@ -207,7 +208,7 @@ async def test_cli_exit_when_done_exits_0_with_a_checkpoint(tmp_path: Path) -> N
                    "--checkpoint-dir", str(tmp_path), "--exit-when-done")
     try:
         (address,) = ps.addresses(1)
-        model = make_model()
+        model = small_mlp()
         async with Worker(model, address, transport="tcp") as w:
             await train(w, model, [s[0] for s in batches(2, 1)])
         returncode = await asyncio.to_thread(ps.proc.wait, 30)

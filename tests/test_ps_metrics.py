@@ -16,9 +16,9 @@ from tensorx._ps.stats import ShardTimings
 from tensorx.metrics import BUCKETS, Timing, quantile, serve_prometheus, stop_prometheus
 from tensorx.testing import wait_until
 from tensorx.worker import Worker
-
-from .test_ps_cli import PsProcess
-from .test_ps_train import backward, batches, make_model, servers, workers
+from tests.support.clusters import PsProcess, servers, workers
+from tests.support.data import backward, batches
+from tests.support.models import small_mlp
 
 pytest.importorskip("prometheus_client")
 
@@ -90,7 +90,7 @@ def test_shard_timings_barrier_is_first_to_last_push_in_sync_mode_only() -> None
 async def test_ps_and_worker_timings_scraped_over_http() -> None:
     """Sync mode, 2 workers, 5 steps: every count on /metrics is exactly what happened."""
     steps = 5
-    models = [make_model(), make_model(seed=1)]
+    models = [small_mlp(), small_mlp(seed=1)]
     async with servers(1, 2, mode="sync", metrics_port=0) as (ps,), \
             workers(models, [ps.address]) as ws:
         assert ps.metrics_port  # port 0 asked: the port bound is known
@@ -127,7 +127,7 @@ async def test_ps_and_worker_timings_scraped_over_http() -> None:
 
 async def test_periodic_log_line_has_the_step_timings(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tensorx.ps")
-    models = [make_model(), make_model(seed=1)]
+    models = [small_mlp(), small_mlp(seed=1)]
 
     def counted() -> tuple[list[str], int]:
         lines = [r.getMessage() for r in caplog.records if "updates/s" in r.getMessage()]
@@ -149,7 +149,7 @@ async def test_cli_metrics_port_serves_the_shard() -> None:
         (address,) = ps.addresses(1)
         line = next(ln for ln in ps.lines if "metrics on" in ln)
         port = int(line.rsplit(":", 1)[1].split("/")[0])
-        model = make_model()
+        model = small_mlp()
         async with Worker(model, address, transport="tcp") as w:
             await train([w], [model], 3)
             got = await asyncio.to_thread(scrape, port)

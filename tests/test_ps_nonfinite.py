@@ -25,22 +25,16 @@ from tensorx.errors import UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
-
-from .conftest import transports
-from .models import sparse_embedding
-from .test_ps_pipelined import cluster
-from .test_ps_train import SGD_MOMENTUM, servers, workers
-from .test_ps_train import backward as xent_backward
+from tests.support.clusters import pipelined_cluster, servers, workers
+from tests.support.data import backward as xent_backward
+from tests.support.lanes import transports
+from tests.support.models import small_mlp, sparse_embedding
+from tests.support.training import SGD_MOMENTUM
 
 TRANSPORTS = transports()
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
 def backward(model: nn.Module, seed: int, poison: float | None = None) -> None:
@@ -77,7 +71,7 @@ def warned(caplog: pytest.LogCaptureFixture) -> list[str | None]:
 @pytest.mark.parametrize("poison", [math.nan, math.inf])
 async def test_nonfinite_gradient_is_skipped_logged_and_counted(
         transport: str, mode: str, poison: float, caplog: pytest.LogCaptureFixture) -> None:
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     async with ParameterServer(num_workers=2, mode=mode, transport=transport) as ps:
         ws = [Worker(m, ps.address, rank=r, num_workers=2, transport=transport, timeout=20,
                      share_memory=False) for r, m in enumerate(models)]
@@ -118,7 +112,7 @@ async def test_nonfinite_gradient_is_skipped_logged_and_counted(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_refuse_policy_fails_the_offending_worker_only(transport: str) -> None:
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     async with ParameterServer(num_workers=2, mode="sync", transport=transport,
                                on_nonfinite="refuse", worker_loss_timeout=0.5,
                                on_worker_loss="continue") as ps:
@@ -194,7 +188,7 @@ async def test_a_nan_in_a_dense_tensor_is_named(
         policy: str, share_memory: bool, caplog: pytest.LogCaptureFixture) -> None:
     """Rank 1's NaN in ``2.weight`` alone: its refusal and the shard's WARNING name that
     tensor and no other; rank 0's update goes on as without the names."""
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     before = copy.deepcopy(models[0])
     alone = stepped_alone(models[0], lambda m: m(torch.randn(
         4, 8, generator=torch.Generator().manual_seed(0))).square().mean())
@@ -272,11 +266,11 @@ async def test_a_nan_in_a_late_part_of_a_pipelined_round_is_named(
     last, found once the parts before it were applied (and undone); named alone."""
     monkeypatch.setattr(parts, "PART_BYTES", 64)
     monkeypatch.setattr(rounds, "EARLY_BYTES", 0)
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
     caplog.set_level(logging.WARNING, logger="tensorx")
-    async with cluster("tcp", SGD_MOMENTUM, models, on_nonfinite=policy,
-                       on_worker_loss="continue", worker_loss_timeout=1.0) as (ps, ws):
+    async with pipelined_cluster("tcp", SGD_MOMENTUM, models, on_nonfinite=policy,
+                                 on_worker_loss="continue", worker_loss_timeout=1.0) as (ps, ws):
         for w, m in zip(ws, models, strict=True):
             w.zero_grad()
             xent_backward(m, x, y)
@@ -302,7 +296,7 @@ def test_names_are_escaped_cut_and_counted() -> None:
 def test_only_the_bytes_given_are_read_for_the_names() -> None:
     """A pipelined round names what is in the parts that landed: a NaN left in the rest
     of the slot (its last push's, say) is not named."""
-    model = make_model()
+    model = small_mlp()
     state = ShardState(ShardLayout.from_plan(GraphAnalyzer(model).plan(), 0), 2, sgd)
     try:
         slot = {s.name: s for s in state.layout.param_specs()}

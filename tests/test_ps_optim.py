@@ -23,10 +23,8 @@ from tensorx.errors import TimeoutError as TxTimeoutError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.node import Node
 from tensorx.ps import ParameterServer
-
-from .conftest import assert_link, lanes, node_transport
-from .test_ps_cli import PsProcess
-from .test_ps_train import servers, workers
+from tests.support.clusters import PsProcess, servers, workers
+from tests.support.lanes import assert_link, lanes, node_transport
 
 Named = list[tuple[str, nn.Parameter]]
 # chunks of 4 rows of 64 B: the plan splits 1.weight (24 rows) across the two shards

@@ -17,7 +17,7 @@ import torch
 from tensorx._ps.outbox import Outbox
 from tensorx._ps.shard import ShardLayout, ShardState, views
 from tensorx.graph_analyzer import GraphAnalyzer
-from tests import models
+from tests.support import models
 
 
 def _layout() -> ShardLayout:

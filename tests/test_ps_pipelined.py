@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,11 @@ from tensorx._ps.round import PartBackups, Round
 from tensorx.errors import ProtocolError, TensorxError, UsageError
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
-
-from .conftest import lanes, node_transport
-from .test_ps_train import ADAM, SGD_MOMENTUM, backward, batches, make_model, train_single
+from tests.support.clusters import pipelined_cluster
+from tests.support.data import backward, batches
+from tests.support.lanes import lanes, node_transport
+from tests.support.models import small_mlp
+from tests.support.training import ADAM, SGD_MOMENTUM, train_single
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -128,24 +130,6 @@ def test_the_faster_way_is_chosen_by_measuring_both() -> None:
 
 
 # -- end to end --------------------------------------------------------------------------
-@contextlib.asynccontextmanager
-async def cluster(lane: str, opt: OptFactory, models: Sequence[nn.Module],
-                  **server: Any) -> AsyncIterator[tuple[ParameterServer, list[Worker]]]:
-    transport = node_transport(lane)
-    server.setdefault("pipeline", True)  # parts applied as they land (not chosen by timing)
-    async with ParameterServer("tcp://127.0.0.1:0", num_workers=2, mode="sync",
-                               optimizer=opt, transport=transport, share_memory=False,
-                               log_every=None, **server) as ps:
-        ws = [Worker(m, ps.address, rank=r, num_workers=2, transport=transport,
-                     share_memory=False, overlap=False, timeout=30)
-              for r, m in enumerate(models)]
-        try:
-            await asyncio.gather(*(w.start() for w in ws))
-            yield ps, ws
-        finally:
-            await asyncio.gather(*(w.aclose() for w in ws), return_exceptions=True)
-
-
 def _lane_used(ws: list[Worker], lane: str) -> None:
     """Bytes crossed the lane asked for (nothing mapped)."""
     for w in ws:
@@ -171,8 +155,8 @@ async def _steps(ws: list[Worker], models: list[nn.Module],
 @pytest.mark.parametrize("opt", [SGD_MOMENTUM, ADAM], ids=["sgd-momentum", "adam"])
 @pytest.mark.usefixtures("tiny_parts")
 async def test_a_pipelined_sync_round_equals_single_process(lane: str, opt: OptFactory) -> None:
-    models = [make_model(), make_model(seed=99)]
-    async with cluster(lane, opt, models) as (ps, ws):
+    models = [small_mlp(), small_mlp(seed=99)]
+    async with pipelined_cluster(lane, opt, models) as (ps, ws):
         assert len(ws[0]._links.shards[0].parts) > 4  # tensors over 64 bytes cut into several parts
         await _steps(ws, models, batches(6, 2))
         assert ps.stats["parts_early"] > 0 and ps.stats["rollbacks"] == 0
@@ -257,9 +241,9 @@ async def _dies_mid_push(policy: str, lane: str) -> tuple[list[torch.Tensor], in
     then, under "wait", a new rank 1 redoes its step, under "continue" rank 0 goes on
     alone. Rank 0's parameters after 4 steps, and the shard's rollbacks."""
     data = batches(4, 2)
-    models = [make_model(), make_model(seed=99)]
+    models = [small_mlp(), small_mlp(seed=99)]
     server = {"on_worker_loss": policy, "worker_loss_timeout": LOSS_TIMEOUT}
-    async with cluster(lane, SGD_MOMENTUM, models, **server) as (ps, ws):
+    async with pipelined_cluster(lane, SGD_MOMENTUM, models, **server) as (ps, ws):
         await _steps(ws, models, data[:2])
         first = await _rank_1_stops_after_2_parts(ps, ws, models, data[2])
         ws[1]._eps[0].abort()  # gone mid-push, as if killed
@@ -284,9 +268,9 @@ async def _never_pushed(policy: str) -> list[torch.Tensor]:
     """The same run where rank 1's step-2 push never happened: under "wait" its step is
     done whole, under "continue" it leaves before pushing."""
     data = batches(4, 2)
-    models = [make_model(), make_model(seed=99)]
+    models = [small_mlp(), small_mlp(seed=99)]
     server = {"on_worker_loss": policy, "worker_loss_timeout": LOSS_TIMEOUT}
-    async with cluster("tcp", SGD_MOMENTUM, models, **server) as (_, ws):
+    async with pipelined_cluster("tcp", SGD_MOMENTUM, models, **server) as (_, ws):
         if policy == "wait":
             await _steps(ws, models, data)
         else:
@@ -313,9 +297,9 @@ async def test_a_worker_gone_after_k_of_n_parts_leaves_no_trace(policy: str,
 @pytest.mark.parametrize("policy", ["skip", "refuse"])
 @pytest.mark.usefixtures("tiny_parts")
 async def test_nan_in_a_late_part_undoes_the_parts_applied_before(policy: str) -> None:
-    models = [make_model(), make_model(seed=99)]
+    models = [small_mlp(), small_mlp(seed=99)]
     data = batches(2, 2)
-    async with cluster("tcp", SGD_MOMENTUM, models, on_nonfinite=policy) as (ps, ws):
+    async with pipelined_cluster("tcp", SGD_MOMENTUM, models, on_nonfinite=policy) as (ps, ws):
         await _steps(ws, models, data[:1])
         before = [p.detach().clone() for p in models[0].parameters()]
         for w, m, (x, y) in zip(ws, models, data[1], strict=True):
@@ -333,7 +317,7 @@ async def test_nan_in_a_late_part_undoes_the_parts_applied_before(policy: str) -
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
         return
     assert results[0] is None and isinstance(results[1], UsageError)
-    model = make_model()  # one process: step 2 on rank 0's batch alone
+    model = small_mlp()  # one process: step 2 on rank 0's batch alone
     opt = SGD_MOMENTUM(list(model.parameters()))
     for i, step in enumerate(data):
         opt.zero_grad()
@@ -350,9 +334,9 @@ async def test_nan_in_a_late_part_undoes_the_parts_applied_before(policy: str) -
 @pytest.mark.usefixtures("tiny_parts")
 async def test_a_server_closing_mid_round_checkpoints_the_version_before(
         tmp_path: Path) -> None:
-    models = [make_model(), make_model(seed=99)]
+    models = [small_mlp(), small_mlp(seed=99)]
     data = batches(2, 2)
-    async with cluster("tcp", SGD_MOMENTUM, models, checkpoint_dir=tmp_path) as (ps, ws):
+    async with pipelined_cluster("tcp", SGD_MOMENTUM, models, checkpoint_dir=tmp_path) as (ps, ws):
         await _steps(ws, models, data[:1])
         before = ps.state.params_region.view(torch.uint8).clone()  # type: ignore[union-attr]
         first = await _rank_1_stops_after_2_parts(ps, ws, models, data[1])
@@ -369,10 +353,10 @@ async def test_a_server_closing_mid_round_checkpoints_the_version_before(
 @pytest.mark.usefixtures("tiny_parts")
 async def test_by_default_the_shard_measures_both_ways_and_says_which_it_keeps(
         caplog: pytest.LogCaptureFixture) -> None:
-    models = [make_model(), make_model(seed=99)]
+    models = [small_mlp(), small_mlp(seed=99)]
     rounds = abtimer.SKIP + 2 * abtimer.PROBE
     with caplog.at_level(logging.INFO, logger="tensorx.ps"):
-        async with cluster("tcp", SGD_MOMENTUM, models, pipeline=None) as (ps, ws):
+        async with pipelined_cluster("tcp", SGD_MOMENTUM, models, pipeline=None) as (ps, ws):
             await _steps(ws, models, batches(rounds + 1, 2))
             assert ps._chooser.rounds >= rounds
     assert "pipelined rounds: parts applied as they land:" in caplog.text
@@ -388,7 +372,7 @@ async def test_a_second_run_takes_the_choices_the_first_measured(
     monkeypatch.setenv("TENSORX_CACHE_DIR", str(tmp_path))
 
     async def run(steps: int) -> tuple[ParameterServer, list[Worker]]:
-        models = [make_model(), make_model(seed=99)]
+        models = [small_mlp(), small_mlp(seed=99)]
         async with ParameterServer("tcp://127.0.0.1:0", num_workers=2, optimizer=SGD_MOMENTUM,
                                    transport="tcp", log_every=None) as ps:
             ws = [Worker(m, ps.address, rank=r, num_workers=2, transport="tcp",

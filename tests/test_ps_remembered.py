@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tensorx._ps import remembered
-from tests.conftest import NOBODY, as_root
+from tests.support.host import NOBODY, as_root
 
 NAME = remembered.key("pipelined", "f00d", "tcp")
 

@@ -16,9 +16,8 @@ import torch
 
 from tensorx._ps import rowkernel, rowsgd
 from tensorx._ps.rows import no_invariant_checks, sum_rows
-
-from .conftest import NOBODY, as_root, only_warning, plant
-from .test_ps_rowsgd import kernel_or_skip
+from tests.support.host import NOBODY, as_root, kernel_or_skip, plant
+from tests.support.logs import only_warning
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@ as torch's own sparse SGD step, update after update, and torch's step wherever i
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +14,7 @@ from tensorx._ps import rowkernel, rowsgd
 from tensorx._ps.rows import row_groups
 from tensorx._ps.shard import ShardLayout, ShardState
 from tensorx.graph_analyzer import GraphAnalyzer
+from tests.support.host import kernel_or_skip
 
 
 class Mixed(nn.Module):
@@ -71,16 +70,6 @@ def train(state: ShardState, ranks: list[int]) -> list[torch.Tensor]:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
-
-
-def kernel_or_skip() -> rowkernel.RowKernel:
-    """The C kernel; a test fails if a C compiler is here and it did not build."""
-    kernel = rowkernel.load()
-    if kernel is None:
-        if shutil.which(os.environ.get("CC") or "cc") is None:
-            pytest.skip("no C compiler here: the sparse SGD kernel is not built")
-        raise AssertionError("a C compiler is here but the sparse SGD kernel did not build")
-    return kernel
 
 
 @pytest.mark.parametrize("flat", [None, False], ids=["flat-auto", "per-tensor"])

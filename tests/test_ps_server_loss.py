@@ -31,10 +31,10 @@ from tensorx import _shm
 from tensorx.errors import BrokenError
 from tensorx.memregion import host_id
 from tensorx.worker import Worker
-
-from .test_ps_cli import PsProcess
-from .test_ps_shm import shm_files
-from .test_ps_train import backward, batches, make_model
+from tests.support.clusters import PsProcess
+from tests.support.data import backward, batches
+from tests.support.host import shm_files
+from tests.support.models import small_mlp
 
 LOST = r"lost the connection to ps shard 0 \(tcp://127\.0\.0\.1:\d+\)"
 
@@ -51,7 +51,7 @@ def sigkill(ps: PsProcess) -> tuple[float, str]:
 async def test_workers_see_a_killed_server_as_broken_naming_it() -> None:
     ps = PsProcess("--listen", "tcp://127.0.0.1:0", "--workers", "2", "--transport", "tcp",
                    "--log-every", "0")
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     timeout = 5.0
     # rank 0 maps the server's arenas (a push is a notification), rank 1 copies (a write)
     ws = [Worker(m, "", rank=r, num_workers=2, transport="tcp", timeout=timeout,

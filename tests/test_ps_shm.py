@@ -10,7 +10,6 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -25,20 +24,13 @@ from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion, host_id
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
-
-from .conftest import assert_link, link_options, links, retried
-from .models import cnn, sparse_embedding
-from .test_ps_train import (
-    ADAM,
-    SGD_MOMENTUM,
-    backward,
-    batches,
-    make_model,
-    reference,
-    servers,
-    train_single,
-    workers,
-)
+from tests.support.clusters import servers, workers
+from tests.support.data import backward, batches
+from tests.support.host import shm_files
+from tests.support.lanes import assert_link, link_options, links
+from tests.support.logs import retried
+from tests.support.models import cnn, small_mlp, sparse_embedding
+from tests.support.training import ADAM, SGD_MOMENTUM, reference, train_single
 
 pytestmark = pytest.mark.skipif(not host_id(), reason="no usable /dev/shm")
 
@@ -46,18 +38,6 @@ pytestmark = pytest.mark.skipif(not host_id(), reason="no usable /dev/shm")
 def shm_path(name: str | None) -> Path:
     assert name is not None
     return Path(_shm.SHM_DIR) / name
-
-
-def shm_files(tensors: Iterable[torch.Tensor]) -> set[str]:
-    """The /dev/shm files (by name; "" for none) the tensors' memory lies in."""
-    maps = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 6 and parts[5].startswith(_shm.SHM_DIR + "/tensorx-"):
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                maps.append((lo, hi, os.path.basename(parts[5])))
-    return {next((n for lo, hi, n in maps if lo <= t.data_ptr() < hi), "") for t in tensors}
 
 
 # -- shared regions ----------------------------------------------------------------------
@@ -139,8 +119,8 @@ def test_host_id_changes_with_the_network_namespace() -> None:
 
 
 def test_plans_that_cannot_be_mapped_say_why() -> None:
-    assert plan_obstacle(GraphAnalyzer(make_model()).plan(), "cpu") == ""
-    assert "cuda:0" in plan_obstacle(GraphAnalyzer(make_model()).plan(), "cuda:0")
+    assert plan_obstacle(GraphAnalyzer(small_mlp()).plan(), "cpu") == ""
+    assert "cuda:0" in plan_obstacle(GraphAnalyzer(small_mlp()).plan(), "cuda:0")
     # sparse tables map too: their rows travel to the shard, its updates are in the map
     assert plan_obstacle(GraphAnalyzer(sparse_embedding()).plan(), "cpu") == ""
     assert "buffers" in plan_obstacle(GraphAnalyzer(cnn(), include_buffers=True).plan(), "cpu")
@@ -156,7 +136,7 @@ def _worker_main(address: str, rank: int, conn: Connection) -> None:
 
 
 async def _worker(address: str, rank: int, conn: Connection) -> None:
-    model = make_model(seed=0 if rank == 0 else 99)  # rank 1's own init must not win
+    model = small_mlp(seed=0 if rank == 0 else 99)  # rank 1's own init must not win
     async with Worker(model, address, rank=rank, num_workers=2, transport="tcp",
                       verify=True) as w:
         for step in batches(STEPS, 2):
@@ -226,7 +206,7 @@ async def test_async_mode_does_not_map(caplog: pytest.LogCaptureFixture) -> None
     caplog.set_level(logging.INFO, logger="tensorx")
     async with ParameterServer(num_workers=1, mode="async", optimizer=ADAM,
                                transport="tcp") as ps:
-        model = make_model()
+        model = small_mlp()
         w = await _train(model, ps.address, 4)
         assert ps.state is not None and not ps.state.shared
     assert w.mapped == [False]
@@ -256,7 +236,7 @@ async def test_another_host_falls_back_to_copies(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(Node, "export", elsewhere)
     async with ParameterServer(num_workers=1, optimizer=ADAM, transport="tcp") as ps:
-        model = make_model()
+        model = small_mlp()
         w = await _train(model, ps.address, 4)
     assert w.mapped == [False]
     assert "is on another host (or network namespace)" in caplog.text
@@ -267,7 +247,7 @@ async def test_another_host_falls_back_to_copies(monkeypatch: pytest.MonkeyPatch
 
 async def test_a_mapped_push_that_was_not_offered_is_refused() -> None:
     async with ParameterServer(num_workers=1, transport="tcp", share_memory=False) as ps:
-        model = make_model()
+        model = small_mlp()
         async with Worker(model, ps.address, transport="tcp") as w:
             assert w.mapped == [False]
             assert w._shared is not None
@@ -280,7 +260,7 @@ async def test_a_mapped_push_that_was_not_offered_is_refused() -> None:
 async def test_rejoin_maps_the_restarted_servers_arenas(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tensorx.worker")
-    model = make_model()
+    model = small_mlp()
 
     def server(listen: str) -> ParameterServer:
         return ParameterServer(listen, num_workers=1, checkpoint_dir=tmp_path,
@@ -317,7 +297,7 @@ async def test_rejoin_maps_the_restarted_servers_arenas(
 async def test_an_edit_in_place_stays_the_workers_own(link: str) -> None:
     """Before: a mapped worker's edit changed the server's and every worker's parameters,
     while on the copy path it was discarded at the next pull. Now both paths discard it."""
-    models = [make_model(), make_model(seed=99)]
+    models = [small_mlp(), small_mlp(seed=99)]
     share = link_options(link)["share_memory"]
     async with servers(1, 2, mode="sync", optimizer=SGD_MOMENTUM, **link_options(link)) \
             as (ps,), workers(models, [ps.address], **link_options(link)) as ws:

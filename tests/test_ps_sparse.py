@@ -15,10 +15,9 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensorx.errors import OptimizerError
-
-from .conftest import assert_link, lanes, node_transport
-from .models import sparse_embedding
-from .test_ps_train import servers, workers
+from tests.support.clusters import servers, workers
+from tests.support.lanes import assert_link, lanes, node_transport
+from tests.support.models import sparse_embedding
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

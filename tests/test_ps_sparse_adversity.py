@@ -24,10 +24,9 @@ from tensorx._ps.sparse import SparseReceiver
 from tensorx.errors import ProtocolError, RegionError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion
-
-from .models import sparse_embedding
-from .test_ps_sparse_receive import Copying, setup
-from .test_ps_train import servers, workers
+from tests.support.clusters import servers, workers
+from tests.support.models import sparse_embedding
+from tests.support.sparse_rows import Copying, setup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

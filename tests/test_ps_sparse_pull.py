@@ -16,9 +16,8 @@ from torch import nn
 from tensorx._ps import answer, parts
 from tensorx._ps.changed import runs
 from tensorx.ps import ParameterServer
-
-from .conftest import assert_link, lanes, node_transport
-from .test_ps_train import servers, workers
+from tests.support.clusters import servers, workers
+from tests.support.lanes import assert_link, lanes, node_transport
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -19,8 +19,7 @@ from tensorx._ps.sparse import SparseReceiver
 from tensorx.errors import BrokenError, RegionError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion, RegionDescriptor
-
-from .models import sparse_embedding
+from tests.support.models import sparse_embedding
 
 TABLES = {"emb.weight": (1000, 16), "bag.weight": (500, 8)}
 

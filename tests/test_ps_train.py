@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -16,97 +13,17 @@ from torch import nn
 from tensorx.errors import AuthError, PlanMismatchError
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
+from tests.support.clusters import servers, train_sync, workers
+from tests.support.data import backward, batches
+from tests.support.lanes import assert_link, lanes, link_options, links, transports
+from tests.support.logs import retried
+from tests.support.models import small_mlp, sparse_embedding
+from tests.support.training import ADAM, SGD_MOMENTUM, OptFactory, reference, train_single
 
-from .conftest import assert_link, lanes, link_options, links, retried, transports
-from .models import sparse_embedding
-
-OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-SGD_MOMENTUM: OptFactory = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
-ADAM: OptFactory = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
 TRANSPORTS = transports()
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_model(seed: int = 0, hidden: int = 16) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 3))
-
-
-def batches(steps: int, workers: int, size: int = 4) -> list[list[tuple[torch.Tensor, ...]]]:
-    gen = torch.Generator().manual_seed(123)
-    return [[(torch.randn(size, 8, generator=gen), torch.randint(0, 3, (size,), generator=gen))
-             for _ in range(workers)] for _ in range(steps)]
-
-
-def backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    nn.functional.cross_entropy(model(x), y).backward()
-
-
-def reference(steps: Sequence[list[tuple[torch.Tensor, ...]]],
-              opt: OptFactory = ADAM) -> nn.Module:
-    """Single-process training on rank 0's batch of each step: what a resumed run must equal."""
-    want = make_model()
-    optimizer = opt(list(want.parameters()))  # type: ignore[arg-type]
-    for step in steps:
-        optimizer.zero_grad()
-        backward(want, *step[0])
-        optimizer.step()
-    return want
-
-
-@contextlib.asynccontextmanager
-async def servers(num_shards: int, num_workers: int, transport: str = "tcp",
-                  **kw: Any) -> AsyncIterator[list[ParameterServer]]:
-    async with contextlib.AsyncExitStack() as stack:
-        shards = [await stack.enter_async_context(ParameterServer(
-            "tcp://127.0.0.1:0", num_workers=num_workers, shard=s, num_shards=num_shards,
-            transport=transport, **kw)) for s in range(num_shards)]
-        yield shards
-
-
-@contextlib.asynccontextmanager
-async def workers(models: Sequence[nn.Module], addresses: list[str], transport: str = "tcp",
-                  **kw: Any) -> AsyncIterator[list[Worker]]:
-    ws = [Worker(m, addresses, rank=r, num_workers=len(models), transport=transport, **kw)
-          for r, m in enumerate(models)]
-    try:
-        await asyncio.gather(*(w.start() for w in ws))
-        yield ws
-    finally:
-        await asyncio.gather(*(w.aclose() for w in ws), return_exceptions=True)
-
-
-async def train_sync(opt: OptFactory, steps: int, num_shards: int, link: str = "default",
-                     flat: bool = False, **kw: Any) -> list[torch.Tensor]:
-    """Two sync workers over ``link`` (a :func:`links` parameter); rank 0's parameters."""
-    data = batches(steps, 2)
-    models = [make_model(), make_model(seed=99)]  # rank 1's own init must be overwritten
-    options = link_options(link)
-    async with servers(num_shards, 2, mode="sync", optimizer=opt, flat=flat, **options,
-                       **kw) as shards, \
-            workers(models, [ps.address for ps in shards], verify=True, **options) as ws:
-        for step in data:
-            for w, m, (x, y) in zip(ws, models, step, strict=True):
-                w.zero_grad()
-                backward(m, x, y)
-            await asyncio.gather(*(w.step() for w in ws))
-        for w in ws:
-            assert_link(w, link)
-        assert all(torch.equal(a, b) for a, b in
-                   zip(models[0].parameters(), models[1].parameters(), strict=True))
-        return [p.detach().clone() for p in models[0].parameters()]
-
-
-def train_single(opt: OptFactory, steps: int) -> list[torch.Tensor]:
-    model = make_model()
-    optimizer = opt(list(model.parameters()))  # type: ignore[arg-type]
-    for step in batches(steps, 2):
-        optimizer.zero_grad()
-        backward(model, torch.cat([x for x, _ in step]), torch.cat([y for _, y in step]))
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("link", links())
@@ -144,7 +61,7 @@ async def test_updates_sent_part_by_part_equal_single_process(
 
     monkeypatch.setattr(parts, "PART_BYTES", 256)
     data = batches(12, 2)
-    models = [make_model(), make_model(seed=99)]
+    models = [small_mlp(), small_mlp(seed=99)]
     options = link_options(lane)
     async with servers(1, 2, mode="sync", optimizer=SGD_MOMENTUM, flat=True,
                        **options) as (ps,), \
@@ -208,7 +125,7 @@ async def test_async_modes_converge_on_digits(mode: str, transport: str) -> None
 async def test_bounded_staleness_is_held_by_the_server() -> None:
     async with ParameterServer(num_workers=2, mode="bounded", staleness=2,
                                transport="tcp") as ps:
-        models = [make_model(), make_model()]
+        models = [small_mlp(), small_mlp()]
         async with workers(models, [ps.address]) as ws:
             async def run(w: Worker, delay: float) -> None:
                 for _ in range(20):
@@ -224,8 +141,8 @@ async def test_bounded_staleness_is_held_by_the_server() -> None:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_plan_mismatch_names_the_tensor(transport: str) -> None:
     async with ParameterServer(num_workers=2, transport=transport) as ps:
-        w0 = Worker(make_model(), ps.address, rank=0, num_workers=2, transport=transport)
-        w1 = Worker(make_model(hidden=17), ps.address, rank=1, num_workers=2,
+        w0 = Worker(small_mlp(), ps.address, rank=0, num_workers=2, transport=transport)
+        w1 = Worker(small_mlp(hidden=17), ps.address, rank=1, num_workers=2,
                     transport=transport)
         async with w0:
             with pytest.raises(PlanMismatchError) as info:
@@ -241,7 +158,7 @@ async def test_plan_mismatch_names_the_tensor(transport: str) -> None:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_wrong_token_is_an_auth_error(transport: str) -> None:
     async with ParameterServer(num_workers=1, token="right", transport=transport) as ps:
-        w = Worker(make_model(), ps.address, token="wrong", transport=transport, timeout=5)
+        w = Worker(small_mlp(), ps.address, token="wrong", transport=transport, timeout=5)
         with pytest.raises(AuthError):
             await w.start()
 
@@ -259,9 +176,9 @@ async def test_checkpoint_and_resume(tmp_path: Path) -> None:
                 await w.step()
             return ps.version
 
-    model = make_model()
+    model = small_mlp()
     assert await train(model, data[:3]) == 3
-    fresh = make_model(seed=5)  # resuming: the checkpoint, not rank 0, seeds the server
+    fresh = small_mlp(seed=5)  # resuming: the checkpoint, not rank 0, seeds the server
     assert await train(fresh, data[3:]) == 6
     want = reference(data)
     for g, w in zip(fresh.parameters(), want.parameters(), strict=True):
@@ -335,7 +252,7 @@ async def test_worker_rejoins_a_restarted_server(
     ``reconnect`` drops the step in flight, rejoins and carries on from the checkpoint."""
     caplog.set_level(logging.INFO, logger="tensorx.worker")
     data = batches(7, 1)
-    model = make_model()
+    model = small_mlp()
 
     def server(listen: str) -> ParameterServer:
         return ParameterServer(listen, num_workers=1, optimizer=ADAM, checkpoint_dir=tmp_path,
@@ -384,7 +301,7 @@ async def test_garbage_from_one_peer_does_not_stop_the_server() -> None:
                 await ep.notify(payload)
             _, reply = await asyncio.wait_for(rogue.notifications.get(), 10)
             assert msgpack.unpackb(reply)["t"] == "error"
-        model = make_model()
+        model = small_mlp()
         async with workers([model], [ps.address]) as (w,):
             for step in batches(3, 1):
                 w.zero_grad()

@@ -25,8 +25,9 @@ from tensorx.errors import ProtocolError, UsageError
 from tensorx.ps import ParameterServer
 from tensorx.remote_optimizer import RemoteOptimizer
 from tensorx.worker import Worker
-
-from .conftest import assert_link, link_options, links
+from tests.support.clusters import on_ranks
+from tests.support.lanes import assert_link, link_options, links
+from tests.support.models import small_mlp
 
 Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -51,11 +52,6 @@ def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
 def batches(steps: int, workers: int = 2) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -87,28 +83,6 @@ def serving(num_shards: int, num_workers: int, **kw: Any) -> Iterator[list[str]]
         loop.close()
 
 
-def on_ranks(fn: Callable[[int], Any], n: int = 2) -> list[Any]:
-    """``fn(rank)`` for every rank, each in its own thread; the first error is raised."""
-    out: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = fn(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads)
-    return out
-
-
 Hook = Callable[[torch.optim.Optimizer, int, int], None]  # (optimizer, step, rank)
 
 
@@ -130,7 +104,7 @@ def local(factory: Factory, data: list[Any], hook: Hook | None = None,
           schedule: Callable[[Any], Any] | None = None,
           model: nn.Module | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """One process on the union batch: what two sync workers must equal."""
-    model = model or make_model()
+    model = model or small_mlp()
     opt = factory(list(model.parameters()))  # type: ignore[arg-type]
     loop(opt, model, data, -1, hook, schedule(opt) if schedule else None)
     return model, opt
@@ -155,7 +129,7 @@ def test_worker_schedules_equal_single_process(link: str, schedule: str) -> None
     if schedule == "cosine" and link != "default":
         pytest.skip("one schedule over every link is enough")
     data = batches(8)
-    models = [make_model(), make_model(seed=5)]
+    models = [small_mlp(), small_mlp(seed=5)]
     with serving(2, 2, optimizer=adamw_groups, **link_options(link)) as ps:
         def work(rank: int) -> list[dict[str, Any]]:
             with RemoteOptimizer(models[rank], ps, rank, 2, **link_options(link)) as opt:
@@ -175,7 +149,7 @@ def test_worker_schedules_equal_single_process(link: str, schedule: str) -> None
 
 def test_param_groups_mirror_the_server_groups() -> None:
     with serving(2, 1, optimizer=adamw_groups) as ps:
-        model = make_model()
+        model = small_mlp()
         with RemoteOptimizer(model, ps) as opt:
             assert isinstance(opt, torch.optim.Optimizer)
             want = adamw_groups(list(model.parameters()))  # type: ignore[arg-type]
@@ -198,7 +172,7 @@ def test_lr_set_on_one_rank_reaches_the_next_update(caplog: pytest.LogCaptureFix
             opt.param_groups[0]["momentum"] = 0.0 if rank in (1, -1) else 0.5
 
     data = batches(7)
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     seen: list[list[float]] = [[], []]
     with serving(1, 2, optimizer=sgd, transport="tcp", share_memory=False) as ps:
         def work(rank: int) -> None:
@@ -222,7 +196,7 @@ def test_state_dict_round_trip_resumes_exactly(link: str, tmp_path: Path) -> Non
     interrupted."""
     data = batches(10)
     opts = {**link_options(link), "plan_options": {"chunk_bytes": 256}}
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     with serving(2, 2, optimizer=adam, **link_options(link)) as ps:
         def first(rank: int) -> dict[str, Any]:
             with RemoteOptimizer(models[rank], ps, rank, 2, **opts) as opt:
@@ -242,7 +216,7 @@ def test_state_dict_round_trip_resumes_exactly(link: str, tmp_path: Path) -> Non
     torch.save({"model": models[0].state_dict(), "optimizer": saved}, tmp_path / "ckpt.pt")
 
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    resumed = [make_model(seed=3), make_model(seed=4)]
+    resumed = [small_mlp(seed=3), small_mlp(seed=4)]
     with serving(2, 2, optimizer=adam, **link_options(link)) as ps:
         def second(rank: int) -> None:
             resumed[rank].load_state_dict(ckpt["model"])
@@ -257,7 +231,7 @@ def test_state_dict_round_trip_resumes_exactly(link: str, tmp_path: Path) -> Non
 
 def test_unsupported_calls_are_clear_errors() -> None:
     with serving(1, 1, optimizer=adamw_groups) as ps:
-        model = make_model()
+        model = small_mlp()
         with RemoteOptimizer(model, ps) as opt:
             with pytest.raises(UsageError, match="add_param_group"):
                 opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
@@ -286,7 +260,7 @@ def test_unsupported_calls_are_clear_errors() -> None:
             with pytest.raises(UsageError, match="pickled"):
                 pickle.dumps(opt)
     with serving(1, 1, optimizer=sgd, flat=True) as ps, \
-            RemoteOptimizer(make_model(), ps) as opt:
+            RemoteOptimizer(small_mlp(), ps) as opt:
         with pytest.raises(UsageError, match="flat=True"):
             opt.state_dict()
 
@@ -348,7 +322,7 @@ def test_a_change_survives_a_rejoin(tmp_path: Path) -> None:
     first = ParameterServer("tcp://127.0.0.1:0", **kw)
     run(first.start())
     second = ParameterServer(first.address, **kw)
-    model = make_model()
+    model = small_mlp()
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     try:
         with RemoteOptimizer(model, first.address, transport="tcp", timeout=10,
@@ -397,7 +371,7 @@ async def test_a_bad_hyperparameter_fails_the_step_of_its_rank_alone() -> None:
     """Rank 1 (a new connection for each value) sends a value its optimizer refuses: its
     step raises UsageError naming the key and the value (escaped), it is disconnected as a
     refused push is, nothing of its change is applied, and rank 0 trains on."""
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     kw: dict[str, Any] = {"transport": "tcp", "share_memory": False, "timeout": 20}
     # a timeout beyond the two ranks' pushes' skew (with 0 each barrier would go on with
     # whichever rank pushed first, the other one missing it)
@@ -428,7 +402,7 @@ async def test_a_bad_hyperparameter_fails_the_step_of_its_rank_alone() -> None:
 
 def test_remote_optimizer_refuses_a_value_that_cannot_be_used_before_sending() -> None:
     with serving(1, 1, optimizer=adam) as ps:
-        model = make_model()
+        model = small_mlp()
         with RemoteOptimizer(model, ps) as opt:
             for value in (None, math.nan, -math.inf, "fast"):
                 opt.zero_grad()
@@ -494,7 +468,7 @@ def test_a_bad_optimizer_state_is_refused_whole(flat: bool | None) -> None:
     shards check it: RemoteOptimizer sends what it is given, as a raw peer would); the
     shard whose part is good loads nothing either; training goes on."""
     with serving(2, 1, optimizer=adam, flat=flat) as ps:
-        model = make_model()
+        model = small_mlp()
         with RemoteOptimizer(model, ps, timeout=20) as opt:
             saved = adam_state(opt)
             shards = {e.label: e.shard for e in plan_params(opt.worker.plan)}
@@ -514,7 +488,7 @@ def test_one_rank_cannot_load_state_for_everyone() -> None:
     rank loads the same checkpoint. A rank that loads alone, or ranks that load different
     states, get UsageError and nothing is loaded: training equals a run without the load."""
     data = batches(4)
-    models = [make_model(), make_model()]
+    models = [small_mlp(), small_mlp()]
     with serving(1, 2, optimizer=adam) as ps:
         def work(rank: int) -> None:
             with RemoteOptimizer(models[rank], ps, rank, 2, timeout=20) as opt:

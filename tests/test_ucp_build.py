@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import HAVE_UCX, NOBODY, as_root, only_warning, plant
+from tests.support.host import NOBODY, as_root, plant
+from tests.support.lanes import HAVE_UCX
+from tests.support.logs import only_warning
 
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")]
 

@@ -1,7 +1,8 @@
 """The UCX lane between two real processes: one-sided put/get, failures, reconnects.
 
-The owner runs in a spawned process whose main thread sits in its event loop waiting for
-test commands on a pipe; only UCX's progress thread serves the reads and writes.
+The owner (``tests/support/ucx_owner.py``) runs in a spawned process whose main thread sits
+in its event loop waiting for test commands on a pipe; only UCX's progress thread serves the
+reads and writes.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
-import hashlib
 import multiprocessing as mp
 import os
 import signal
@@ -35,97 +35,9 @@ from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.testing import wait_until
 from tensorx.transport.base import Op
 from tensorx.transport.ucx import UcxFactory, UcxLane
+from tests.support.ucx_owner import OWNER_BYTES, MiB, Owner, digest, owner_process, pattern
 
 pytestmark = pytest.mark.ucx
-
-MiB = 1 << 20
-OWNER_BYTES = 64 * MiB + 4096
-
-
-def _pattern(n: int, seed: int) -> np.ndarray:
-    return (np.arange(n, dtype=np.uint64) * 2654435761 + seed).astype(np.uint8)
-
-
-def _digest(buf: Any) -> str:
-    return hashlib.sha1(bytes(buf)).hexdigest()
-
-
-# -- the owner process ------------------------------------------------------------------
-def _owner_main(conn: Connection, error_handling: bool) -> None:
-    asyncio.run(_owner(conn, error_handling))
-
-
-async def _owner(conn: Connection, error_handling: bool) -> None:
-    factory = UcxFactory(error_handling=error_handling)
-    region = MemoryRegion.allocate(OWNER_BYTES)
-    region.view(np.uint8)[:] = _pattern(OWNER_BYTES, 3)
-    keys = factory.register(region)
-    desc = RegionDescriptor("owner", region.region_id, 1, region.nbytes, "cpu", "rw",
-                            {"ucx": keys})
-    conn.send((factory.local_info(), desc.to_bytes(), os.getpid()))
-    loop = asyncio.get_running_loop()
-    lane: UcxLane | None = None
-    while True:
-        cmd, *args = await loop.run_in_executor(None, conn.recv)
-        if cmd == "stop":
-            break
-        if cmd == "digest":
-            off, n = args
-            conn.send(_digest(region.buffer()[off:off + n]))
-        elif cmd == "lane":  # symmetric: the owner opens its own lane to the client
-            lane = await factory.connect(args[0], peer="client", timeout=10)
-            conn.send(lane.info)
-        elif cmd == "write_back":  # owner writes its first n bytes into the client region
-            n, remote = args[0], RegionDescriptor.from_bytes(args[1])
-            assert lane is not None
-            await lane.write(Op(region, remote, 0, 0, n), timeout=10)
-            conn.send("ok")
-    if lane is not None:
-        await lane.aclose()
-    await factory.aclose()
-    conn.send("bye")
-
-
-class Owner:
-    def __init__(self, error_handling: bool = True) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_owner_main, args=(child, error_handling), daemon=True)
-        self.proc.start()
-        child.close()
-        if not self.conn.poll(60):
-            raise RuntimeError("owner process did not start")
-        info, desc, self.pid = self.conn.recv()
-        self.info: dict[str, Any] = info
-        self.desc = RegionDescriptor.from_bytes(desc)
-
-    def ask(self, *cmd: Any) -> Any:
-        self.conn.send(cmd)
-        if not self.conn.poll(30):
-            raise RuntimeError(f"owner did not answer {cmd[0]}")
-        return self.conn.recv()
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            with contextlib.suppress(OSError, EOFError, RuntimeError):
-                self.ask("stop")
-            self.proc.join(10)
-        self.kill()
-        self.conn.close()
-
-
-@contextlib.contextmanager
-def owner_process(error_handling: bool = True) -> Iterator[Owner]:
-    owner = Owner(error_handling)
-    try:
-        yield owner
-    finally:
-        owner.stop()
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +64,14 @@ async def lane(factory: UcxFactory, owner: Owner) -> AsyncIterator[UcxLane]:
 @pytest.mark.parametrize("nbytes", [0, 1, 4096, 16 * MiB, 64 * MiB])
 async def test_put_then_get_roundtrip(lane: UcxLane, owner: Owner, nbytes: int) -> None:
     local = MemoryRegion.allocate(nbytes + 8)
-    local.view(np.uint8)[:] = _pattern(nbytes + 8, nbytes)
+    local.view(np.uint8)[:] = pattern(nbytes + 8, nbytes)
     roff = 4096 if nbytes < 64 * MiB else 1
     await lane.write(Op(local, owner.desc, 8, roff, nbytes), timeout=20)
     # complete means in the owner's memory, seen there without a flush
-    assert owner.ask("digest", roff, nbytes) == _digest(local.buffer()[8:8 + nbytes])
+    assert owner.ask("digest", roff, nbytes) == digest(local.buffer()[8:8 + nbytes])
     back = MemoryRegion.allocate(nbytes)
     await lane.read(Op(back, owner.desc, 0, roff, nbytes), timeout=20)
-    assert _digest(back.buffer()) == _digest(local.buffer()[8:8 + nbytes])
+    assert digest(back.buffer()) == digest(local.buffer()[8:8 + nbytes])
 
 
 async def test_lane_info_names_real_lanes(lane: UcxLane) -> None:
@@ -175,14 +87,14 @@ async def test_lane_info_names_real_lanes(lane: UcxLane) -> None:
 async def test_concurrent_writes_and_write_many(lane: UcxLane, owner: Owner) -> None:
     n, k = 256 * 1024, 16
     local = MemoryRegion.allocate(n * k)
-    local.view(np.uint8)[:] = _pattern(n * k, 11)
+    local.view(np.uint8)[:] = pattern(n * k, 11)
     await asyncio.gather(*(lane.write(Op(local, owner.desc, i * n, i * n, n), timeout=20)
                            for i in range(k)))
-    assert owner.ask("digest", 0, n * k) == _digest(local.buffer())
-    local.view(np.uint8)[:] = _pattern(n * k, 12)
+    assert owner.ask("digest", 0, n * k) == digest(local.buffer())
+    local.view(np.uint8)[:] = pattern(n * k, 12)
     await lane.write_many([Op(local, owner.desc, i * n, i * n, n) for i in range(k)],
                           timeout=20)
-    assert owner.ask("digest", 0, n * k) == _digest(local.buffer())
+    assert owner.ask("digest", 0, n * k) == digest(local.buffer())
     reads = [MemoryRegion.allocate(n) for _ in range(k)]
     await asyncio.gather(*(lane.read(Op(r, owner.desc, 0, i * n, n), timeout=20)
                            for i, r in enumerate(reads)))
@@ -197,7 +109,7 @@ async def test_small_puts_complete_one_after_another(lane: UcxLane, owner: Owner
     for value in range(200):
         local.view(np.uint8)[:] = value
         await lane.write(op, timeout=5)
-    assert owner.ask("digest", 0, 8) == _digest(bytes([199] * 8))
+    assert owner.ask("digest", 0, 8) == digest(bytes([199] * 8))
 
 
 async def test_symmetric_lane_owner_writes_back(factory: UcxFactory, lane: UcxLane,
@@ -208,7 +120,7 @@ async def test_symmetric_lane_owner_writes_back(factory: UcxFactory, lane: UcxLa
     info = owner.ask("lane", factory.local_info())
     assert info["transport"] == "ucx"
     assert owner.ask("write_back", 4096, desc.to_bytes()) == "ok"
-    assert _digest(mine.buffer()) == owner.ask("digest", 0, 4096)
+    assert digest(mine.buffer()) == owner.ask("digest", 0, 4096)
     assert any(mine.buffer())
 
 
@@ -222,7 +134,7 @@ async def test_cancelled_write_leaves_lane_usable(lane: UcxLane, owner: Owner) -
     small = MemoryRegion.allocate(16)
     small.view(np.uint8)[:] = 9
     await lane.write(Op(small, owner.desc, 0, 0, 16), timeout=20)
-    assert owner.ask("digest", 0, 16) == _digest(bytes([9] * 16))
+    assert owner.ask("digest", 0, 16) == digest(bytes([9] * 16))
 
 
 # -- errors -------------------------------------------------------------------------------
@@ -299,7 +211,7 @@ async def test_peer_killed_mid_transfer_then_reconnect(factory: UcxFactory) -> N
         lane = await factory.connect(reborn.info, peer="reborn", timeout=10)
         local.view(np.uint8)[:4096] = 5
         await lane.write(Op(local, reborn.desc, 0, 0, 4096), timeout=10)
-        assert reborn.ask("digest", 0, 4096) == _digest(bytes([5] * 4096))
+        assert reborn.ask("digest", 0, 4096) == digest(bytes([5] * 4096))
         await lane.aclose()
 
 
@@ -325,9 +237,9 @@ async def test_without_error_handling_uses_shared_memory_lanes() -> None:
             assert {"cma/memory", "posix/memory"} & set(lane.info["lanes"])
             assert "rma_bw" in lane.info["roles"].get("cma/memory", [])
             local = MemoryRegion.allocate(16 * MiB)
-            local.view(np.uint8)[:] = _pattern(16 * MiB, 21)
+            local.view(np.uint8)[:] = pattern(16 * MiB, 21)
             await lane.write(Op(local, peer.desc, 0, 0, 16 * MiB), timeout=10)
-            assert peer.ask("digest", 0, 16 * MiB) == _digest(local.buffer())
+            assert peer.ask("digest", 0, 16 * MiB) == digest(local.buffer())
             back = MemoryRegion.allocate(16 * MiB)
             await lane.read(Op(back, peer.desc, 0, 0, 16 * MiB), timeout=10)
             assert bytes(back.buffer()) == bytes(local.buffer())
@@ -424,11 +336,11 @@ def test_closing_memory_under_a_timed_out_write_is_safe() -> None:
 # -- progress -------------------------------------------------------------------------------
 async def _big_roundtrip(lane: UcxLane, owner: Owner, seed: int) -> None:
     local = MemoryRegion.allocate(16 * MiB)
-    local.view(np.uint8)[:] = _pattern(16 * MiB, seed)
+    local.view(np.uint8)[:] = pattern(16 * MiB, seed)
     await lane.write(Op(local, owner.desc, 0, 0, 16 * MiB), timeout=20)
     back = MemoryRegion.allocate(16 * MiB)
     await lane.read(Op(back, owner.desc, 0, 0, 16 * MiB), timeout=20)
-    assert _digest(back.buffer()) == _digest(local.buffer())
+    assert digest(back.buffer()) == digest(local.buffer())
 
 
 async def test_progress_driver_takes_over_and_hands_back(owner: Owner) -> None:

@@ -19,8 +19,7 @@ from tensorx.errors import BrokenError, TimeoutError
 from tensorx.memregion import MemoryRegion
 from tensorx.transport.base import Op
 from tensorx.transport.ucx import UcxFactory, UcxLane
-
-from .test_ucx_lane import MiB, Owner, _digest, owner_process
+from tests.support.ucx_owner import MiB, Owner, digest, owner_process
 
 pytestmark = [pytest.mark.ucx, pytest.mark.parametrize("error_handling", [True, False])]
 
@@ -107,7 +106,7 @@ async def test_other_reads_in_flight_survive_the_reset(error_handling: bool) -> 
                 await lane.read(Op(slow, peer.desc, 0, 0, BIG), timeout=0.0005)
             await asyncio.gather(*reads)
             want = peer.ask("digest", half, half)
-            assert all(_digest(r.buffer()) == want for r in others)
+            assert all(digest(r.buffer()) == want for r in others)
             assert await _usable_or_broken(lane, peer) == "usable"
             await lane.aclose()
     finally:

@@ -21,9 +21,8 @@ from tensorx.errors import TransportUnavailableError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
-
-from .conftest import HAVE_UCX, assert_link, link_options, links
-from .models import mlp
+from tests.support.lanes import HAVE_UCX, assert_link, link_options, links
+from tests.support.models import mlp
 
 
 class WithUnused(nn.Module):
@@ -73,7 +72,7 @@ def test_buckets_left_for_step_go_out_as_few_writes() -> None:
 
 
 def test_buckets_never_join_across_a_dynamic_entry() -> None:
-    from .models import sparse_embedding
+    from tests.support.models import sparse_embedding
 
     plan = GraphAnalyzer(sparse_embedding()).plan()
     buckets = make_buckets(plan, bucket_bytes=1 << 30)

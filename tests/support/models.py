@@ -1,4 +1,5 @@
-"""Small real models for tests (and a ResNet-50-shaped one for the plan CLI).
+"""Small real models for tests (and a ResNet-50-shaped one for the plan CLI:
+``tensorx plan tests.support.models:resnet50``).
 
 Built from torch layers only (torchvision is not a dependency). Every factory is seeded so
 two calls give the same weights.
@@ -9,13 +10,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["TwoStage", "cnn", "mlp", "resnet50", "sparse_embedding", "transformer", "two_stage"]
+__all__ = ["TwoStage", "cnn", "mlp", "resnet50", "small_mlp", "sparse_embedding", "transformer",
+           "two_stage"]
 
 
 def mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
                          nn.Linear(64, 10))
+
+
+def small_mlp(seed: int = 0, hidden: int = 16) -> nn.Module:
+    """8 -> ``hidden`` (tanh) -> 3: the model the parameter-server tests train."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 3))
 
 
 def cnn(seed: int = 0) -> nn.Module:

@@ -1,4 +1,5 @@
-"""One pipeline stage process of the tests: ``python -m tests.pipeline_worker SPEC RANK``.
+"""One pipeline stage process of the tests:
+``python -m tests.support.pipeline_worker SPEC RANK``.
 
 SPEC (json) lists runs; for each, this process builds its stage (meeting the others
 through the test's TCPStore under a prefix of the run's own), trains ``steps`` steps with
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from tensorx import pipelining as pp
-from tests import pipeline_models as models
+from tests.support import pipeline_models as models
 
 
 def run(spec: dict[str, Any], run: dict[str, Any], rank: int, store: Any) -> None:
