@@ -7,83 +7,49 @@ any control channel. The parameter server's same-host mapping is one use of this
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import multiprocessing as mp
 from collections.abc import AsyncIterator
-from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 import pytest
 
 import tensorx as tx
 from tensorx.node import SHM_KEY
+from tensorx.testing import OwnerProcess, digest
 
 NBYTES = 1 << 16
 
 
-def _owner_main(conn: Connection, access: str) -> None:
-    asyncio.run(_owner(conn, access))
-
-
-async def _owner(conn: Connection, access: str) -> None:
-    async with tx.Node(transport="tcp") as node:
-        shared = tx.MemoryRegion.allocate(NBYTES, shared=True)
-        private = tx.MemoryRegion.allocate(NBYTES)
-        conn.send((node.export(shared, access).to_bytes(),
-                   node.export(private, access).to_bytes()))
-        view = shared.view(np.uint8)
-        while True:
-            cmd, arg = await asyncio.to_thread(conn.recv)
-            if cmd == "fill":
-                view[:] = arg
-                conn.send("ok")
-            elif cmd == "read":
-                conn.send(bytes(view[:16]))
-            elif cmd == "close":
-                shared.close()
-                conn.send("ok")
-            else:
-                return
-
-
 @pytest.fixture(params=["rw", "r"])
-async def owner(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Any, str]]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_owner_main, args=(child, request.param), daemon=True)
-    proc.start()
-    try:
-        assert await asyncio.to_thread(parent.poll, 60), "owner never started"
-        yield parent, request.param
-    finally:
-        parent.send(("stop", None))
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+async def owner(request: pytest.FixtureRequest) -> AsyncIterator[tuple[OwnerProcess, str]]:
+    async with OwnerProcess("tcp") as proc:
+        yield proc, request.param
 
 
-def ask(conn: Any, cmd: str, arg: Any = None) -> Any:
-    conn.send((cmd, arg))
-    assert conn.poll(30), f"owner did not answer {cmd}"
-    return conn.recv()
+async def exports(owner: OwnerProcess, access: str) -> tuple[bytes, bytes]:
+    """The owner's region in shared memory and one in private memory, both exported
+    ``access``: as descriptor bytes, as they would cross any control channel."""
+    shared = await owner.call("export_allocated", NBYTES, 0, access, True)
+    private = await owner.call("export_allocated", NBYTES, 0, access, False)
+    return shared, private
 
 
-async def test_attach_maps_the_owners_memory(owner: tuple[Any, str]) -> None:
-    conn, access = owner
-    shared, _ = conn.recv()
+async def test_attach_maps_the_owners_memory(owner: tuple[OwnerProcess, str]) -> None:
+    proc, access = owner
+    shared, _ = await exports(proc, access)
+    rid = tx.RegionDescriptor.from_bytes(shared).region_id
     async with tx.Node(listen=None, transport="tcp") as node:
         region = node.attach(shared)  # bytes or a descriptor, both taken
         try:
             assert region.nbytes == NBYTES
             mine = region.view(np.uint8)
-            ask(conn, "fill", 7)
+            await proc.call("fill", rid, 7)
             assert (mine == 7).all()  # the owner's stores show, no copy, no lane
             mine[:16] = 9
             # exported "rw": mapped shared, our stores reach the owner; "r": copy-on-write
-            assert ask(conn, "read") == bytes([9 if access == "rw" else 7] * 16)
-            ask(conn, "close")  # the owner unlinks the file; our mapping stays valid
+            seen = bytes([9 if access == "rw" else 7] * 16) + bytes([7] * (NBYTES - 16))
+            assert await proc.call("digest", rid) == digest(seen)
+            await proc.call("close_region", rid)  # the owner unlinks the file; ours stays valid
             assert mine[:16].tolist() == [9] * 16
         finally:
             region.close()
@@ -91,9 +57,9 @@ async def test_attach_maps_the_owners_memory(owner: tuple[Any, str]) -> None:
             node.attach(shared)
 
 
-async def test_attach_refuses_what_it_cannot_map(owner: tuple[Any, str]) -> None:
-    conn, access = owner
-    shared, private = (tx.RegionDescriptor.from_bytes(b) for b in conn.recv())
+async def test_attach_refuses_what_it_cannot_map(owner: tuple[OwnerProcess, str]) -> None:
+    proc, access = owner
+    shared, private = (tx.RegionDescriptor.from_bytes(b) for b in await exports(proc, access))
     async with tx.Node(listen=None, transport="tcp") as node:
         with pytest.raises(tx.UsageError, match="not in shared memory"):
             node.attach(private)

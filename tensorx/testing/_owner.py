@@ -265,12 +265,18 @@ class _Owner:
             self.node.unexport(region)
         return self.node.export(region, access).to_bytes()
 
-    async def do_export_allocated(self, nbytes: int, seed: int) -> bytes:
-        """Export memory of its own (``MemoryRegion.allocate``), freed once unreferenced."""
-        region = MemoryRegion.allocate(nbytes)
+    async def do_export_allocated(self, nbytes: int, seed: int, access: str = "rw",
+                                  shared: bool = False) -> bytes:
+        """Export memory of its own (``MemoryRegion.allocate``; in /dev/shm where ``shared``,
+        for a same-host peer to attach), freed once unreferenced."""
+        region = MemoryRegion.allocate(nbytes, shared=shared)
         region.view(np.uint8)[:] = pattern(nbytes, seed)
         self.regions[region.region_id] = region
-        return self.node.export(region).to_bytes()
+        return self.node.export(region, access).to_bytes()
+
+    async def do_fill(self, rid: int, value: int) -> None:
+        """Store ``value`` in every byte of an allocated region (this process's own stores)."""
+        self.regions[rid].view(np.uint8)[:] = value
 
     async def do_replace(self, rid: int, seed: int) -> bytes:
         """Close an allocated region, drop it, and export a fresh one of the same size."""
