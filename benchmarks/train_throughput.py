@@ -15,7 +15,7 @@ nothing is mapped there; skipped where namespaces cannot be made). All systems o
 placement are started, run unmeasured warm-up steps one after the other (past tensorx's
 probing of its choices: ``benchmarks/baselines/pair.py``), then are measured in alternating
 blocks of steps; a step's time is the slower worker's. Prints a markdown table; results go
-to ``OUT/train_throughput.json``.
+to ``OUT/train_throughput.json``, a chart to ``OUT/train_throughput.png``.
 
     python benchmarks/train_throughput.py
     python benchmarks/train_throughput.py --systems tensorx-tcp-overlap,rpc --blocks 6
@@ -116,6 +116,41 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Steps/s per system, one panel per placement; the RPC PS (the baseline) grey, hatched
+    and as a dashed line. Row keys used: placement, key, system, steps_per_s."""
+    rows = [r for r in rows if all(r.get(k) is not None
+                                   for k in ("placement", "key", "system", "steps_per_s"))]
+    if not rows:
+        progress(f"training throughput: no rows, no chart written to {path}")
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    places = list(dict.fromkeys(r["placement"] for r in rows))
+    fig, axes = plt.subplots(1, len(places), figsize=(6.5 * len(places), 4.2), squeeze=False)
+    for ax, place in zip(axes[0], places, strict=True):
+        here = [r for r in rows if r["placement"] == place]
+        ref = [r["key"] == REFERENCE for r in here]
+        ax.barh([r["system"] for r in here], [r["steps_per_s"] for r in here],
+                color=["grey" if b else "C0" for b in ref], hatch=["//" if b else "" for b in ref])
+        for r in here:
+            if r["key"] == REFERENCE:
+                ax.axvline(r["steps_per_s"], color="grey", ls="--", label="RPC PS (baseline)")
+                ax.legend(fontsize=7)
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_title(f"training throughput, {place}")
+        ax.set_xlabel("steps/s (median step)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    progress(f"chart saved to {path}")
+
+
 def targets(rows: list[dict[str, Any]]) -> list[str]:
     return [f"- training, {r['placement']}, {r['system']}: {r['vs_rpc']:.2f}x the RPC "
             f"pattern's throughput "
@@ -160,6 +195,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print()
     print(table(rows))
     print("\n".join(targets(rows)))
+    plot(rows, args.out / "train_throughput.png")
     return rows
 
 
