@@ -11,7 +11,7 @@ alternating blocks (4 x 20 steps each by default: a step's time swings 11-22 ms 
 fewer steps give a median that moves by 20%); a step's time is the slower worker's. Prints
 a markdown table with the ratios and the project's goals (a step in at most 0.5x the RPC PS's
 time, within 1.2x of it with ten times the rows, a server apply rate of at least 1e7 rows/s);
-results go to ``OUT/sparse.json``.
+results go to ``OUT/sparse.json``, a chart to ``OUT/sparse.png``.
 
     python benchmarks/sparse.py
     python benchmarks/sparse.py --models dlrm --placements same --blocks 2
@@ -91,6 +91,49 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['placement']} | {MODELS[r['model']]} | {r['system']} | "
                      f"{r['ms']:.1f} | {vs} | {r['steps']} |")
     return "\n".join(lines)
+
+
+FLOOR = "local"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """ms per step per system, one panel per placement, one group of bars per table size;
+    the no-PS floor a dashed line across its group. Row keys used: placement, model, key, ms."""
+    rows = [r for r in rows if all(r.get(k) is not None for k in ("placement", "model", "key",
+                                                                  "ms"))
+            and r["key"] in SYSTEMS and r["model"] in MODELS]
+    if not rows:
+        progress(f"sparse: no rows, no chart written to {path}")
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    places = list(dict.fromkeys(r["placement"] for r in rows))
+    fig, axes = plt.subplots(1, len(places), figsize=(6.5 * len(places), 4.2), squeeze=False)
+    for ax, place in zip(axes[0], places, strict=True):
+        here = {(r["model"], r["key"]): r["ms"] for r in rows if r["placement"] == place}
+        models = [m for m in MODELS if any(m == mm for mm, _ in here)]
+        keys = [k for k in SYSTEMS if k != FLOOR and any(k == kk for _, kk in here)]
+        width = 0.8 / max(1, len(keys))
+        for i, k in enumerate(keys):
+            ax.bar([j + i * width for j in range(len(models))],
+                   [here.get((m, k), 0) for m in models], width, label=SYSTEMS[k].label)
+        floors = [(j, here[(m, FLOOR)]) for j, m in enumerate(models) if (m, FLOOR) in here]
+        for n, (j, y) in enumerate(floors):
+            ax.hlines(y, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="--",
+                      label=SYSTEMS[FLOOR].label if n == 0 else None)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))])
+        ax.set_xticklabels([MODELS[m] for m in models], fontsize=8)
+        ax.set_title(f"sparse embeddings, {place}")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("ms per step (median)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    progress(f"chart saved to {path}")
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
@@ -232,6 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           f"writing back as many random rows of the table alone: "
           f"{rate['move_rows_per_s']:.3g} rows/s")
     print("\n".join(targets(rows)))
+    plot(rows, args.out / "sparse.png")
     return rows
 
 
