@@ -6,6 +6,9 @@ over gloo (the same schedule) and the torch.distributed.rpc pipeline pattern (RR
     python benchmarks/pipeline.py --netns          # T1 across two network namespaces too
     python benchmarks/pipeline.py --quick          # fewer steps, a smoke test
 
+The rows go to ``OUT/pipeline.json`` and T1's chart to ``OUT/pipeline.png`` (``--out``,
+default ``bench-results``).
+
 Every stage is a process of its own with one torch thread (two stages on two cores). A
 step's time is the first stage's (it starts the step and ends it when the last gradient
 is back), the median over the timed steps.
@@ -368,8 +371,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                               f"{got['median'] * 1e3:9.2f} ms", flush=True)
         except Unavailable as exc:
             print(f"two namespaces: skipped ({exc})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline.json").write_text(json.dumps(rows, indent=1))
     print()
     print(table(rows))
+    plot(rows, args.out / "pipeline.png")
     return rows
 
 
@@ -411,6 +417,51 @@ def table(rows: list[dict[str, Any]]) -> str:
             if tx and tt:
                 lines.append(f"| {case} | {tx['registered']} | {tt['registered']} |")
     return "\n".join(lines)
+
+
+PLOTTED = {"tensorx": "tensorx", "torch": "torch (gloo)", "rpc": "RPC"}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """T1's step ms per system, one panel per boundary size, a group of bars per placement;
+    the schedule model (the floor) a dashed line across its group. Row keys used: case,
+    system, place, step_s, model_s (None where not measured)."""
+    rows = [r for r in rows if all(r.get(k) is not None for k in ("case", "system", "place",
+                                                                  "step_s"))
+            and r["case"].startswith("t1") and r["system"] in PLOTTED]
+    if not rows:
+        print(f"pipeline: no T1 rows, no chart written to {path}", flush=True)
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(dict.fromkeys(r["case"] for r in rows))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
+    width = 0.8 / len(PLOTTED)
+    for ax, case in zip(axes[0], sizes, strict=True):
+        here = [r for r in rows if r["case"] == case]
+        places = list(dict.fromkeys(r["place"] for r in here))
+        for i, (system, name) in enumerate(PLOTTED.items()):
+            ms = {r["place"]: r["step_s"] * 1e3 for r in here if r["system"] == system}
+            ax.bar([j + i * width for j in range(len(places))],
+                   [ms.get(p, 0) for p in places], width, label=name)
+        floors = [(j, r["model_s"] * 1e3) for j, p in enumerate(places) for r in here
+                  if r["place"] == p and r["system"] == "tensorx" and r.get("model_s")]
+        for n, (j, y) in enumerate(floors):
+            ax.hlines(y, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="--",
+                      label="schedule model (floor)" if n == 0 else None)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(places))])
+        ax.set_xticklabels(places)
+        ax.set_title(f"pipeline step, T1, boundary {case.removeprefix('t1-')}")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("ms per step (median)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"chart saved to {path}", flush=True)
 
 
 def _ms(row: dict[str, Any] | None, key: str = "step_s") -> str:
