@@ -48,7 +48,7 @@ check-dist: $(STAMP)
 
 # The UCX rows on a host without RDMA run UCX's tcp, which a node only runs when allowed.
 bench: $(STAMP)
-	TENSORX_UCX_TCP=1 $(BIN)/python benchmarks/transfer.py --sizes 64K,16M,64M
+	TENSORX_UCX_TCP=1 $(BIN)/python benchmarks/transfer.py --sizes 64K,16M,64M --plot bench-results/transfer.png
 	TENSORX_UCX_TCP=1 $(BIN)/python benchmarks/run_all.py
 	$(BIN)/python benchmarks/pipeline.py --netns
 

@@ -224,6 +224,12 @@ def table(sizes: list[int], systems: dict[str, dict[str, object]]) -> str:
 
 
 def plot(sizes: list[int], systems: dict[str, dict[str, object]], path: str) -> None:
+    """GB/s per system against size, write and read; a system missing a size is left out."""
+    systems = {name: res for name, res in systems.items()
+               if all(f"{op} {n}" in res for op in ("write", "read") for n in sizes)}
+    if not sizes or not systems:
+        print(f"transfer: no rows, no chart written to {path}")
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,7 +245,9 @@ def plot(sizes: list[int], systems: dict[str, dict[str, object]], path: str) -> 
     axes[0].set_ylabel("GB/s")
     axes[0].legend()
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # make bench runs this first
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     print(f"chart saved to {path}")
 
 
