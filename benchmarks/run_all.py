@@ -2,8 +2,8 @@
 sparse-embedding step (:mod:`benchmarks.sparse`).
 
 Writes ``OUT/performance.md`` (machine line, tables, target checks: docs/performance.md
-is pasted from it) and ``OUT/ps_round.png``; every number in it comes
-from this one run.
+is pasted from it), ``OUT/ps_round.png``, ``OUT/train_throughput.png`` and
+``OUT/sparse.png``; every number in it comes from this one run.
 
     python benchmarks/run_all.py                 # about 12 minutes on 2 cores
     python benchmarks/run_all.py --quick         # fewer blocks, a smoke test
