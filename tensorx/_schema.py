@@ -180,8 +180,9 @@ class Record:
 
 class Packed:
     """A record in a fixed binary form: ``ints``, unsigned 64-bit big endian, then one byte
-    whose low bits are the ``flags`` (booleans); if the flag named ``tail`` is set, the
-    bytes after the fixed part are that field's value, else there must be none.
+    whose low bits are the ``flags`` (booleans), then padding up to ``size`` bytes if given
+    (sent as zeros, not read); if the flag named ``tail`` is set, the bytes after the fixed
+    part are that field's value, else there must be none.
 
     The layout is the bound of every int; :meth:`row` and :meth:`unpack` refuse
     (ProtocolError) a header of the wrong length or with a flag bit the layout does not
@@ -191,7 +192,7 @@ class Packed:
                  "what")
 
     def __init__(self, what: str, ints: Sequence[str], flags: Sequence[str] = (),
-                 tail: str | None = None) -> None:
+                 tail: str | None = None, size: int | None = None) -> None:
         assert tail is None or tail in flags
         assert len(flags) <= 8
         self.what = what
@@ -200,7 +201,10 @@ class Packed:
         self.tail = tail
         self.names = self.ints + self.flags  # of the values of a row
         self._tail_bit = self.flags.index(tail) if tail is not None else -1
-        self.struct = struct.Struct("!" + "Q" * len(ints) + ("B" if flags else ""))
+        fmt = "!" + "Q" * len(ints) + ("B" if flags else "")
+        pad = 0 if size is None else size - struct.calcsize(fmt)
+        assert pad >= 0, f"{what}: {size} B is less than its fields"
+        self.struct = struct.Struct(fmt + (f"{pad}x" if pad else ""))  # padding: zeros
         self.size = self.struct.size
         self._known = (1 << len(flags)) - 1
 

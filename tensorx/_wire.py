@@ -45,9 +45,13 @@ MAGIC = b"TX"
 # 2: the client proves the token first (v1 servers proved first); 3: the op frames' headers
 # are fixed binary layouts (they were msgpack maps); 4: the handshake ends with READY from
 # each side once its lanes are open (or the ERROR that refuses the peer), and a revocation
-# names the export (its cookie)
-PROTOCOL_VERSION = 4
+# names the export (its cookie); 5: an op frame's prefix and fixed header take 64 bytes
+PROTOCOL_VERSION = 5
 PREFIX = struct.Struct("!2sBBIQ")
+# An op frame's prefix and fixed header fill one cache line, so that the payload behind them
+# starts aligned in the socket's buffers and in the reader's (with 24-byte frames, copying a
+# 64 KiB READ_DATA into the socket took a third more of the owner's CPU).
+OP_FRAME = 64
 MAX_HEADER = 64 * 1024
 MAX_NOTIFY = 16 * 1024 * 1024
 MAX_PAYLOAD = 1 << 40
@@ -103,16 +107,18 @@ SCHEMAS: dict[Kind, Record] = {k: _header(k, **f) for k, f in {
 }.items()}
 # The op frames: fixed layouts. A WRITE's "n" is its payload's length (not on the wire);
 # "last": the write's last frame; "imm": a notification it carries (on the last frame only).
+_OP = OP_FRAME - PREFIX.size
 PACKED: dict[Kind, Packed] = {
-    Kind.WRITE: Packed("WRITE header", ("req", "rid", "ck", "off"), ("last", "imm"), "imm"),
-    Kind.WRITE_ACK: Packed("WRITE_ACK header", ("req",)),
-    Kind.READ: Packed("READ header", ("req", "rid", "ck", "off", "n")),
-    Kind.READ_DATA: Packed("READ_DATA header", ("req",)),
+    Kind.WRITE: Packed("WRITE header", ("req", "rid", "ck", "off"), ("last", "imm"), "imm",
+                       size=_OP),
+    Kind.WRITE_ACK: Packed("WRITE_ACK header", ("req",), size=_OP),
+    Kind.READ: Packed("READ header", ("req", "rid", "ck", "off", "n"), size=_OP),
+    Kind.READ_DATA: Packed("READ_DATA header", ("req",), size=_OP),
 }
 _LAST, _IMM = 1, 2  # WRITE's flag bits
 _WRITE = struct.Struct(PREFIX.format + PACKED[Kind.WRITE].struct.format[1:])
 _READ = struct.Struct(PREFIX.format + PACKED[Kind.READ].struct.format[1:])
-_REPLY = struct.Struct(PREFIX.format + "Q")
+_REPLY = struct.Struct(PREFIX.format + PACKED[Kind.READ_DATA].struct.format[1:])
 _KINDS = {int(kind): kind for kind in Kind}  # a lookup, not Kind(value): on every frame
 # Kinds whose payload is region data; every other kind but NOTIFY carries none.
 DATA_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
@@ -180,7 +186,8 @@ def read_frame(req: int, rid: int, ck: int, off: int, n: int) -> bytes:
 
 def reply_frame(kind: Kind, req: int, payload_len: int = 0) -> bytes:
     """A WRITE_ACK (no payload) or READ_DATA (``payload_len`` bytes follow) frame."""
-    return _REPLY.pack(MAGIC, PROTOCOL_VERSION, kind, 8, payload_len, req)
+    return _REPLY.pack(MAGIC, PROTOCOL_VERSION, kind, _REPLY.size - PREFIX.size, payload_len,
+                       req)
 
 
 # An op frame in its usual form, prefix and header unpacked in one call: by its kind byte,

@@ -158,18 +158,18 @@ async def test_replayed_handshake_is_refused() -> None:
         assert header["code"] == "auth"
 
 
-@pytest.mark.parametrize("old", [1, 2, 3])
+@pytest.mark.parametrize("old", [1, 2, 3, 4])
 async def test_protocol_version_mismatch_is_explained_to_the_peer(old: int) -> None:
     """A peer of protocol v1 (whose server proved the token first), v2 (whose op frames
-    had msgpack headers) or v3 (whose handshake ended with CAPS) is told why it is refused;
-    this process speaks v4."""
-    assert _wire.PROTOCOL_VERSION == 4
+    had msgpack headers), v3 (whose handshake ended with CAPS) or v4 (whose op frames were
+    shorter) is told why it is refused; this process speaks v5."""
+    assert _wire.PROTOCOL_VERSION == 5
     async with tx.Node(transport="tcp") as owner:
         def speak_old() -> tuple[Kind, dict[str, object]]:
             with raw_socket(owner.address) as sock:
                 sock.sendall(_wire.PREFIX.pack(b"TX", old, Kind.HELLO, 0, 0))
                 prefix = sock.recv(_wire.PREFIX.size, socket.MSG_WAITALL)
-                assert _wire.PREFIX.unpack(prefix)[1] == 4  # the refusal is a v4 frame
+                assert _wire.PREFIX.unpack(prefix)[1] == 5  # the refusal is a v5 frame
                 kind, hlen, _ = _wire.PREFIX.unpack(prefix)[2], _wire.PREFIX.unpack(prefix)[3], 0
                 header = _wire.decode_header(Kind(kind), sock.recv(hlen, socket.MSG_WAITALL))
                 return Kind(kind), header
@@ -177,7 +177,7 @@ async def test_protocol_version_mismatch_is_explained_to_the_peer(old: int) -> N
         kind, header = await asyncio.to_thread(speak_old)
         assert kind is Kind.ERROR
         assert header["code"] == "protocol"
-        assert f"v{old}" in str(header["msg"]) and "v4" in str(header["msg"])
+        assert f"v{old}" in str(header["msg"]) and "v5" in str(header["msg"])
         async with tx.Node(listen=None, transport="tcp") as node:  # still serving
             await node.connect(owner.address)
 

@@ -63,20 +63,25 @@ def test_a_header_that_does_not_fit_its_layout_is_not_sent(header: dict[str, obj
         _wire.encode(Kind.WRITE, header, 5)
 
 
+# an op frame's prefix and fixed header fill 64 bytes: each fixed header is 48 (zero padded)
+OP = _wire.OP_FRAME - _wire.PREFIX.size
+
+
 def _write_header(flags: int, tail: bytes = b"") -> bytes:
-    return struct.pack("!QQQQB", 1, 2, 3, 4, flags) + tail
+    return struct.pack(f"!QQQQB{OP - 33}x", 1, 2, 3, 4, flags) + tail
 
 
 @pytest.mark.parametrize(("kind", "raw", "match"), [
-    (Kind.WRITE, _write_header(1)[:-1], "32 B, not 33"),             # one byte short
-    (Kind.WRITE, _write_header(1, b"x"), "34 B, not 33"),            # a tail without its flag
+    (Kind.WRITE, _write_header(1)[:-1], f"{OP - 1} B, not {OP}"),   # one byte short
+    (Kind.WRITE, _write_header(1, b"x"), f"{OP + 1} B, not {OP}"),  # a tail without its flag
     (Kind.WRITE, _write_header(4), "unknown flags 0x04"),            # a flag nobody knows
     (Kind.WRITE, _write_header(0x81), "unknown flags 0x81"),
     (Kind.WRITE, _write_header(2, b"early"), "before its last"),     # a note on a frame before
-    (Kind.WRITE_ACK, b"\0" * 9, "9 B, not 8"),
-    (Kind.READ_DATA, b"", "0 B, not 8"),
-    (Kind.READ, b"\0" * 39, "39 B, not 40"),
-    (Kind.READ, b"\0" * 41, "41 B, not 40"),
+    (Kind.WRITE_ACK, b"\0" * (OP + 1), f"{OP + 1} B, not {OP}"),
+    (Kind.READ_DATA, b"", f"0 B, not {OP}"),
+    (Kind.READ, b"\0" * (OP - 1), f"{OP - 1} B, not {OP}"),
+    (Kind.READ, b"\0" * (OP + 1), f"{OP + 1} B, not {OP}"),
+    (Kind.READ, b"\0" * 40, f"40 B, not {OP}"),                      # protocol v4's READ
 ])
 def test_op_headers_of_the_wrong_form_are_protocol_errors(kind: Kind, raw: bytes,
                                                           match: str) -> None:
@@ -127,12 +132,14 @@ V = _wire.PROTOCOL_VERSION
 @pytest.mark.parametrize(("raw", "match"), [
     (_wire.write_frame(1, 2, 3, 4, 5, True, b"note"), None),          # a notification
     (_wire.write_frame(1, 2, 3, 4, 5, True, b""), None),
-    (struct.pack("!2sBBIQQQQQB", b"TX", V, Kind.WRITE, 33, 5, 1, 2, 3, 4, 4), "flags"),
-    (struct.pack("!2sBBIQQQQQB", b"TX", V - 1, Kind.WRITE, 33, 5, 1, 2, 3, 4, 1), f"v{V - 1}"),
-    (struct.pack("!2sBBIQQ", b"TY", V, Kind.WRITE_ACK, 8, 0, 1), "magic"),
-    (struct.pack("!2sBBIQQ", b"TX", V, Kind.WRITE_ACK, 8, 1, 1), "exceeds"),  # a payload
-    (struct.pack("!2sBBIQQ", b"TX", V, Kind.READ_DATA, 8, 2**40 + 1, 1), "exceeds"),
-    (struct.pack("!2sBBIQQQ", b"TX", V, Kind.READ_DATA, 16, 0, 1, 2), "16 B, not 8"),
+    (struct.pack(f"!2sBBIQQQQQB{OP - 33}x", b"TX", V, Kind.WRITE, OP, 5, 1, 2, 3, 4, 4), "flags"),
+    (struct.pack(f"!2sBBIQQQQQB{OP - 33}x", b"TX", V - 1, Kind.WRITE, OP, 5, 1, 2, 3, 4, 1),
+     f"v{V - 1}"),
+    (struct.pack("!2sBBIQQQQQB", b"TX", V, Kind.WRITE, 33, 5, 1, 2, 3, 4, 1), f"33 B, not {OP}"),
+    (struct.pack(f"!2sBBIQQ{OP - 8}x", b"TY", V, Kind.WRITE_ACK, OP, 0, 1), "magic"),
+    (struct.pack(f"!2sBBIQQ{OP - 8}x", b"TX", V, Kind.WRITE_ACK, OP, 1, 1), "exceeds"),  # a payload
+    (struct.pack(f"!2sBBIQQ{OP - 8}x", b"TX", V, Kind.READ_DATA, OP, 2**40 + 1, 1), "exceeds"),
+    (struct.pack("!2sBBIQQQ", b"TX", V, Kind.READ_DATA, 16, 0, 1, 2), f"16 B, not {OP}"),
 ])
 def test_an_op_frame_in_any_other_form_is_left_to_the_general_reading(
         raw: bytes, match: str | None) -> None:
