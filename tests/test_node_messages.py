@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 import tensorx as tx
@@ -160,3 +161,50 @@ async def test_a_failing_handler_aborts_its_endpoint_and_the_node_serves_on(
         second = await client.connect(server.address)
         assert await second.messages.get(timeout=10) == b"served"
     assert "a bug in the first session" in caplog.text
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+async def test_writes_with_notifications_into_a_full_stream_keep_their_order_and_data(
+        transport: str) -> None:
+    """Writes that carry a notification land in the socket's readiness callback; once the
+    peer's stream is full, the notification waits (the connection stops reading), and
+    everything after it comes after it: each notification arrives after its data, in the
+    order sent, none lost, while the stream overflows its bound several times."""
+    count = 3 * 256 + 5  # the stream holds 256
+    region = tx.MemoryRegion.allocate(count)
+    region.view(np.uint8)[:] = 0
+    gate = asyncio.Event()
+    seen: list[bytes] = []
+
+    async def slow_reader(ep: tx.Endpoint) -> None:
+        await gate.wait()
+        async for payload in ep.messages:
+            if payload.startswith(b"w"):  # its data must be there already
+                i = int(payload[1:])
+                assert region.view(np.uint8)[i] == i % 251 + 1, f"write {i} not landed"
+            seen.append(payload)
+            if len(seen) == 2 * count:
+                return
+
+    async with tx.Node(transport=transport, handler=slow_reader) as server, \
+            tx.Node(listen=None, transport=transport) as client:
+        server.export(region, name="cells")
+        ep = await client.connect(server.address)
+        desc = await ep.lookup("cells")
+        one = tx.MemoryRegion.allocate(1)
+
+        async def send() -> None:
+            for i in range(count):
+                one.view(np.uint8)[0] = i % 251 + 1
+                await ep.write(one, desc, remote_offset=i, notify=b"w%d" % i)
+                await ep.notify(b"n%d" % i)
+
+        sender = asyncio.create_task(send())
+        await asyncio.sleep(0.5)  # the stream fills (over TCP the sender is held back)
+        gate.set()
+        await asyncio.wait_for(sender, 60)
+        for _ in range(600):
+            if len(seen) == 2 * count:
+                break
+            await asyncio.sleep(0.05)
+    assert seen == [m for i in range(count) for m in (b"w%d" % i, b"n%d" % i)]

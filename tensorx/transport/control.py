@@ -169,7 +169,7 @@ class ControlChannel:
             Kind.ERROR: req.on_error, Kind.ANSWER: req.on_answer,
             Kind.REVOKE: self._on_revoke, Kind.REVOKE_ACK: self._on_revoke_ack}
         # what the readiness callback serves: one lookup per frame (False: it has to wait)
-        self._now = {**self._plain, Kind.BYE: self._on_bye, Kind.WRITE: owner.write_now,
+        self._now = {**self._plain, Kind.BYE: self._on_bye, Kind.WRITE: self._write_now,
                      Kind.READ_DATA: req.read_data_now, Kind.NOTIFY: self._notify_now}
         self._later = {Kind.WRITE: self._on_write, Kind.READ_DATA: req.on_read_data,
                        Kind.NOTIFY: self._on_notify}
@@ -291,11 +291,16 @@ class ControlChannel:
                 self.stats["frames_in"] += 1
                 self.stats["bytes_in"] += payload_len
                 if not self._serve_now(kind, header, payload_len):
-                    self._pause()
-                    self._serving = self._loop.create_task(
-                        self._serve_later(kind, header, payload_len), name=f"tx-read {self.label}")
+                    self._hold(self._serve_waiting(kind, header, payload_len))
         except Exception as exc:
             self._read_failed(exc)
+
+    def _hold(self, first: Awaitable[None]) -> None:
+        """Stop reading; a task awaits ``first`` (what has to wait), then serves what came
+        after it (:meth:`_serve_later`)."""
+        self._pause()
+        self._serving = self._loop.create_task(self._serve_later(first),
+                                               name=f"tx-read {self.label}")
 
     def _serve_now(self, kind: Kind, header: Header, payload_len: int) -> bool:
         now = self._now.get(kind)
@@ -306,15 +311,15 @@ class ControlChannel:
     def _on_bye(self, h: Header, payload_len: int) -> None:
         self._fail(BrokenError(f"{self.label}: peer closed the endpoint"), True)
 
-    async def _serve_later(self, kind: Kind, header: Header, payload_len: int) -> None:
-        """Serve a frame that has to wait, then what is already here after it, as a reader
-        task would (no loop turn between frames: a peer flooding notifications fills our
-        queue at once and is held back by it); back to the callback once drained."""
+    async def _serve_later(self, first: Awaitable[None]) -> None:
+        """Serve what has to wait (``first``: a frame, or a notification for a full queue),
+        then what is already here after it, as a reader task would (no loop turn between
+        frames: a peer flooding notifications fills our queue at once and is held back by
+        it); back to the callback once drained."""
         try:
-            frame: tuple[Kind, Header, int] | None = (kind, header, payload_len)
-            while frame is not None:
+            await first
+            while (frame := self._next_waiting()) is not None:
                 await self._serve_waiting(*frame)
-                frame = self._next_waiting()
         except Exception as exc:
             self._read_failed(exc)
             return
@@ -382,6 +387,22 @@ class ControlChannel:
         return self._stage_in.buffers, self.out.staging_buffers
 
     # -- frames served here ---------------------------------------------------------------
+    def _write_now(self, h: tuple[Any, ...], payload_len: int) -> bool:
+        """A WRITE whose payload is all here lands right in the readiness callback, the
+        notification it carries too (delivered after the data, as :meth:`_on_write` does;
+        a full queue's wait is a task's, with the reader stopped till it is done)."""
+        assert self._owner is not None
+        assert self._events is not None
+        imm = h[5]
+        if payload_len > self.reader.buffered or (imm is not None and self._serving is not None):
+            return False  # (in the serving task, :meth:`_on_write` delivers it in order)
+        acked = self._owner.land_now(h, payload_len)
+        if acked is None:  # it has to wait (GPU memory)
+            return False
+        if acked and imm is not None and not self._events.deliver_now(imm):
+            self._hold(self._events.deliver(imm))
+        return True
+
     async def _on_write(self, h: tuple[Any, ...], payload_len: int) -> None:
         assert self._owner is not None
         assert self._events is not None

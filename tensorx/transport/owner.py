@@ -47,9 +47,9 @@ class Wire(Protocol):
 class OwnerService:
     """Serves the peer's requests that arrive on one control channel against ``exports``.
 
-    The channel hands each request frame here: the ``*_now`` handlers run in the socket's
-    readiness callback and return False when the frame has to wait (its payload is not all
-    buffered, GPU memory), the ``on_*`` ones run in the channel's task. Payloads are read
+    The channel hands each request frame here: :meth:`land_now` and the plain handlers run
+    in the socket's readiness callback (``land_now`` says when the frame has to wait: GPU
+    memory), the ``on_*`` ones run in the channel's task. Payloads are read
     from ``wire`` (its ``reader`` and ``land``), replies go out with its ``out.post``;
     ``answer(what, name, start)`` answers a QUERY (``Endpoint.lookup`` on the peer's side
     names an export; ``Endpoint.query`` asks for every page, each from item ``start``).
@@ -78,23 +78,23 @@ class OwnerService:
 
     # The op frames' headers are rows (tensorx._wire.PACKED): a WRITE's is
     # (req, rid, ck, off, last, imm), a READ's (req, rid, ck, off, n).
-    def write_now(self, h: tuple[Any, ...], payload_len: int) -> bool:
-        """A WRITE whose payload is buffered and has host memory to land in."""
-        req, rid, ck, off, last, imm = h
-        if payload_len > self._reader.buffered or imm is not None:
-            return False
+    def land_now(self, h: tuple[Any, ...], payload_len: int) -> bool | None:
+        """Land a WRITE frame whose payload is buffered: whether the write was acknowledged
+        (False: not its last frame, or refused, now or at an earlier frame: then its
+        notification is dropped); None, with nothing done, where it has to wait (GPU
+        memory, staged)."""
+        req, rid, ck, off, last, _ = h
         try:
             region = self._exports.resolve(rid, ck, off, payload_len, "w")
             dest = staged_range(region, off, payload_len, self._stage_host)
         except TensorxError as exc:
             self._reader.skip(payload_len)
             self._refuse_write(req, last, exc)
-            return True
-        if isinstance(dest, StagedRange):
             return False
+        if isinstance(dest, StagedRange):
+            return None
         self._reader.take_into(dest)
-        self._written(req, last)
-        return True
+        return self._written(req, last)
 
     async def on_write(self, h: tuple[Any, ...], payload_len: int) -> bytes | None:
         """Land a WRITE frame; the notification it carries once the whole write has landed
