@@ -210,13 +210,6 @@ def descriptor_of(msg: dict[str, Any], who: str) -> RegionDescriptor:
         raise ProtocolError(f"{who} sent a malformed ring descriptor: {exc}") from None
 
 
-def new_loop() -> asyncio.AbstractEventLoop:
-    """The stage's own loop: asyncio's. (Not uvloop, whose loops refuse to start
-    subprocesses from two threads at once: stages in one process each have a loop, and
-    UCX's address probe starts one.)"""
-    return asyncio.new_event_loop()
-
-
 def retrieved_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
     """A future on ``loop`` whose exception counts as retrieved: a wait that timed out
     leaves it behind, and a failure later sets one on it."""

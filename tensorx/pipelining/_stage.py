@@ -22,10 +22,7 @@ Per boundary (a pair of stages, the lower one the sender of activations):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import threading
-import time
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -34,14 +31,7 @@ from torch import nn
 
 from tensorx._deadline import Deadline, wait_for
 from tensorx.endpoint import Endpoint
-from tensorx.errors import (
-    BrokenError,
-    ClosedError,
-    ProtocolError,
-    TensorxError,
-    TimeoutError,
-    UsageError,
-)
+from tensorx.errors import BrokenError, ClosedError, ProtocolError, TensorxError, UsageError
 from tensorx.memregion import RegionDescriptor
 from tensorx.pipelining._boundary import (
     STAGING,
@@ -51,28 +41,20 @@ from tensorx.pipelining._boundary import (
     StagePlan,
     descriptor_of,
     either,
-    expire,
     meta_of,
-    new_loop,
-    retrieved_future,
 )
+from tensorx.pipelining._loopthread import LoopThread
 from tensorx.pipelining._meeting import Meeting
 from tensorx.pipelining._planning import accepted, capacities, check_fits, offered, slot_counts
-from tensorx.pipelining._protocol import (
-    TensorMeta,
-    encode,
-    integer,
-    shapes_from,
-    text,
-)
-from tensorx.pipelining._rings import Layout, Ring, nbytes_of
+from tensorx.pipelining._protocol import TensorMeta, encode, integer, text
+from tensorx.pipelining._rings import Layout, Ring
+from tensorx.pipelining._transfers import Transfers
 
 __all__ = ["PipelineStage", "StagePlan"]
 
 logger = logging.getLogger("tensorx.pipelining")
 
 T = TypeVar("T")
-INLINE_BYTES = 1 << 20  # a transfer up to this size is sent before the step goes on
 
 
 class PipelineStage:
@@ -169,48 +151,29 @@ class PipelineStage:
         self._edges: dict[tuple[int, int], Edge] = {}
         self._stats = {"transfers_sent": 0, "transfers_received": 0, "bytes_sent": 0,
                        "bytes_received": 0, "wait_s": 0.0, "credit_wait_s": 0.0, "steps": 0}
-        self._loop = new_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name=f"tensorx-pp-stage{stage_index}")
-        self._thread.start()
+        self._runner = LoopThread(f"tensorx-pp-stage{stage_index}", f"stage {stage_index}")
+        self._loop = self._runner.loop
+        events = _Events(self)
         self._meeting = Meeting(stage_index, num_stages, self._routes, self.timeout,
-                                _Events(self), self._loop, peers, store)
+                                events, self._loop, peers, store)
+        self._transfers = Transfers(stage_index, self._loop, self._meeting, self._stats,
+                                    self.timeout, events)
         try:
             self.node = self._call(self._meeting.start(listen, transport, require, token))
             self._meeting.publish()
         except BaseException:
-            self._stop_loop()
+            self._runner.stop()
             raise
         for src, dst in self._routes.pairs(stage_index):
             self._edges[(src, dst)] = self._call(self._make_edge(src, dst))
 
     # -- the loop thread ------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed or not self._thread.is_alive():
+        if self._closed or not self._runner.alive:
             raise ClosedError(f"stage {self.stage_index} is closed")
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        if not self._thread.is_alive():
-            coro.close()
-            self._check_open()
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout)
-        except TensorxError:  # (our TimeoutError is a builtins.TimeoutError too)
-            raise
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"stage {self.stage_index}: a call into its loop took over "
-                               f"{timeout} s") from None
-
-    async def _bounded(self, fut: asyncio.Future[Any]) -> Any:
-        """``await fut`` for at most the stage's timeout (then asyncio.TimeoutError); a
-        failure of the stage sets its exception on ``fut`` too."""
-        handle = self._loop.call_later(self.timeout, expire, fut)
-        try:
-            return await fut
-        finally:
-            handle.cancel()
+        return self._runner.call(coro, timeout)
 
     async def _make_edge(self, src: int, dst: int) -> Edge:
         return Edge(src, dst, self.stage_index)
@@ -253,7 +216,7 @@ class PipelineStage:
             if "c" in msg:
                 edge.credited(integer(msg, "c", who), who)
             edge.arrived = max(edge.arrived, n + 1)
-            self._maybe_flush(edge)
+            self._transfers.maybe_flush(edge)
             waiter = edge.waiting.pop(n, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
@@ -364,7 +327,7 @@ class PipelineStage:
         try:
             await wait_for(either(edge.planned.wait(), self._failed_event()), deadline.left())
         except asyncio.TimeoutError:
-            raise self._timeout(edge.peer, what, edge) from None
+            raise self._transfers.timed_out(edge.peer, what, edge) from None
         self._check_failed()
 
     def _failed_event(self) -> Coroutine[Any, Any, bool]:
@@ -373,139 +336,6 @@ class PipelineStage:
             if self._failure is not None:
                 self._failed.set()
         return self._failed.wait()
-
-    def _timeout(self, peer: int, what: str, edge: Edge, mb: str = "") -> TimeoutError:
-        return TimeoutError(f"stage {self.stage_index} waited {self.timeout:g} s for stage "
-                            f"{peer} {what}{mb} ({edge.name}); is stage {peer} running and "
-                            "at the same step?")
-
-    # -- transfers ---------------------------------------------------------------------------
-    async def _await_message(self, edge: Edge, n: int, what: str, mb: str) -> dict[str, Any]:
-        self._check_failed()
-        if n in edge.inbox:
-            return edge.inbox.pop(n)
-        waiter = edge.waiting.setdefault(n, retrieved_future(self._loop))
-        try:
-            return await self._bounded(waiter)  # type: ignore[no-any-return]
-        except asyncio.TimeoutError:
-            edge.waiting.pop(n, None)
-            raise self._timeout(edge.peer, what, edge, mb) from None
-
-    async def _receive(self, edge: Edge, n: int, mb: str) -> list[torch.Tensor]:
-        """Receiver: transfer ``n``'s activations, in place in their slot."""
-        deadline = Deadline(self.timeout)
-        if not edge.planned.is_set():
-            await self._meeting.link(edge.src, deadline, f"to send {edge.name}")
-            await self._planned(edge, deadline, "to offer its tensors")
-        started = time.perf_counter()
-        msg = await self._await_message(edge, n, "to send its activations", mb)
-        self._stats["wait_s"] += time.perf_counter() - started
-        assert edge.layout is not None
-        assert edge.mine is not None
-        who = f"stage {edge.src}"
-        shapes = shapes_from(msg.get("shapes"), edge.layout.capacity, who, "F")
-        edge.expect = max(edge.expect, n + 1)
-        moved = sum(nbytes_of(m.dtype, s) for m, s in zip(edge.layout.metas, shapes,
-                                                          strict=True))
-        edge.bytes += moved
-        self._stats["bytes_received"] += moved
-        self._stats["transfers_received"] += 1
-        return edge.mine.views(n, shapes)
-
-    async def _receive_grads(self, edge: Edge, n: int, mb: str) -> list[torch.Tensor | None]:
-        """Sender of activations: the gradients of transfer ``n``, in place."""
-        started = time.perf_counter()
-        msg = await self._await_message(edge, n, "to send the gradients", mb)
-        self._stats["wait_s"] += time.perf_counter() - started
-        assert edge.layout is not None
-        who = f"stage {edge.dst}"
-        has = msg.get("has")
-        if not isinstance(has, list) or len(has) != len(edge.layout.metas) or any(
-                not isinstance(h, bool) for h in has):
-            raise ProtocolError(f"{who} sent 'B' with a malformed gradient list")
-        shapes = edge.shapes.pop(n)
-        edge.expect = max(edge.expect, n + 1)
-        if any(has) and edge.mine is None:
-            raise ProtocolError(f"{who} sent gradients on {edge.name}, which has none")
-        views = edge.mine.views(n, shapes) if edge.mine is not None else [None] * len(has)
-        return [v if h else None for v, h in zip(views, has, strict=True)]
-
-    async def _send(self, edge: Edge, kind: str, n: int, ops: list[tuple[int, int]],
-                    header: dict[str, Any]) -> None:
-        """Write transfer ``n`` from the staging slot into the peer's ring, then mark it."""
-        try:
-            started = time.perf_counter()
-            slots = edge.slots if kind == "F" else edge.grad_slots
-            need = n + 1 - slots
-            if edge.credits < need:
-                fut = retrieved_future(self._loop)
-                edge.credit_waits.append((need, fut))
-                try:
-                    await self._bounded(fut)
-                except asyncio.TimeoutError:
-                    raise self._timeout(edge.peer, "to hand back a slot", edge,
-                                        f" (transfer {n})") from None
-            self._stats["credit_wait_s"] += time.perf_counter() - started
-            ep = self._meeting.links.get(edge.peer)
-            if ep is None:
-                self._check_failed()
-                raise BrokenError(f"stage {edge.peer} is not connected")
-            payload = encode(kind, n=n, **header)
-            if any(nb for _, nb in ops):
-                assert edge.staging is not None
-                assert edge.theirs is not None
-                assert edge.layout is not None
-                base = edge.staging.base(n)
-                remote = (n % slots) * edge.layout.slot_bytes
-                writes = [(edge.staging.region, edge.theirs, off, remote + off - base, nb)
-                          for off, nb in ops if nb]
-                await ep.write_many(writes, notify=payload)
-            else:
-                await ep.notify(payload)
-            moved = sum(nb for _, nb in ops)
-            edge.bytes += moved
-            self._stats["bytes_sent"] += moved
-            self._stats["transfers_sent"] += 1
-        except (BrokenError, ClosedError) as exc:
-            if self._failure is not None:  # (what failed first is what every stage hears)
-                raise type(self._failure)(str(self._failure)) from None
-            where = self._meeting.lanes.get(edge.peer, {}).get("address", "?")
-            lost = BrokenError(f"stage {edge.peer} at {where} is gone ({exc}); stage "
-                               f"{self.stage_index} stops: restart every stage")
-            self._set_failure(lost, edge.peer, f"it is gone ({exc})")
-            raise lost from None
-        except TensorxError as exc:
-            self._set_failure(exc)
-            raise
-
-    def _hand_back(self, edge: Edge, n: int) -> None:
-        """We are done with transfer ``n``: its slot goes back to the peer with the next
-        message we send it on this boundary (``c``), or on its own once the peer's next
-        transfer needs it."""
-        edge.hand_back(n)
-        self._maybe_flush(edge)
-
-    def _maybe_flush(self, edge: Edge) -> None:
-        if edge.flush_needed():
-            edge.flush_due = True
-            self._loop.call_soon(self._flush_credit, edge)
-
-    def _flush_credit(self, edge: Edge) -> None:
-        edge.flush_due = False
-        credit = edge.credit_due()
-        ep = self._meeting.links.get(edge.peer)
-        if credit is None or ep is None:
-            return
-        kind = "BR" if edge.sending else "FR"
-        self._issue(self._notify_credit(ep, edge, encode(kind, n=credit)))
-
-    async def _notify_credit(self, ep: Endpoint, edge: Edge, payload: bytes) -> None:
-        try:
-            await ep.notify(payload, timeout=self.timeout)
-        except TensorxError as exc:
-            if edge.peer not in self._meeting.gone:
-                logger.debug("stage %d: handing back a slot to stage %d failed: %s",
-                             self.stage_index, edge.peer, exc)
 
     # -- what a schedule runs (a step is a coroutine on the stage's loop) ------------------
     async def _prepare(self) -> None:
@@ -524,7 +354,12 @@ class PipelineStage:
         for edge in self._incoming():
             n = edge.taken
             edge.taken += 1
-            tensors = await self._receive(edge, n, f" for micro-batch {mb} of step {step}")
+            if not edge.planned.is_set():
+                deadline = Deadline(self.timeout)
+                await self._meeting.link(edge.src, deadline, f"to send {edge.name}")
+                await self._planned(edge, deadline, "to offer its tensors")
+            tensors = await self._transfers.receive(edge, n,
+                                                    f" for micro-batch {mb} of step {step}")
             assert edge.layout is not None
             positions = self._routes.inputs_from(edge.src, len(tensors))
             width = max(positions, default=-1) + 1
@@ -558,7 +393,7 @@ class PipelineStage:
             check_fits(edge, tensors, mb, self.stage_index)
             n = edge.sent
             edge.sent += 1
-            await self._staging_free(edge, n)
+            await self._transfers.staging_free(edge, n)
             ops = edge.staging.fill(n, tensors)  # (CUDA: write_many waits for the copy)
             if train:
                 edge.shapes[n] = [tuple(t.shape) for t in tensors]
@@ -566,31 +401,9 @@ class PipelineStage:
             credit = edge.credit_due()
             if credit is not None:
                 header["c"] = credit
-            await self._dispatch(edge, "F", n, ops, header)
+            await self._transfers.dispatch(edge, "F", n, ops, header)
             sent.append((edge, n))
         return sent
-
-    async def _dispatch(self, edge: Edge, kind: str, n: int, ops: list[tuple[int, int]],
-                        header: dict[str, Any]) -> None:
-        """Send transfer ``n``: a small one at once (the copy is this core's work either
-        way, and a task per send costs more than it saves), a large one as a task that
-        the next micro-batch's compute overlaps."""
-        if sum(nb for _, nb in ops) <= INLINE_BYTES:
-            await self._send(edge, kind, n, ops, header)
-            return
-        edge.pending[n % STAGING] = self._issue(self._send(edge, kind, n, ops, header))
-        await asyncio.sleep(0)  # it starts before the next micro-batch computes
-
-    def _issue(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = self._loop.create_task(coro)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return task
-
-    async def _staging_free(self, edge: Edge, n: int) -> None:
-        prior = edge.pending[n % STAGING]
-        if prior is not None:
-            edge.pending[n % STAGING] = None
-            await prior
 
     async def _send_grads(self, mb: int, received: Sequence[tuple[Edge, int]],
                           inputs: Sequence[Any]) -> None:
@@ -602,17 +415,17 @@ class PipelineStage:
                 x = inputs[pos]
                 g = x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
                 grads.append(g)
-            await self._staging_free(edge, n)
+            await self._transfers.staging_free(edge, n)
             ops: list[tuple[int, int]] = []
             if edge.staging is not None:
                 ops = edge.staging.fill(n, grads)
-            self._hand_back(edge, n)  # (its credit goes with the gradients)
+            self._transfers.hand_back(edge, n)  # (its credit goes with the gradients)
             header: dict[str, Any] = {"has": [g is not None for g in grads], "mb": mb}
             credit = edge.credit_due()
             if credit is not None:
                 header["c"] = credit
             edge.sent = max(edge.sent, n + 1)
-            await self._dispatch(edge, "B", n, ops, header)
+            await self._transfers.dispatch(edge, "B", n, ops, header)
 
     async def _grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[Edge, int]],
                                 outputs: Sequence[torch.Tensor]
@@ -620,7 +433,8 @@ class PipelineStage:
         grads: list[torch.Tensor | None] = [None] * len(outputs)
         got = []
         for edge, n in sent:
-            views = await self._receive_grads(edge, n, f" for micro-batch {mb} of step {step}")
+            views = await self._transfers.receive_grads(edge, n,
+                                                        f" for micro-batch {mb} of step {step}")
             for i, g in zip(self._routes.outputs_to(edge.dst, len(outputs)), views,
                             strict=True):
                 if g is not None:
@@ -631,15 +445,11 @@ class PipelineStage:
 
     def _release(self, transfers: Sequence[tuple[Edge, int]]) -> None:
         for edge, n in transfers:
-            self._hand_back(edge, n)
+            self._transfers.hand_back(edge, n)
 
     async def _flush(self) -> None:
         """Every send of this step has landed (or raised)."""
-        for edge in self._edges.values():
-            for i, task in enumerate(edge.pending):
-                if task is not None:
-                    edge.pending[i] = None
-                    await task
+        await self._transfers.flush(self._edges.values())
 
     async def _fail(self, exc: BaseException) -> None:
         """A step failed here: tell every other stage, once."""
@@ -678,25 +488,18 @@ class PipelineStage:
             return
         self._closed = True
         self._meeting.closing = True  # a link that ends from now on is no failure
-        if self._thread.is_alive():
+        if self._runner.alive:
             try:
                 self._call(self._aclose(), timeout=10.0)
             except TensorxError as exc:
                 logger.debug("stage %d: closing: %s", self.stage_index, exc)
-        self._stop_loop()
+        self._runner.stop()
 
     async def _aclose(self) -> None:
         await self._meeting.aclose()
         for edge in self._edges.values():
             edge.fail(ClosedError(f"stage {self.stage_index} is closed"))
             edge.close()
-
-    def _stop_loop(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10.0)
-        if not self._thread.is_alive() and not self._loop.is_closed():
-            self._loop.close()
 
     def __enter__(self) -> PipelineStage:
         return self
@@ -716,7 +519,7 @@ class PipelineStage:
 
 
 class _Events:
-    """What a stage's :class:`Meeting` tells it."""
+    """What a stage's :class:`Meeting` and :class:`Transfers` tell it."""
 
     def __init__(self, stage: PipelineStage) -> None:
         self._stage = stage
@@ -727,11 +530,15 @@ class _Events:
     def lost(self, stage: int, address: str, how: str) -> None:
         self._stage._lost(stage, address, how)
 
-    def failed(self, exc: BaseException) -> None:
-        self._stage._set_failure(exc)
+    def failed(self, exc: BaseException, origin: int | None = None,
+               why: str | None = None) -> None:
+        self._stage._set_failure(exc, origin, why)
 
     def check_failed(self) -> None:
         self._stage._check_failed()
+
+    def failure(self) -> BaseException | None:
+        return self._stage._failure
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
