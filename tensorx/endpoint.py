@@ -21,16 +21,8 @@ from tensorx import _cuda, _rows
 from tensorx._counters import OpStats
 from tensorx._deadline import Deadline, wait_for
 from tensorx._exports import check_bounds
-from tensorx._opcheck import (
-    check_local,
-    check_payload,
-    descriptor,
-    foreign,
-    get_again,
-    is_cuda,
-    named,
-    spec,
-)
+from tensorx._opcheck import check_local, check_payload, descriptor, is_cuda, spec
+from tensorx._peerexports import PeerExports
 from tensorx._queues import MessageStream
 from tensorx._redial import redial
 from tensorx._text import printable
@@ -39,7 +31,6 @@ from tensorx.errors import (
     ClosedError,
     ProtocolError,
     RegionError,
-    TensorxError,
     TimeoutError,
 )
 from tensorx.memregion import MemoryRegion, RegionDescriptor, check_name
@@ -117,10 +108,7 @@ class Endpoint:
         self._reconnect = reconnect
         self._rejoin: asyncio.Task[None] | None = None  # reconnecting now
         self._gone: BrokenError | None = None  # could not reconnect: why
-        # Exports the owner revoked, as (region id, cookie): an export of the region made
-        # since has a cookie of its own and is usable.
-        self._revoked: set[tuple[int, int]] = set()
-        self._acks: set[asyncio.Task[None]] = set()
+        self._exports = PeerExports(address, events)  # what we know of the peer's exports
         self._issuing: set[asyncio.Future[None]] = set()
         self._closed = False
         self.stats = OpStats()
@@ -137,11 +125,9 @@ class Endpoint:
         # CMA). Symmetric by construction: each owner then holds closed regions until the
         # peer acknowledges, and each peer acknowledges (after its ops on them finished).
         self.bypassed = conn.lane.bypasses_owner or conn.bypassed
-        # descriptors the owner confirmed on this connection: (region id, cookie) ->
-        # (nbytes, access)
-        self._validated: dict[tuple[int, int], tuple[int, str]] = {}
+        self._exports.use(conn.peer, conn.lane, conn.channel, self.bypassed)
         conn.channel.start(conn.owner, ChannelEvents(
-            deliver=self._deliver, revoked=self._revoke,
+            deliver=self._deliver, revoked=self._exports.revoke,
             ended=lambda exc: self._ended(conn, exc),
             revoke_acked=lambda rid, cookie: self._events.revoke_acked(self, rid, cookie),
             deliver_now=self._deliver_now))
@@ -448,7 +434,7 @@ class Endpoint:
         self._check_usable()
         desc = descriptor(remote)
         check_local(region, offset, nbytes, need)
-        limits = self._remote_limits_now(desc)
+        limits = self._exports.limits_now(desc)
         if limits is None:
             return None
         return self._checked(region, desc, offset, remote_offset, nbytes, need, *limits)
@@ -459,7 +445,7 @@ class Endpoint:
         self._check_usable()
         desc = descriptor(remote)
         check_local(region, offset, nbytes, need)
-        size, access = await self._remote_limits(desc, timeout)
+        size, access = await self._exports.limits(desc, timeout)
         return self._checked(region, desc, offset, remote_offset, nbytes, need, size, access)
 
     def _checked(self, region: MemoryRegion, desc: RegionDescriptor, offset: int,
@@ -473,62 +459,6 @@ class Endpoint:
                               f"and cannot be {verb}")
         check_bounds(size, remote_offset, nbytes)
         return Op(region, desc, offset, remote_offset, nbytes)
-
-    def _revoke(self, region_id: int, cookie: int) -> None:
-        """The owner closed or unexported an export of a region: refuse its descriptor
-        from now on. Over a lane that bypasses the owner, the owner keeps the memory until
-        we acknowledge, which we do once every op issued before (on any region) has
-        completed."""
-        self._revoked.add((region_id, cookie))
-        self._validated.pop((region_id, cookie), None)
-        if self.bypassed:
-            task = asyncio.get_running_loop().create_task(self._ack_revoke(region_id, cookie))
-            self._acks.add(task)
-            task.add_done_callback(self._acks.discard)
-
-    async def _ack_revoke(self, region_id: int, cookie: int) -> None:
-        try:
-            await self._lane.flush(timeout=self._events.timeout)
-        except TensorxError as exc:  # a broken or closed lane has nothing in flight either
-            logger.debug("flush before acknowledging a revocation: %s", exc)
-        if not self._channel.broken:
-            self._channel.revoke_ack(region_id, cookie)
-
-    def _check_not_revoked(self, desc: RegionDescriptor) -> None:
-        if (desc.region_id, desc.cookie) in self._revoked:
-            raise RegionError(f"region {named(desc)} was closed or unexported by its owner, "
-                              "or exported again under a new descriptor: "
-                              + get_again(desc))
-
-    def _remote_limits_now(self, desc: RegionDescriptor) -> tuple[int, str] | None:
-        """Size and rights of the remote region if known without asking: from the
-        descriptor for lanes that do not bypass the owner (it re-checks every TCP op),
-        else from the owner's earlier answer."""
-        if desc.owner != self.peer:
-            raise RegionError(foreign(desc, self.peer, self.address,
-                                      self._events.former_peers(self.address)))
-        self._check_not_revoked(desc)
-        if not self._lane.bypasses_owner:  # the owner checks every op itself
-            return desc.nbytes, desc.access
-        return self._validated.get((desc.region_id, desc.cookie))
-
-    async def _remote_limits(self, desc: RegionDescriptor,
-                             timeout: float | None) -> tuple[int, str]:
-        """:meth:`_remote_limits_now`, asking the owner (once) where needed, within the
-        op's budget."""
-        known = self._remote_limits_now(desc)
-        if known is not None:
-            return known
-        key = (desc.region_id, desc.cookie)
-        if key not in self._validated:
-            n, access = await self._channel.requests.validate(*key, timeout)
-            self._check_not_revoked(desc)  # revoked while we asked
-            if n != desc.nbytes or not set(desc.access) <= set(access):
-                raise RegionError(f"the descriptor of region {named(desc)} claims {desc.nbytes} B "
-                                  f"'{desc.access}', but its owner exported {n} B '{access}' "
-                                  "(altered or forged): " + get_again(desc))
-            self._validated[key] = (n, desc.access)
-        return self._validated[key]
 
     async def query(self, what: str, *, timeout: float | None = DEFAULT) -> dict[str, Any]:
         """Ask the peer node about itself: ``"exports"`` (regions, sizes, rights - never
@@ -574,8 +504,7 @@ class Endpoint:
         try:
             await self._lane.aclose()
         finally:
-            for task in list(self._acks):
-                task.cancel()
+            self._exports.cancel_acks()
             await self._channel.aclose()
             self._events.closed(self)
 
@@ -583,8 +512,7 @@ class Endpoint:
         """Close at once; ops in flight fail with ClosedError. Idempotent."""
         self._closed = True
         self._stop_rejoining()
-        for task in list(self._acks):
-            task.cancel()
+        self._exports.cancel_acks()
         self._lane.abort()
         self._channel.abort()
         self._events.closed(self)

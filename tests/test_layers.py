@@ -38,7 +38,7 @@ LAYERS: dict[str, float] = {
     "tensorx._analyzer.boundary": 2.6, "tensorx._analyzer": 2.7,
     "tensorx.graph_analyzer": 2.8,
     "tensorx.transport": 3,
-    "tensorx.endpoint": 4, "tensorx._peers": 4, "tensorx.node": 4,
+    "tensorx.endpoint": 4, "tensorx._peerexports": 4, "tensorx._peers": 4, "tensorx.node": 4,
     # exporters read nodes, shards and workers through protocols of their own
     "tensorx._prometheus": 4.5, "tensorx.metrics": 4.5,
     "tensorx._ps": 5, "tensorx.ps": 5, "tensorx.worker": 5, "tensorx.remote_optimizer": 5,
