@@ -35,6 +35,7 @@ __all__ = [
     "decode_op",
     "decode_prefix",
     "encode",
+    "notify_frame",
     "page",
     "read_frame",
     "reply_frame",
@@ -179,6 +180,11 @@ def write_frame(req: int, rid: int, ck: int, off: int, n: int, last: bool,
                        n, req, rid, ck, off, _LAST | _IMM) + imm
 
 
+def notify_frame(n: int) -> bytes:
+    """A NOTIFY frame's prefix and header (an empty map); ``n`` bytes of payload follow."""
+    return PREFIX.pack(MAGIC, PROTOCOL_VERSION, Kind.NOTIFY, 1, n) + _EMPTY_MAP
+
+
 def read_frame(req: int, rid: int, ck: int, off: int, n: int) -> bytes:
     return _READ.pack(MAGIC, PROTOCOL_VERSION, Kind.READ, _READ.size - PREFIX.size, 0,
                       req, rid, ck, off, n)
@@ -196,19 +202,21 @@ _OPS = {int(k): (k, s, s.size - PREFIX.size, slice(5, None)) for k, s in (
     (Kind.WRITE, _WRITE), (Kind.READ, _READ), (Kind.WRITE_ACK, _REPLY),
     (Kind.READ_DATA, _REPLY))}
 _NO_PAYLOAD = (Kind.READ, Kind.WRITE_ACK)
+_EMPTY_MAP = b"\x80"  # msgpack's {}: the header of every NOTIFY we send
+_NOTIFY = int(Kind.NOTIFY)
 
 
 def decode_op(data: bytes | bytearray, offset: int, available: int
-              ) -> tuple[Kind, tuple[Any, ...], int, int] | None:
-    """(kind, row, payload length, frame size without payload) of the op frame at
+              ) -> tuple[Kind, Any, int, int] | None:
+    """(kind, header, payload length, frame size without payload) of the frame at
     ``offset`` if it is one in its usual form (a WRITE without a notification, a READ, a
-    WRITE_ACK, a READ_DATA, each with a header of its fixed size) and all of its prefix and
-    header are among the ``available`` bytes (at least a prefix's); else None, and
-    :func:`decode_prefix` and :func:`decode` decide (and raise on what is wrong). The row
-    is what :func:`decode` gives."""
+    WRITE_ACK, a READ_DATA, each with a header of its fixed size; a NOTIFY with an empty
+    map) and all of its prefix and header are among the ``available`` bytes (at least a
+    prefix's); else None, and :func:`decode_prefix` and :func:`decode` decide (and raise on
+    what is wrong). The header is what :func:`decode` gives: an op frame's row, a map."""
     op = _OPS.get(data[offset + 3])
     if op is None:
-        return None
+        return _decode_notify(data, offset, available) if data[offset + 3] == _NOTIFY else None
     kind, packed, header_len, row = op
     if available < packed.size:
         return None
@@ -221,6 +229,18 @@ def decode_op(data: bytes | bytearray, offset: int, available: int
             return None
         return kind, (*values[5:9], values[9] == _LAST, None), values[4], packed.size
     return kind, values[row], values[4], packed.size
+
+
+def _decode_notify(data: bytes | bytearray, offset: int, available: int
+                   ) -> tuple[Kind, dict[str, Any], int, int] | None:
+    """:func:`decode_op` of a NOTIFY in the form we send (an empty map for its header)."""
+    if available < PREFIX.size + 1 or data[offset + PREFIX.size] != _EMPTY_MAP[0]:
+        return None
+    magic, version, _, header_len, payload_len = PREFIX.unpack_from(data, offset)
+    if magic != MAGIC or version != PROTOCOL_VERSION or header_len != 1 \
+            or payload_len > MAX_NOTIFY:
+        return None
+    return Kind.NOTIFY, {}, payload_len, PREFIX.size + 1
 
 
 def decode_prefix(data: bytes | bytearray | memoryview, offset: int = 0

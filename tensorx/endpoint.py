@@ -344,10 +344,13 @@ class Endpoint:
         deadline = Deadline(self._timeout(timeout))
         if self._rejoin is not None:
             await self._rejoined(deadline.left())
-        async with self._issuing_write():
-            checked = [await self._op(*one, "w", deadline.left()) for one in specs]
-            if produced:
-                await _cuda.wait(produced)
+        known = [] if produced else [self._op_now(*one, "w") for one in specs]
+        checked: list[Op] = [op for op in known if op is not None]
+        if len(checked) < len(specs):  # it may wait before the lane has it: notify waits too
+            async with self._issuing_write():
+                checked = [await self._op(*one, "w", deadline.left()) for one in specs]
+                if produced:
+                    await _cuda.wait(produced)
         t = deadline.left()
         carried = False
         if checked:

@@ -118,6 +118,8 @@ def _general(raw: bytes) -> tuple[Kind, object, int]:
     _wire.write_frame(1, 2, 3, 4, 5, True), _wire.write_frame(2**64 - 1, 2, 3, 4, 0, False),
     _wire.read_frame(1, 2, 3, 4, 5), _wire.reply_frame(Kind.WRITE_ACK, 7),
     _wire.reply_frame(Kind.READ_DATA, 7, 2**40),
+    _wire.notify_frame(0), _wire.notify_frame(_wire.MAX_NOTIFY),
+    _wire.encode(Kind.NOTIFY, {}, 5),
 ])
 def test_the_one_unpack_reading_of_an_op_frame_agrees_with_the_general_one(raw: bytes) -> None:
     kind, row, plen, size = _wire.decode_op(raw + b"payload", 0, len(raw) + 7)  # type: ignore[misc]
@@ -127,6 +129,12 @@ def test_the_one_unpack_reading_of_an_op_frame_agrees_with_the_general_one(raw: 
 
 
 V = _wire.PROTOCOL_VERSION
+
+
+def test_a_notify_whose_header_is_not_the_empty_map_is_left_to_the_general_reading() -> None:
+    raw = _wire.encode(Kind.NOTIFY, {"x": 1}, 5)
+    assert _wire.decode_op(raw, 0, len(raw)) is None
+    assert _general(raw)[0] is Kind.NOTIFY
 
 
 @pytest.mark.parametrize(("raw", "match"), [
@@ -140,6 +148,8 @@ V = _wire.PROTOCOL_VERSION
     (struct.pack(f"!2sBBIQQ{OP - 8}x", b"TX", V, Kind.WRITE_ACK, OP, 1, 1), "exceeds"),  # a payload
     (struct.pack(f"!2sBBIQQ{OP - 8}x", b"TX", V, Kind.READ_DATA, OP, 2**40 + 1, 1), "exceeds"),
     (struct.pack("!2sBBIQQQ", b"TX", V, Kind.READ_DATA, 16, 0, 1, 2), f"16 B, not {OP}"),
+    (struct.pack("!2sBBIQ", b"TX", V, Kind.NOTIFY, 1, _wire.MAX_NOTIFY + 1) + b"\x80", "exceeds"),
+    (struct.pack("!2sBBIQ", b"TX", V - 1, Kind.NOTIFY, 1, 0) + b"\x80", f"v{V - 1}"),
 ])
 def test_an_op_frame_in_any_other_form_is_left_to_the_general_reading(
         raw: bytes, match: str | None) -> None:
