@@ -13,7 +13,7 @@ accumulation, gradient clipping at 1.0, evaluation, and checkpoints that hold
 * the data: the Zen of Python, which ships with every Python, at character level.
 
 Each rank trains on its slice of one global batch, so two sync workers train exactly as one
-process on the whole batch (tests/test_nanogpt.py checks it, through a resume)::
+process on the whole batch (tests/e2e/test_nanogpt.py checks it, through a resume)::
 
     python examples/nanogpt.py                  # a server here + 2 worker processes
     python examples/nanogpt.py --resume         # continue from out-nanogpt/ckpt.pt

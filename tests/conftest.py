@@ -27,11 +27,11 @@ if "TENSORX_SECRET_DIR" not in os.environ:
 
 # This host has no RDMA NIC, so the suite's UCX lanes are UCX's tcp, which a node runs only
 # when told the network is trusted (it bounds nothing). Child processes inherit this; the
-# tests of the default (tests/test_ucx_safety.py) start their owners without it.
+# tests of the default (tests/transport/test_ucx_safety.py) start their owners without it.
 os.environ.setdefault("TENSORX_UCX_TCP", "1")
 # Choices measured in one test (pipelined rounds, overlap) must not steer another, nor a
 # later run of the suite: nothing is remembered across runs, but where a test says so
-# (tests/test_ps_remembered.py, with a cache folder of its own).
+# (tests/ps/test_ps_remembered.py, with a cache folder of its own).
 os.environ["TENSORX_REMEMBER"] = "0"
 
 

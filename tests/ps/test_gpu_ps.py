@@ -2,8 +2,8 @@
 arenas, slots and optimizer on the GPU equals one process training on the union batch; a
 CPU server serves a CUDA model; checkpoints move between GPU and CPU servers.
 
-Every test needs CUDA (``pytest -m gpu tests/test_gpu_ps.py``). Servers and workers share one
-event loop over real endpoints, as in tests/test_ps_train.py. The shard-level tests at the
+Every test needs CUDA (``pytest -m gpu tests/ps/test_gpu_ps.py``). Servers and workers share one
+event loop over real endpoints, as in tests/ps/test_ps_train.py. The shard-level tests at the
 end need no transport that reaches GPU memory; the end-to-end ones need one (UCX with
 cuda_copy, or the TCP lane staging GPU memory through host).
 """

@@ -1,6 +1,6 @@
 """The same-host CMA lane (process_vm_writev/readv): real owner processes, real sockets.
 
-The conformance suite also runs over it (tests/test_conformance.py, the ``cma`` param:
+The conformance suite also runs over it (tests/transport/test_conformance.py, the ``cma`` param:
 forged descriptors, peer death, ... as every lane); these are the lane's own cases: odd
 ranges through both paths (inline and the pool) carried by the lane itself, owner death
 with another owner still served, revocation while ops are in flight, loud fallback.

@@ -3,7 +3,7 @@ ops on a UCX lane whose UCX (or the peer's) cannot move GPU memory go to the TCP
 staging.
 
 The routing alone, with recording lanes: no GPU is needed to check which lane gets which op
-(the staging itself is tested in tests/test_staging.py and, on a GPU, test_gpu_tcp.py)."""
+(the staging itself is tested in tests/transport/test_staging.py and, on a GPU, test_gpu_tcp.py)."""
 
 from __future__ import annotations
 

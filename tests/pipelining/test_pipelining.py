@@ -22,7 +22,7 @@ from tests.support.lanes import HAVE_UCX
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LANES = ["tcp", "auto", *(["ucx"] if HAVE_UCX else [])]
 
 

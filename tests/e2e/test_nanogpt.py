@@ -17,7 +17,7 @@ from tensorx.remote_optimizer import RemoteOptimizer
 from tests.support.clusters import on_ranks, run_example
 from tests.support.lanes import assert_link, link_options, links
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

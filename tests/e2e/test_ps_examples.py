@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.clusters import run_example
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_train_digits_reaches_95_percent() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("atheris")
-HARNESS = Path(__file__).resolve().parent.parent / "fuzz" / "fuzz_wire.py"
+HARNESS = Path(__file__).resolve().parents[2] / "fuzz" / "fuzz_wire.py"
 
 
 def test_parsers_survive_coverage_guided_fuzzing(tmp_path: Path) -> None:

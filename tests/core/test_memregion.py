@@ -129,7 +129,7 @@ def _have_cuda() -> bool:
 
 @pytest.mark.skipif(_have_cuda(), reason="would copy from a made-up device pointer")
 async def test_tcp_endpoint_that_cannot_stage_gpu_memory_says_why() -> None:
-    """GPU memory over TCP is staged with torch (tests/test_gpu_tcp.py); where torch has
+    """GPU memory over TCP is staged with torch (tests/transport/test_gpu_tcp.py); where torch has
     no CUDA, an op on a GPU region fails clearly and touches nothing."""
     class FakeCuda:
         __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0xDEAD000, False),

@@ -1,6 +1,6 @@
 """``ParameterServer(device=...)`` and ``tensorx ps --device`` without a GPU: the default,
 validation, the same-host mapping a GPU shard cannot offer, checkpoints as CPU tensors.
-(The GPU side itself: tests/test_gpu_ps.py.)"""
+(The GPU side itself: tests/ps/test_gpu_ps.py.)"""
 
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def test_sparse_tables_are_spread_by_size() -> None:
 
 
 def test_the_plan_is_the_same_in_every_process() -> None:
-    code = ("from tests.test_graph_analyzer_balance import ResNetWithEmbedding;"
+    code = ("from tests.analyzer.test_graph_analyzer_balance import ResNetWithEmbedding;"
             "from tensorx.graph_analyzer import GraphAnalyzer;"
             "print(GraphAnalyzer(ResNetWithEmbedding(1000, 16), num_shards=3).plan()"
             ".fingerprint)")

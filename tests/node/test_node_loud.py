@@ -21,7 +21,7 @@ from tensorx import _cuda, node
 from tests.support.lanes import HAVE_UCX
 
 pytestmark = pytest.mark.usefixtures("fresh_fallbacks")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _said(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
@@ -67,7 +67,7 @@ async def test_ucx_installed_but_unused_is_one_warning(why: str) -> None:
     still takes the same-host lane, and ``ep.info`` says so. Each case runs in a process
     of its own: UCX has one context per process, which the first node to start it sets
     up (here without its tcp, which would then be missing for the tests after it)."""
-    script = ("import asyncio, json, sys; from tests.test_node_loud import connect_twice; "
+    script = ("import asyncio, json, sys; from tests.node.test_node_loud import connect_twice; "
               f"print(json.dumps(asyncio.run(connect_twice({why!r}))))")
     env = {**os.environ, "TENSORX_UCX_TCP": "0" if why == "here" else "1",
            "PYTHONPATH": str(ROOT)}

@@ -107,7 +107,7 @@ def _mirror(sock: socket.socket, got: list[Any]) -> None:
 
 async def test_client_refuses_a_server_that_says_its_own_node_id() -> None:
     """Each side refuses a peer that says its own node id (what it would derive from the
-    peer's id, it holds itself), telling it why; the server side: tests/test_cma.py."""
+    peer's id, it holds itself), telling it why; the server side: tests/transport/test_cma.py."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         got: list[Any] = []
         mirror = threading.Thread(target=_mirror, args=(listener, got), daemon=True)

@@ -1,0 +1,1 @@
+"""Tests of tensorx.graph_analyzer (tensorx._analyzer): plans, balance, binding, staging."""

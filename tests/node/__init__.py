@@ -1,0 +1,1 @@
+"""Tests of tensorx.node and tensorx.endpoint: connections, exports, rows, reconnects."""

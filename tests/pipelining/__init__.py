@@ -1,0 +1,1 @@
+"""Tests of tensorx.pipelining: splitting a model, stages, schedules, pipeline x PS."""
