@@ -14,7 +14,7 @@ import atheris
 
 with atheris.instrument_imports():
     from tensorx import _wire
-    from tensorx._ps import protocol
+    from tensorx._ps.wire import protocol
     from tensorx.errors import ProtocolError
     from tensorx.memregion import RegionDescriptor
 

@@ -1,6 +1,6 @@
 """Declarative schemas for what peers send: wire frame headers (:mod:`tensorx._wire`),
 region descriptors (:mod:`tensorx.memregion`) and parameter-server messages
-(:mod:`tensorx._ps.protocol`). Pure: no I/O, nothing else of tensorx but its errors.
+(:mod:`tensorx._ps.wire.protocol`). Pure: no I/O, nothing else of tensorx but its errors.
 
 Two forms. A :class:`Packed` record is a fixed binary layout: the headers on every op's
 path, a few u64 fields and flags decoded by one ``struct`` call, the layout their bound.

@@ -66,9 +66,9 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import hyper
 from tensorx._ps.optim import plan_params
-from tensorx._ps.optim_state import State
+from tensorx._ps.wire import hyper
+from tensorx._ps.wire.optim_state import State
 from tensorx.errors import ProtocolError, UsageError
 from tensorx.worker import Worker
 

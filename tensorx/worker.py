@@ -28,12 +28,8 @@ import torch
 
 from tensorx._backoff import Backoff
 from tensorx._deadline import Deadline, wait_for
-from tensorx._ps import optim_state, protocol
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
-from tensorx._ps.checksum import checksum
 from tensorx._ps.gather import windowed
-from tensorx._ps.hyper import heard as hyper_heard
-from tensorx._ps.hyper import snapshot as hyper_snapshot
 from tensorx._ps.links import ShardLinks
 from tensorx._ps.optim_client import OptimStates
 from tensorx._ps.parts import check_parts, split_ops
@@ -41,6 +37,10 @@ from tensorx._ps.shard_layout import dynamic_path_ok
 from tensorx._ps.shared import SharedArenas
 from tensorx._ps.sparse import SparseSender
 from tensorx._ps.stats import WorkerTimings
+from tensorx._ps.wire import optim_state, protocol
+from tensorx._ps.wire.checksum import checksum
+from tensorx._ps.wire.hyper import heard as hyper_heard
+from tensorx._ps.wire.hyper import snapshot as hyper_snapshot
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     BrokenError,
@@ -314,7 +314,7 @@ class Worker:
     async def step(self, hyper: list[dict[str, Any]] | None = None) -> None:
         """Push this step's gradients, wait as the mode requires, pull fresh parameters.
         ``hyper``: per param group, hyperparameters to change before this step's update (see
-        :mod:`tensorx._ps.hyper`; :class:`RemoteOptimizer` computes them).
+        :mod:`tensorx._ps.wire.hyper`; :class:`RemoteOptimizer` computes them).
 
         A step that raised :class:`~tensorx.errors.TimeoutError` may be retried as it is
         (``await worker.step()`` again, no ``zero_grad``/``backward`` in between): the

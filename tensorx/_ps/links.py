@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorx._deadline import Deadline
-from tensorx._ps import protocol
+from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     BrokenError,

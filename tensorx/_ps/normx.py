@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from tensorx._deadline import Deadline, wait_for
-from tensorx._ps import protocol
+from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import BrokenError, ProtocolError, TensorxError
 from tensorx.errors import TimeoutError as TxTimeoutError

@@ -6,7 +6,7 @@ below zero, makes every parameter NaN for everyone, for good; a state tensor of 
 size fails (or crashes) every later update. So:
 
 * **Hyperparameters** (a push's changes, a loaded state's groups), past
-  :func:`tensorx._ps.hyper.refusal` (kind of value, finite): a throwaway optimizer of the
+  :func:`tensorx._ps.wire.hyper.refusal` (kind of value, finite): a throwaway optimizer of the
   same class is built with the group's values, the change applied, over a one-element
   stand-in of the group's dtype and device, so the constructor's own checks judge them
   (torch's ``Invalid learning rate``, ``Invalid beta parameter``, ``nesterov`` without
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import hyper
+from tensorx._ps.wire import hyper
 from tensorx._text import printable
 from tensorx.errors import UsageError
 
@@ -71,7 +71,7 @@ class _Unbuildable(Exception):
 
 # -- hyperparameters ------------------------------------------------------------------------
 def check_hyper(optimizer: torch.optim.Optimizer, changes: list[dict[str, Any]]) -> None:
-    """Refuse ``changes`` (per group, past :func:`tensorx._ps.hyper.check`) that the
+    """Refuse ``changes`` (per group, past :func:`tensorx._ps.wire.hyper.check`) that the
     optimizer's constructor refuses where it accepts the group's current values."""
     for i, change in enumerate(changes):
         if not change:

@@ -1,7 +1,7 @@
 """A worker's side of the optimizer state of :class:`tensorx.RemoteOptimizer`: every shard's
 state fetched (``state_dict``), or loaded into every shard or none (``load_state_dict``).
 
-The tensors never ride on the control channel (see :mod:`tensorx._ps.optim_state`): a
+The tensors never ride on the control channel (see :mod:`tensorx._ps.wire.optim_state`): a
 fetch reads the region the shard lends (``state_get``, ``state``, the read, ``state_done``)
 after checking its size and manifest against the shard's parameters; a load lends each
 shard its packed part, read-only, in two phases (see :mod:`tensorx._ps.optim_load`): every
@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tensorx._ps import optim_state, protocol
-from tensorx._ps.hyper import heard
 from tensorx._ps.links import ShardLinks
 from tensorx._ps.optim import plan_params
+from tensorx._ps.wire import optim_state, protocol
+from tensorx._ps.wire.hyper import heard
 from tensorx.errors import ProtocolError, TensorxError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node

@@ -1,10 +1,10 @@
 """A shard's side of :class:`tensorx.RemoteOptimizer`: hyperparameters and optimizer state.
 
-* Hyperparameters (:mod:`tensorx._ps.hyper`): the welcome describes the optimizer's groups;
+* Hyperparameters (:mod:`tensorx._ps.wire.hyper`): the welcome describes the optimizer's groups;
   each push may carry changes, set just before the update that push takes part in (lowest
   rank wins a conflict); each answer carries the values after the update when they changed
   since that worker last heard them.
-* State (:mod:`tensorx._ps.optim_state`): on ``state_get`` the shard packs its optimizer's
+* State (:mod:`tensorx._ps.wire.optim_state`): on ``state_get`` the shard packs its optimizer's
   state into a fresh region that the asking worker may read (one per worker at a time,
   freed on ``state_done`` or when the worker leaves). A load (``state_put``, then
   ``state_commit``) is every rank's and every shard's or none's (see
@@ -23,8 +23,9 @@ import asyncio
 import logging
 from typing import Any
 
-from tensorx._ps import hyper, optim_check, optim_state, protocol
+from tensorx._ps import optim_check
 from tensorx._ps.optim_load import RULE, LoadRound, Put
+from tensorx._ps.wire import hyper, optim_state, protocol
 from tensorx._text import printable
 from tensorx.endpoint import Endpoint
 from tensorx.errors import ProtocolError, TensorxError, UsageError, error_code

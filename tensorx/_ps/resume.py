@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import hyper, optim_check
+from tensorx._ps import optim_check
+from tensorx._ps.wire import hyper
 from tensorx._text import printable
 from tensorx.errors import UsageError
 

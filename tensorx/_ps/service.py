@@ -21,9 +21,9 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tensorx._ps import protocol
 from tensorx._ps.core import ShardCore
 from tensorx._ps.schedule import Decision
+from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import ProtocolError, TensorxError, error_code
 

@@ -9,10 +9,10 @@ import logging
 from typing import Any
 
 from tensorx._deadline import Deadline
-from tensorx._ps import protocol
 from tensorx._ps.admission import PROBE_S, holder_alive, rank_taken
 from tensorx._ps.answer import Peer
 from tensorx._ps.core import ShardCore
+from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import PlanMismatchError, ProtocolError, TensorxError
 from tensorx.memregion import RegionDescriptor

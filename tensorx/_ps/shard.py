@@ -19,7 +19,6 @@ import torch
 
 from tensorx._ps import checkpoint, resume
 from tensorx._ps.changed import ChangedRows
-from tensorx._ps.checksum import checksum
 from tensorx._ps.device import allocate_arenas, fence
 from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
 from tensorx._ps.flat import FlatUpdate
@@ -37,6 +36,7 @@ from tensorx._ps.shard_layout import (
     views,
 )
 from tensorx._ps.update import TorchStep, choose, dense_grads
+from tensorx._ps.wire.checksum import checksum
 from tensorx.errors import UsageError
 from tensorx.memregion import MemoryRegion
 

@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from tensorx._analyzer.binding import ARENAS, Binding
-from tensorx._ps import protocol
+from tensorx._ps.wire import protocol
 from tensorx._shm import SHM_DIR, host_id
 from tensorx.errors import ProtocolError, TensorxError
 from tensorx.memregion import MemoryRegion, RegionDescriptor

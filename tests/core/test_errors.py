@@ -9,7 +9,7 @@ from torch import nn
 import tensorx as tx
 from tensorx import errors
 from tensorx._cuda import CudaError
-from tensorx._ps import protocol
+from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import CODES, TensorxError, error_code, error_from_code
 from tensorx.worker import Worker

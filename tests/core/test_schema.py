@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tensorx as tx
-from tensorx._ps import protocol
+from tensorx._ps.wire import protocol
 from tensorx._schema import Record, blob, choice, flag, real, seq, table, text, uint
 from tensorx.errors import ProtocolError
 from tensorx.memregion import DESCRIPTOR_VERSION, MAX_DESCRIPTOR

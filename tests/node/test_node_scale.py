@@ -21,7 +21,7 @@ from torch import nn
 import tensorx as tx
 from tensorx import _wire
 from tensorx._commands.info import format_node, query_node
-from tensorx._ps import protocol
+from tensorx._ps.wire import protocol
 from tensorx.graph_analyzer import GraphAnalyzer
 from tests.support.lanes import transports
 

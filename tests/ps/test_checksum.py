@@ -1,4 +1,4 @@
-"""The verify checksum (tensorx._ps.checksum): one number on every device, computed where the
+"""The verify checksum (tensorx._ps.wire.checksum): one number on every device, computed where the
 arena lives, that changes with any changed byte; and the PS protocol that carries it."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tensorx import GraphAnalyzer, MemoryRegion, Node
-from tensorx._ps import checksum as cs
-from tensorx._ps import protocol
+from tensorx._ps.wire import checksum as cs
+from tensorx._ps.wire import protocol
 from tensorx.errors import UsageError
 from tensorx.ps import ParameterServer
 

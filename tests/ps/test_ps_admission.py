@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tensorx import GraphAnalyzer, MemoryRegion, Node
-from tensorx._ps import protocol
+from tensorx._ps.wire import protocol
 from tensorx.errors import RankTakenError
 from tensorx.ps import ParameterServer
 from tensorx.transport import handshake

@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import parts, protocol
+from tensorx._ps import parts
 from tensorx._ps.normx import NormExchange
 from tensorx._ps.shard import ShardLayout, ShardState, load_checkpoint
+from tensorx._ps.wire import protocol
 from tensorx.errors import BrokenError, TensorxError, UsageError
 from tensorx.errors import TimeoutError as TxTimeoutError
 from tensorx.graph_analyzer import GraphAnalyzer

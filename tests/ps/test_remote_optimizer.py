@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import hyper, optim_state
 from tensorx._ps.optim import plan_params
+from tensorx._ps.wire import hyper, optim_state
 from tensorx.errors import ProtocolError, UsageError
 from tensorx.ps import ParameterServer
 from tensorx.remote_optimizer import RemoteOptimizer

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import hyper
+from tensorx._ps.wire import hyper
 from tensorx.errors import ProtocolError, UsageError
 from tensorx.memregion import MemoryRegion
 

@@ -45,7 +45,7 @@ ITEMS = 1 << 20  # entries of one list or map (tensors, groups, ranks, parts)
 _N, _OPT_N = uint(63), uint(63) | None  # counts, ranks, versions, steps, checksums
 _DESC = blob(MAX_DESCRIPTOR)  # a RegionDescriptor.to_bytes() (b"": none)
 _NAME, _TEXT = text(1024), text(1 << 20)  # an address, a label; free text
-_HYPER = seq(ITEMS)  # per param group, a map of hyperparameters (see tensorx._ps.hyper)
+_HYPER = seq(ITEMS)  # per param group, a map of hyperparameters (see tensorx._ps.wire.hyper)
 _FIELDS: dict[str, dict[str, Field]] = {
     # worker -> shard: who I am, what I planned, where my parameter arena is; `share`: I
     # would map your arenas if you are on my host; optional `shards`: every shard's address,
@@ -70,7 +70,7 @@ _FIELDS: dict[str, dict[str, Field]] = {
     # `staging`: {tensor name: descriptor} of sparse staging regions that are new;
     # `mapped`: my slot and arena are the ones you offered, nothing was (or is to be) written;
     # `hyper`: per param group, the hyperparameters I changed for this update ([]: none;
-    # see tensorx._ps.hyper); `inbox`: the descriptor of a new region for the changed rows
+    # see tensorx._ps.wire.hyper); `inbox`: the descriptor of a new region for the changed rows
     # of sparse tables in your answers (b"": the one I lent before; see tensorx._ps.rowpull);
     # `parts`: with welcome `parts`, the parts of the slot already written (the others
     # follow, each with a `part` message); ignored otherwise
@@ -80,13 +80,13 @@ _FIELDS: dict[str, dict[str, Field]] = {
     # holds this step's gradient (carried by the write of that part: never ahead of it)
     "part": {"k": _N},
     # shard -> worker: your arena now holds parameters `version` (its checksum, see
-    # tensorx._ps.checksum, if asked), once you scattered the `rows` bytes of sparse-table
+    # tensorx._ps.wire.checksum, if asked), once you scattered the `rows` bytes of sparse-table
     # rows I wrote into your inbox (0: none); `rows_want`: the inbox size that would have
     # taken this answer's rows (0: yours did, or none was worth it);
     # `hyper`: the groups' hyperparameters now, when they changed since I last told you
     "params": {"version": _N, "step": _N, "checksum": _OPT_N, "hyper": _HYPER,
                "rows": _N, "rows_want": _N},
-    # worker -> shard: lend me your optimizer's state (see tensorx._ps.optim_state)
+    # worker -> shard: lend me your optimizer's state (see tensorx._ps.wire.optim_state)
     "state_get": {},
     # shard -> worker: it is packed in `region` (readable by you), laid out as `manifest`
     "state": {"manifest": table(ITEMS), "region": _DESC},
