@@ -123,7 +123,7 @@ def stage_main(cfg: dict[str, Any]) -> None:
 
 def tensorx_stage(cfg: dict[str, Any], mod: nn.Module) -> tuple[Any, dict[str, Any]]:
     from tensorx import pipelining as pp
-    from tensorx._ps.rendezvous import connect_store
+    from tensorx._ps.common.rendezvous import connect_store
 
     rank = cfg["rank"]
     options: dict[str, Any] = {"store": connect_store(120.0), "timeout": 120.0}

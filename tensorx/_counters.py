@@ -2,7 +2,7 @@
 
 Counting is a few integer additions per operation; nothing is formatted on the hot path.
 :class:`OpStats` counts one endpoint's ops; :class:`Timing` is one latency histogram (the
-parameter server's and worker's step timings, see :mod:`tensorx._ps.stats`). Exporters
+parameter server's and worker's step timings, see :mod:`tensorx._ps.common.stats`). Exporters
 read them from above (:mod:`tensorx.metrics`, :mod:`tensorx._prometheus`); nothing here
 knows who counts or who reads.
 """

@@ -41,10 +41,14 @@ import os
 from typing import Any
 
 from tensorx._ps import observe
-from tensorx._ps.abtimer import EarlyChooser
 from tensorx._ps.applier import Applier
 from tensorx._ps.checkpoint import check_schedule
-from tensorx._ps.device import resolve as resolve_device
+from tensorx._ps.common.abtimer import EarlyChooser
+from tensorx._ps.common.device import resolve as resolve_device
+from tensorx._ps.common.remembered import Memory
+from tensorx._ps.common.rendezvous import connect_store as launcher_store
+from tensorx._ps.common.rendezvous import publish as _publish
+from tensorx._ps.common.stats import ShardTimings
 from tensorx._ps.grads import GradHook, GradProcessing
 from tensorx._ps.losses import LossWatch
 from tensorx._ps.nonfinite import NonFiniteGuard
@@ -53,15 +57,11 @@ from tensorx._ps.optim_service import OptimService
 from tensorx._ps.outbox import Outbox
 from tensorx._ps.pipelined import Pipelined
 from tensorx._ps.plan import PlanHolder
-from tensorx._ps.remembered import Memory
-from tensorx._ps.rendezvous import connect_store as launcher_store
-from tensorx._ps.rendezvous import publish as _publish
 from tensorx._ps.schedule import MODES, Scheduler
 from tensorx._ps.service import ServiceLoop
 from tensorx._ps.session import Sessions
 from tensorx._ps.shard import OptimizerFactory, SchedulerFactory, checkpoint_path
 from tensorx._ps.sharing import Sharing
-from tensorx._ps.stats import ShardTimings
 from tensorx._ps.steps import Steps
 from tensorx.errors import UsageError
 from tensorx.node import Node
@@ -130,7 +130,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     straight into its GPU slots and read parameters straight out of its GPU arena (UCX
     reaches GPU memory directly; TCP stages it through host). Checkpoints hold CPU tensors
     either way, so one written by a CPU server resumes on a GPU server and vice versa.
-    See :mod:`tensorx._ps.device`.
+    See :mod:`tensorx._ps.common.device`.
     ``on_worker_loss`` (``"wait"``, the default, or ``"continue"``) and
     ``worker_loss_timeout`` (seconds, default 30; None: no timer, wait silently): in sync
     mode, once a worker has been disconnected that long, keep waiting for it to rejoin (one
@@ -173,7 +173,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     ``metrics_port``: serve this shard's step timings and endpoint counters for Prometheus
     at ``http://metrics_addr:PORT/metrics`` (0: any free port; :attr:`metrics_port` then
     says which). None (the default): nothing listens. Timings are always kept, in
-    :attr:`stats` (totals) and :attr:`timings` (histograms, see ``tensorx._ps.stats``).
+    :attr:`stats` (totals) and :attr:`timings` (histograms, see ``tensorx._ps.common.stats``).
     """
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,

@@ -29,14 +29,14 @@ import torch
 from tensorx._backoff import Backoff
 from tensorx._deadline import Deadline, wait_for
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
-from tensorx._ps.gather import windowed
+from tensorx._ps.common.gather import windowed
+from tensorx._ps.common.stats import WorkerTimings
 from tensorx._ps.links import ShardLinks
 from tensorx._ps.optim_client import OptimStates
 from tensorx._ps.parts import check_parts, split_ops
 from tensorx._ps.shard_layout import dynamic_path_ok
 from tensorx._ps.shared import SharedArenas
 from tensorx._ps.sparse import SparseSender
-from tensorx._ps.stats import WorkerTimings
 from tensorx._ps.wire import optim_state, protocol
 from tensorx._ps.wire.checksum import checksum
 from tensorx._ps.wire.hyper import heard as hyper_heard
@@ -407,7 +407,7 @@ class Worker:
     async def _each(self, shards: list[int], call: Callable[[int], Awaitable[None]]) -> None:
         """``call(s)`` for each of ``shards``, every one run to its end (a retry then goes
         on where each stopped), then the first error raised; one shard is called in place
-        (no task, as :func:`tensorx._ps.gather.together`)."""
+        (no task, as :func:`tensorx._ps.common.gather.together`)."""
         if len(shards) == 1:
             await call(shards[0])
             return
@@ -516,7 +516,7 @@ def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None)
     """The shard addresses that ``tensorx ps --rendezvous`` (or ``ParameterServer.publish``)
     put in the launcher's store (under torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``); waits until every shard is there. Blocking."""
-    from tensorx._ps.rendezvous import connect_store, lookup
+    from tensorx._ps.common.rendezvous import connect_store, lookup
 
     return lookup(store if store is not None else connect_store(timeout), num_shards, timeout)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from tensorx._ps.abtimer import PROBE, SKIP
+from tensorx._ps.common.abtimer import PROBE, SKIP
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -193,7 +193,7 @@ class Pair:
 # Unmeasured rounds each system runs before its measured blocks (beyond the 2 every
 # baseline client runs before READY): a tensorx shard and worker probe their choices (a
 # pipelined round's early apply, a worker's gradient overlap) over their first rounds,
-# 2 + 2 x 4 of them (tensorx._ps.abtimer), then keep the faster way for the next 500; a
+# 2 + 2 x 4 of them (tensorx._ps.common.abtimer), then keep the faster way for the next 500; a
 # long training run pays that once, so the measured rounds start after it.
 WARMUP_ROUNDS = SKIP + 2 * PROBE + 2
 

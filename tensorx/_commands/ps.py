@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from tensorx import _eventloop
 from tensorx._eventloop import LOOPS
-from tensorx._ps.device import resolve as resolve_device
+from tensorx._ps.common.device import resolve as resolve_device
 from tensorx._ps.losses import POLICIES
 from tensorx.errors import TensorxError, UsageError
 

@@ -5,7 +5,7 @@ the parts before it (:func:`tensorx._ps.answer.apply_in_parts`) and the landing 
 after it (:mod:`tensorx._ps.pipelined`). Both go through one :class:`Applier` per server:
 one thread, made on first use, so the parts are stepped one at a time, in the order asked,
 always by the same thread (a GPU part's kernels are queued on that thread's current stream,
-which :func:`tensorx._ps.device.fence` waits on), and a call whose caller was cancelled (the
+which :func:`tensorx._ps.common.device.fence` waits on), and a call whose caller was cancelled (the
 server closes mid-update) can be waited for (:meth:`Applier.settle`) before a checkpoint
 reads the arena. A hop to a thread of its own also measured a little cheaper than
 ``asyncio.to_thread`` here (2-core VM, an empty call: ~59 vs ~70 us).

@@ -19,7 +19,7 @@ move the bytes (kernel TCP on a small host), sending during backward only slows 
 backward (two namespaces on this project's 2-core VM, wide MLP: 1.35x the RPC PS with it,
 1.56x without). ``overlap=None`` (the worker's default) measures: the time from one step's
 push to the next, with and without, as a shard chooses its pipelined round
-(:class:`tensorx._ps.abtimer.EarlyChooser`), and keeps the faster; one INFO line says which.
+(:class:`tensorx._ps.common.abtimer.EarlyChooser`), and keeps the faster; one INFO line says which.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from tensorx import _cuda
-from tensorx._ps.abtimer import EarlyChooser
-from tensorx._ps.remembered import Memory
+from tensorx._ps.common.abtimer import EarlyChooser
+from tensorx._ps.common.remembered import Memory
 
 __all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent"]
 
@@ -162,7 +162,7 @@ class BucketPusher:
 
     def keyed(self, fingerprint: str, how: str) -> None:
         """Steps of the plan ``fingerprint`` now move their bytes ``how``: a choice measured
-        for that before (:mod:`tensorx._ps.remembered`) is taken, without probing."""
+        for that before (:mod:`tensorx._ps.common.remembered`) is taken, without probing."""
         if self.memory.keyed((fingerprint, how), lambda: (fingerprint, how)):
             logger.info("%s: overlap: %s, as measured before on this host", self._who,
                         "on" if self.choice.choice else "off")

@@ -17,22 +17,22 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tensorx._ps.abtimer import EarlyChooser
     from tensorx._ps.answer import Peer
     from tensorx._ps.applier import Applier
+    from tensorx._ps.common.abtimer import EarlyChooser
+    from tensorx._ps.common.remembered import Memory
+    from tensorx._ps.common.stats import ShardTimings
     from tensorx._ps.grads import GradProcessing
     from tensorx._ps.losses import LossWatch
     from tensorx._ps.nonfinite import NonFiniteGuard
     from tensorx._ps.normx import NormExchange
     from tensorx._ps.optim_service import OptimService
     from tensorx._ps.outbox import Outbox
-    from tensorx._ps.remembered import Memory
     from tensorx._ps.round import PartBackups, Round
     from tensorx._ps.schedule import Decision, Scheduler
     from tensorx._ps.shard import OptimizerFactory, SchedulerFactory, ShardState
     from tensorx._ps.sharing import Sharing
     from tensorx._ps.sparse import SparseReceiver
-    from tensorx._ps.stats import ShardTimings
     from tensorx.endpoint import Endpoint
     from tensorx.errors import TensorxError
     from tensorx.graph_analyzer import TransferPlan
@@ -56,7 +56,7 @@ class ShardCore(abc.ABC):
     resume_optimizer: bool  # resume the checkpoint's optimizer state, or parameters alone
     flat: bool | None  # None: flat update when it gives the same result (see _ps.flat)
     share_memory: bool
-    device: str  # "cpu" or "cuda:N", see tensorx._ps.device
+    device: str  # "cpu" or "cuda:N", see tensorx._ps.common.device
     _optimizer: OptimizerFactory
     _lr_scheduler: SchedulerFactory | None
     # helpers, one job each
@@ -99,8 +99,8 @@ class ShardCore(abc.ABC):
     _round_t0: float
     _applier: Applier  # the apply thread, of the round and of an answer sent in parts
     _deferred: list[Peer]  # joined while a round was open: welcomed after it
-    _chooser: EarlyChooser  # whether a round applies parts as they land (_ps.abtimer)
-    _memory: Memory  # ... as measured in an earlier run (_ps.remembered)
+    _chooser: EarlyChooser  # whether a round applies parts as they land (_ps.common.abtimer)
+    _memory: Memory  # ... as measured in an earlier run (_ps.common.remembered)
     _until: str | None
     stats: dict[str, Any]
 

@@ -1,6 +1,6 @@
 """A shard's own observability: its Prometheus exporter and its periodic throughput line.
 
-What is counted lives in :mod:`tensorx._ps.stats` (and ``ParameterServer.stats``); this
+What is counted lives in :mod:`tensorx._ps.common.stats` (and ``ParameterServer.stats``); this
 module only shows it, on a schedule or on request.
 """
 

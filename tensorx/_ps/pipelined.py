@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import remembered
 from tensorx._ps import round as rounds
 from tensorx._ps.answer import Peer
+from tensorx._ps.common import remembered
 from tensorx._ps.core import ShardCore
 from tensorx._ps.nonfinite import Verdict, checked, nonfinite_names
 from tensorx._ps.round import PartBackups, Round

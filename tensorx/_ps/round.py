@@ -46,7 +46,7 @@ class Round:
         self.backed_up: set[int] = set()
         self.checked = False  # every part of every rank landed and found finite
         self.skip = False     # no update this time (NaN or Inf): answer once all landed
-        self.early = True     # parts may be applied before all have landed (_ps.abtimer)
+        self.early = True     # parts may be applied before all have landed (_ps.common.abtimer)
         self.eligible = False  # that could matter in this round (enough was on its way)
         self.t_first: float | None = None  # when its first push arrived
 

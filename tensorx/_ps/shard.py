@@ -19,7 +19,7 @@ import torch
 
 from tensorx._ps import checkpoint, resume
 from tensorx._ps.changed import ChangedRows
-from tensorx._ps.device import allocate_arenas, fence
+from tensorx._ps.common.device import allocate_arenas, fence
 from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
 from tensorx._ps.flat import FlatUpdate
 from tensorx._ps.fold import DenseFold, Units
@@ -74,7 +74,7 @@ class ShardState:
     ``shared=True`` puts the parameter arena and the slots in /dev/shm, so that workers on
     this host can map them (:attr:`shared` says whether that worked; else private memory).
     ``device="cuda:N"`` puts all of it, and the optimizer's state, on that GPU (see
-    :mod:`tensorx._ps.device`; ``shared`` is then ignored).
+    :mod:`tensorx._ps.common.device`; ``shared`` is then ignored).
     """
 
     def __init__(self, layout: ShardLayout, num_workers: int,

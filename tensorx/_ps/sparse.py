@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tensorx._analyzer.sparse import ALIGN, HeaderSlots, budget_bytes, values_offsets
-from tensorx._ps.device import fence
+from tensorx._ps.common.device import fence
 from tensorx._ps.rowpull import RowInbox, RowOutbox
 from tensorx._ps.rows import PushedRows, RowBatch, first_out_of_range
 from tensorx._text import printable

@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tensorx._ps.answer import Peer, RowsAnswer, apply_in_parts, last_part, send_params
+from tensorx._ps.common.gather import together
 from tensorx._ps.core import ShardCore
-from tensorx._ps.gather import together
 from tensorx._ps.schedule import Decision
 from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint

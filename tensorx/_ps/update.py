@@ -16,7 +16,7 @@ from then on calls it without asking which it is:
 
 Each steps the sparse tables through :class:`TorchStep`, by the row kernel
 (:mod:`tensorx._ps.rowsgd`) where it gives torch's very bits, else by ``optimizer.step()``.
-Pure: torch only, no I/O; the caller fences the device (:func:`tensorx._ps.device.fence`).
+Pure: torch only, no I/O; the caller fences the device (:func:`tensorx._ps.common.device.fence`).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class Meeting:
         if self._peers is not None:
             self._addresses = dict(self._peers)
             return
-        from tensorx._ps.rendezvous import advertised, connect_store
+        from tensorx._ps.common.rendezvous import advertised, connect_store
 
         assert self.node is not None
         if self._store is None:
@@ -97,7 +97,7 @@ class Meeting:
 
     def _address_of(self, stage: int) -> str:
         if stage not in self._addresses:
-            from tensorx._ps.rendezvous import wait_keys
+            from tensorx._ps.common.rendezvous import wait_keys
 
             key = STORE_KEY.format(stage)
             self._addresses[stage] = wait_keys(

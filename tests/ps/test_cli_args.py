@@ -103,7 +103,7 @@ def test_another_optimizer_than_the_checkpoints_is_one_line(
 
 def test_launcher_helpers_are_public() -> None:
     import tensorx as tx
-    from tensorx._ps.rendezvous import connect_store
+    from tensorx._ps.common.rendezvous import connect_store
     from tensorx.worker import ps_addresses
 
     assert tx.launcher_store is connect_store and tx.ps_addresses is ps_addresses

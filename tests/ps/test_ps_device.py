@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tensorx._commands import ps as ps_command
-from tensorx._ps.device import fence, resolve
+from tensorx._ps.common.device import fence, resolve
 from tensorx._ps.shard import to_cpu
 from tensorx._ps.sharing import Sharing
 from tensorx.errors import UsageError

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 from torch import nn
 
-from tensorx._ps.stats import ShardTimings
+from tensorx._ps.common.stats import ShardTimings
 from tensorx.metrics import BUCKETS, Timing, quantile, serve_prometheus, stop_prometheus
 from tensorx.testing import wait_until
 from tensorx.worker import Worker

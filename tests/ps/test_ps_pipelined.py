@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import abtimer, parts
+from tensorx._ps import parts
 from tensorx._ps import round as rounds
+from tensorx._ps.common import abtimer
 from tensorx._ps.parts import check_parts, split_ops
 from tensorx._ps.round import PartBackups, Round
 from tensorx._ps.wire import protocol
@@ -367,7 +368,7 @@ async def test_by_default_the_shard_measures_both_ways_and_says_which_it_keeps(
 async def test_a_second_run_takes_the_choices_the_first_measured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The shard's pipelined rounds and the workers' overlap are measured by the first run
-    and remembered (tensorx._ps.remembered): a second run of the plan takes both from its
+    and remembered (tensorx._ps.common.remembered): a second run of the plan takes both from its
     first round and probes neither."""
     monkeypatch.setenv("TENSORX_REMEMBER", "1")
     monkeypatch.setenv("TENSORX_CACHE_DIR", str(tmp_path))

@@ -1,4 +1,4 @@
-"""Remembered choices (tensorx._ps.remembered): what is not fresh, well formed and this
+"""Remembered choices (tensorx._ps.common.remembered): what is not fresh, well formed and this
 user's alone is ignored, never trusted."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorx._ps import remembered
+from tensorx._ps.common import remembered
 from tests.support.host import NOBODY, as_root
 
 NAME = remembered.key("pipelined", "f00d", "tcp")

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from tensorx._ps import rendezvous
+from tensorx._ps.common import rendezvous
 from tensorx.errors import TimeoutError, UsageError
 from tensorx.worker import ps_addresses
 

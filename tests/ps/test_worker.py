@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from tensorx import RemoteOptimizer
-from tensorx._ps import abtimer
 from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, merge_adjacent
-from tensorx._ps.gather import together
+from tensorx._ps.common import abtimer
+from tensorx._ps.common.gather import together
 from tensorx.errors import TransportUnavailableError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer

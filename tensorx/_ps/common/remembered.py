@@ -1,13 +1,13 @@
 """Choices measured on this host, remembered for the next run of the same plan.
 
 A shard measures whether its pipelined rounds should apply parts as they land, a worker
-whether to push gradient buckets during backward (:mod:`tensorx._ps.abtimer`): both ways,
+whether to push gradient buckets during backward (:mod:`tensorx._ps.common.abtimer`): both ways,
 over the first eligible rounds, then the faster is kept. What is faster depends on the
 machine, the plan and how the bytes move, not on the run, so each decision is kept in a
 small file in the build cache (:mod:`tensorx._cache`: this user's alone, checked as the UCX
 binding is), under a key naming the host, the plan's fingerprint and how the bytes move. A
 run that finds a fresh entry starts with that choice and does not probe; it measures again
-after :data:`~tensorx._ps.abtimer.RECHECK` rounds, as a long run always has, and that probe
+after :data:`~tensorx._ps.common.abtimer.RECHECK` rounds, as a long run always has, and that probe
 refreshes the entry. An entry older than :data:`FRESH_S` is ignored (measured again), and
 so is a file that is not valid or fails the cache's checks.
 
@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from tensorx import _cache
-from tensorx._ps.abtimer import EarlyChooser
+from tensorx._ps.common.abtimer import EarlyChooser
 
 __all__ = ["FILE", "FOLDER", "FRESH_S", "Memory", "key", "recall", "remember"]
 

@@ -14,7 +14,7 @@ So a shard measures: it runs its first eligible rounds both ways, alternately, k
 faster (by median) and measures again every :data:`RECHECK` rounds. A round is eligible
 when enough of the gradient is still on its way when the barrier completes (else both ways
 are the same round). ``ParameterServer(pipeline=True/False)`` forces the choice. A choice
-measured before on this host for the same plan (:mod:`tensorx._ps.remembered`) is taken
+measured before on this host for the same plan (:mod:`tensorx._ps.common.remembered`) is taken
 from the first round instead (:meth:`EarlyChooser.recall`): no probe until ``RECHECK``.
 """
 
