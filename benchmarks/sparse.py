@@ -211,7 +211,7 @@ def _move_rows(table: Any, ids: Any) -> float:
     """Seconds to read rows ``ids`` of ``table`` and write them back (one gather, one
     scatter, with the torch-ops update's primitives: what any row update costs in memory
     traffic, the arithmetic left out)."""
-    from tensorx._ps.rows import put_rows, take_rows
+    from tensorx._ps.rows.tables import put_rows, take_rows
 
     t0 = time.perf_counter()
     put_rows(table, ids, take_rows(table, ids))

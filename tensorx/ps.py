@@ -87,7 +87,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     view the shard's arena; ``lr_scheduler``: ``lambda opt: ...``, stepped after each update.
     A sparse table (``nn.Embedding(sparse=True)``, ``EmbeddingBag``) gets a sparse gradient,
     as in one process: the rows the update's workers touched, averaged (see
-    :mod:`tensorx._ps.rows`), so ``SGD``, ``Adagrad`` and ``SparseAdam`` step O(rows
+    :mod:`tensorx._ps.rows.tables`), so ``SGD``, ``Adagrad`` and ``SparseAdam`` step O(rows
     touched). A step the optimizer refuses (Adam given a sparse gradient) is not applied,
     and every worker of that update gets :class:`~tensorx.errors.OptimizerError` naming the
     tensor.

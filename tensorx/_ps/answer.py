@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorx._ps.applier import Applier
-from tensorx._ps.changed import runs
+from tensorx._ps.rows.changed import runs
 from tensorx.endpoint import Endpoint
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -42,7 +42,7 @@ class Peer:
 @dataclass(frozen=True)
 class RowsAnswer:
     """Whether an answer's changed sparse-table rows go packed into the worker's inbox
-    (see :mod:`tensorx._ps.rowpull`): ``nbytes`` of them (0: no, they go in runs), and
+    (see :mod:`tensorx._ps.rows.pull`): ``nbytes`` of them (0: no, they go in runs), and
     the inbox size to ask the worker for (``want``)."""
 
     nbytes: int = 0
@@ -131,7 +131,7 @@ def last_part(state: Any) -> tuple[int, int]:
 def table_ops(state: Any, region: MemoryRegion, desc: RegionDescriptor, table: int,
               ids: Any) -> list[tuple[Any, ...]]:
     """Writes of sparse table ``table``'s rows ``ids`` (sorted unique row ids; None: none
-    changed), in runs (see :func:`tensorx._ps.changed.runs`)."""
+    changed), in runs (see :func:`tensorx._ps.rows.changed.runs`)."""
     if ids is None or not ids.numel():
         return []
     off, nbytes = state.rows.span(table)
@@ -163,7 +163,7 @@ async def send_params(region: MemoryRegion, peer: Peer, msg: bytes,
     """The new parameters in ``region`` (or, after :func:`apply_in_parts`, their ``last``
     part; nothing for a mapped worker) with ``msg`` as the notification, ordered after every
     part sent before. ``changed`` (with ``state``): the worker holds a recent version and
-    needs, of the sparse tables, only these rows (see :mod:`tensorx._ps.changed`), packed
+    needs, of the sparse tables, only these rows (see :mod:`tensorx._ps.rows.changed`), packed
     into its inbox where ``rows`` says so. Raises the first error of any of the writes."""
     ops: list[tuple[Any, ...]] = []
     if sent is not None:

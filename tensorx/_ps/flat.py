@@ -142,7 +142,7 @@ class FlatUpdate:
         self.params = list(params)
         group_index = {id(p): g for g, group in enumerate(optimizer.param_groups)
                        for p in group["params"]}
-        # sparse tables step on their own, with sparse gradients (see tensorx._ps.rows)
+        # sparse tables step on their own, with sparse gradients (see tensorx._ps.rows.tables)
         self.left_out = sum(bool(getattr(s, "sparse", False)) for s in specs)
         self.ranges = ranges(specs, [-1 if getattr(s, "sparse", False) else group_index[id(p)]
                                      for p, s in zip(params, specs, strict=True)], part_bytes)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from tensorx._ps.rows import sum_finite
+from tensorx._ps.rows.tables import sum_finite
 from tensorx.memregion import MemoryRegion
 
 __all__ = ["DenseFold"]

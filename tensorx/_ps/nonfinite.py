@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tensorx._ps.rows import sum_finite
+from tensorx._ps.rows.tables import sum_finite
 from tensorx._ps.schedule import Decision
 from tensorx._ps.shard_layout import views
 from tensorx._text import printable

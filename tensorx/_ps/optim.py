@@ -42,7 +42,7 @@ class ParamSpec:
     whole: bool = True
     shard: int = 0
     chunk: int = 0  # the plan's first chunk of it
-    sparse: bool = False  # a table whose gradient arrives as rows (see tensorx._ps.rows)
+    sparse: bool = False  # a table whose gradient arrives as rows (see tensorx._ps.rows.tables)
 
     @property
     def label(self) -> str:

@@ -12,9 +12,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from tensorx._ps.core import ShardCore
+from tensorx._ps.rows.sparse import SparseReceiver
 from tensorx._ps.shard import ShardLayout, ShardState, checkpoint_path, load_checkpoint
 from tensorx._ps.shard_layout import dynamic_path_ok
-from tensorx._ps.sparse import SparseReceiver
 from tensorx.errors import UsageError
 
 if TYPE_CHECKING:

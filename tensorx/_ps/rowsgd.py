@@ -5,8 +5,8 @@ per table, a coalesced gradient and a loop over its rows (one ``axpy`` each), af
 optimizer's per-parameter bookkeeping. When every table's optimizer group is plain SGD (the
 exact class; no momentum, weight decay, maximize, differentiable or tensor lr; no step
 hooks) the shard does the same arithmetic for all the tables of one
-:class:`~tensorx._ps.rows.RowGroup` at once: the rows the ranks pushed, summed by row as
-:meth:`~tensorx._ps.rows.SparseRows.grad` sums them, and each of those rows of the arena
+:class:`~tensorx._ps.rows.tables.RowGroup` at once: the rows the ranks pushed, summed by row as
+:meth:`~tensorx._ps.rows.tables.SparseRows.grad` sums them, and each of those rows of the arena
 plus ``(-lr) * grad``. By the C kernel of :mod:`.rowkernel` where it is built (float32/64
 rows, one read and one write of each row: about 2x faster), else with torch ops (one
 gather of the rows, one ``add_``, one scatter back). Either is used only where it gives
@@ -25,7 +25,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from tensorx._ps import rowkernel
-from tensorx._ps.rows import (
+from tensorx._ps.rows.tables import (
     RowGroup,
     Rows,
     SparseRows,

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from tensorx._ps import checkpoint, resume
-from tensorx._ps.changed import ChangedRows
 from tensorx._ps.common.device import allocate_arenas, fence
 from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
 from tensorx._ps.flat import FlatUpdate
 from tensorx._ps.fold import DenseFold, Units
 from tensorx._ps.optim import build_optimizer, step_failure
-from tensorx._ps.rows import Rows, SparseRows
+from tensorx._ps.rows.changed import ChangedRows
+from tensorx._ps.rows.tables import Rows, SparseRows
 from tensorx._ps.rowsgd import RowSGD
 from tensorx._ps.shard_layout import (
     ShardLayout,
@@ -69,7 +69,7 @@ class ShardState:
     of one per tensor (named ``"flat.0"``, ...): right for elementwise optimizers only.
     (Large shards get a few flat ranges or parameters of at most ``parts.PART_BYTES``
     each, so that the update can be applied and sent part by part: :meth:`apply_part`.)
-    Sparse tables (:mod:`tensorx._ps.rows`) get sparse gradients, as in torch: the flat
+    Sparse tables (:mod:`tensorx._ps.rows.tables`) get sparse gradients, as in torch: the flat
     update leaves them out and steps them on their own, as the first parts.
     ``shared=True`` puts the parameter arena and the slots in /dev/shm, so that workers on
     this host can map them (:attr:`shared` says whether that worked; else private memory).
@@ -252,7 +252,7 @@ class ShardState:
         self.rows.ungather()
 
     def put_rows(self, rank: int, rows: Mapping[str, Rows]) -> None:
-        """``rank``'s sparse rows of its latest push, whole (see :mod:`tensorx._ps.rows`)."""
+        """``rank``'s sparse rows of its latest push, whole (see :mod:`tensorx._ps.rows.tables`)."""
         self.rows.put(rank, rows)
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:

@@ -55,7 +55,7 @@ class ShardLayout:
 
 def dynamic_path_ok(plan: Any) -> bool:
     """True when the plan has sparse tensors and none of them was split into chunks: then
-    they travel as rows (:mod:`tensorx._ps.sparse`), and both sides lay them out so."""
+    they travel as rows (:mod:`tensorx._ps.rows.sparse`), and both sides lay them out so."""
     dynamic = [e for e in plan.entries if e.kind == "dynamic"]
     return bool(dynamic) and all(e.whole for e in dynamic)
 

@@ -27,11 +27,11 @@ from typing import Any, Protocol
 import torch
 
 from tensorx._ps import parts
-from tensorx._ps.changed import ChangedRows, row_local
 from tensorx._ps.flat import FlatUpdate, elementwise
 from tensorx._ps.fold import DenseFold, Units
 from tensorx._ps.optim import ParamSpec
-from tensorx._ps.rows import SparseRows, no_invariant_checks
+from tensorx._ps.rows.changed import ChangedRows, row_local
+from tensorx._ps.rows.tables import SparseRows, no_invariant_checks
 from tensorx._ps.rowsgd import RowSGD
 from tensorx.errors import OptimizerError, UsageError
 from tensorx.memregion import MemoryRegion

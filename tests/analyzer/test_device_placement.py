@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tensorx._analyzer.sample import cuda_devices
-from tensorx._ps.sparse import SparseSender
+from tensorx._ps.rows.sparse import SparseSender
 from tensorx.graph_analyzer import BoundaryAnalyzer, GraphAnalyzer
 from tensorx.memregion import MemoryRegion
 

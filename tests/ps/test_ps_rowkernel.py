@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tensorx._ps import rowkernel, rowsgd
-from tensorx._ps.rows import no_invariant_checks, sum_rows
+from tensorx._ps.rows.tables import no_invariant_checks, sum_rows
 from tests.support.host import NOBODY, as_root, kernel_or_skip, plant
 from tests.support.logs import only_warning
 

@@ -1,4 +1,4 @@
-"""The packed pull of changed sparse rows (tensorx._ps.rowpull) without a network: the shard's
+"""The packed pull of changed sparse rows (tensorx._ps.rows.pull) without a network: the shard's
 payload, copied into the worker's inbox as a write would, scatters into the worker's tables;
 a payload that does not add up is a ProtocolError and leaves the tables alone."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tensorx._ps.rowpull import ALIGN, RowInbox, RowOutbox, layout
+from tensorx._ps.rows.pull import ALIGN, RowInbox, RowOutbox, layout
 from tensorx.errors import ProtocolError
 from tensorx.memregion import RegionDescriptor
 

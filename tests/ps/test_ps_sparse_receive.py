@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorx._ps.rows import PushedRows, SparseRows, put_rows, take_rows
+from tensorx._ps.rows.tables import PushedRows, SparseRows, put_rows, take_rows
 from tensorx._ps.shard import ShardLayout
 from tensorx.errors import RegionError
 from tensorx.memregion import MemoryRegion

@@ -13,8 +13,8 @@ import torch
 
 from tensorx._analyzer.sparse import SparseStaging, read_header, read_headers
 from tensorx._ps.optim_check import check_state
+from tensorx._ps.rows.sparse import SparseReceiver
 from tensorx._ps.shard import ShardLayout, ShardState
-from tensorx._ps.sparse import SparseReceiver
 from tensorx._ps.wire import optim_state
 from tensorx.errors import BrokenError, RegionError
 from tensorx.graph_analyzer import GraphAnalyzer
@@ -329,7 +329,7 @@ def test_a_rows_values_add_up_in_rank_order_from_zero(dtype: torch.dtype) -> Non
     1 + 0.5 - big + big is 0: the small ones are lost next to big); a row of -0.0 alone sums
     to +0.0. The same bits whichever sum runs (float32/64 rows in host memory: a numpy sort
     and an ``embedding_bag``; other dtypes: ``index_add_``)."""
-    from tensorx._ps.rows import sum_rows
+    from tensorx._ps.rows.tables import sum_rows
 
     big = 2.0 ** 60
     row = torch.ones(2, 3, dtype=dtype)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tensorx._analyzer.sparse import SparseStaging
-from tensorx._ps.sparse import SparseReceiver
+from tensorx._ps.rows.sparse import SparseReceiver
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 

@@ -71,7 +71,7 @@ _FIELDS: dict[str, dict[str, Field]] = {
     # `mapped`: my slot and arena are the ones you offered, nothing was (or is to be) written;
     # `hyper`: per param group, the hyperparameters I changed for this update ([]: none;
     # see tensorx._ps.wire.hyper); `inbox`: the descriptor of a new region for the changed rows
-    # of sparse tables in your answers (b"": the one I lent before; see tensorx._ps.rowpull);
+    # of sparse tables in your answers (b"": the one I lent before; see tensorx._ps.rows.pull);
     # `parts`: with welcome `parts`, the parts of the slot already written (the others
     # follow, each with a `part` message); ignored otherwise
     "push": {"step": _N, "version": _N, "staging": table(ITEMS), "mapped": flag(),

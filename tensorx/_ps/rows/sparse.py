@@ -5,7 +5,7 @@ exports it read-only, writes the header slots into its header region on the shar
 names any new staging region in the push message. Shard: for each dynamic entry, decodes
 the header, reads ``nbytes`` straight out of the worker's staging region (one-sided), checks
 the indices and keeps a copy of the rows; the rows of a push are handed over only once all
-of them arrived (:mod:`tensorx._ps.rows` makes the optimizer's sparse gradient of them).
+of them arrived (:mod:`tensorx._ps.rows.tables` makes the optimizer's sparse gradient of them).
 Only the touched rows cross the network, and the shard's work scales with them.
 """
 
@@ -22,8 +22,8 @@ import torch
 
 from tensorx._analyzer.sparse import ALIGN, HeaderSlots, budget_bytes, values_offsets
 from tensorx._ps.common.device import fence
-from tensorx._ps.rowpull import RowInbox, RowOutbox
-from tensorx._ps.rows import PushedRows, RowBatch, first_out_of_range
+from tensorx._ps.rows.pull import RowInbox, RowOutbox
+from tensorx._ps.rows.tables import PushedRows, RowBatch, first_out_of_range
 from tensorx._text import printable
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
@@ -60,7 +60,7 @@ class SparseSender:
 
     def inbox(self, shard: int) -> bytes:
         """The descriptor of our inbox for ``shard``'s rows to name in the push (b"": the
-        shard has it; see :mod:`tensorx._ps.rowpull`)."""
+        shard has it; see :mod:`tensorx._ps.rows.pull`)."""
         inbox = self.inboxes.get(shard)
         return b"" if inbox is None else inbox.announce(self.node)
 
@@ -250,7 +250,7 @@ class SparseReceiver:
 
     def rows_plan(self, rank: int, state: Any, changed: dict[int, Any]) -> tuple[int, int]:
         """For an answer to ``rank`` of the rows ``changed`` (see
-        :meth:`tensorx._ps.changed.ChangedRows.since`): (bytes of rows it writes into the
+        :meth:`tensorx._ps.rows.changed.ChangedRows.since`): (bytes of rows it writes into the
         worker's inbox, 0: none; the inbox size to ask for, 0: none)."""
         return self.answers.plan(rank, self._ids(state, changed))
 

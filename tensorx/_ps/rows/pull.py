@@ -1,7 +1,7 @@
 """The pull of a sparse table's changed rows as one packed write (issue 17).
 
 A worker that holds a recent version needs, of each sparse table, only the rows changed
-since (:mod:`tensorx._ps.changed`). Written where they lie in its arena, scattered rows cost
+since (:mod:`tensorx._ps.rows.changed`). Written where they lie in its arena, scattered rows cost
 one op each, or a run bridging the unchanged rows between them: a DLRM-shaped step with
 Zipf ids wrote 26 MB of runs per worker for 0.8 MB of changed rows. So the worker lends the
 shard an *inbox* (a region it exports writable and names in its push), the shard gathers
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorx._ps.rows import first_out_of_range, put_rows, take_rows
+from tensorx._ps.rows.tables import first_out_of_range, put_rows, take_rows
 from tensorx.errors import ProtocolError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
