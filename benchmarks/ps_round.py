@@ -199,8 +199,8 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
     """What two guards cost per round on this model's shapes, timed here in this process,
     as a share of the tensorx rounds measured above in the same run: the shard's non-finite
     check of a pushed gradient (every mode: one rank's gradient copied into the shard's own
-    memory and summed there, see tensorx._ps.fold), and a mapped worker's check for edits in place
-    before it reads a pull (same host: its copy-on-write pages, found in pagemap)."""
+    memory and summed there, see tensorx._ps.update.fold), and a mapped worker's check for edits
+    in place before it reads a pull (same host: its copy-on-write pages, found in pagemap)."""
     import torch
 
     from tensorx._ps.nonfinite import checked

@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from tensorx._ps.optim import plan_params
+from tensorx._ps.update.optim import plan_params
 from tensorx._ps.wire import hyper
 from tensorx._ps.wire.optim_state import State
 from tensorx.errors import ProtocolError, UsageError

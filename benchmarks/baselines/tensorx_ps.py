@@ -56,7 +56,7 @@ def serve(args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     if args.variant == "one-part":  # experiment: apply and answer the update in one piece
-        from tensorx._ps import parts
+        from tensorx._ps.update import parts
 
         parts.PART_BYTES = 1 << 40
     transport, ucx_options = _transport(args.transport)

@@ -54,7 +54,7 @@ class ShardCore(abc.ABC):
     checkpoint_every: int | None
     checkpoint_keep: int
     resume_optimizer: bool  # resume the checkpoint's optimizer state, or parameters alone
-    flat: bool | None  # None: flat update when it gives the same result (see _ps.flat)
+    flat: bool | None  # None: flat update when it gives the same result (see _ps.update.flat)
     share_memory: bool
     device: str  # "cpu" or "cuda:N", see tensorx._ps.common.device
     _optimizer: OptimizerFactory

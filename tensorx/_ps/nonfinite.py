@@ -2,7 +2,7 @@
 
 One rank's NaN, averaged in, would make every parameter NaN on every worker for good. So
 before each update the shard checks the gradient it is about to apply: the ranks' slots
-folded into memory of its own (:mod:`tensorx._ps.fold`), never the slots themselves, which
+folded into memory of its own (:mod:`tensorx._ps.update.fold`), never the slots themselves, which
 their ranks can still write while the shard reads them. The check is one sum per folded
 range (per tensor when the arena mixes dtypes), accumulated in at least float32: a sum is
 finite only if every term is, so nothing non-finite passes; a finite gradient so large that

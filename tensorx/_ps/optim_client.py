@@ -15,7 +15,7 @@ import asyncio
 from typing import Any
 
 from tensorx._ps.links import ShardLinks
-from tensorx._ps.optim import plan_params
+from tensorx._ps.update.optim import plan_params
 from tensorx._ps.wire import optim_state, protocol
 from tensorx._ps.wire.hyper import heard
 from tensorx.errors import ProtocolError, TensorxError

@@ -10,7 +10,7 @@
   ``state_commit``) is every rank's and every shard's or none's (see
   :mod:`tensorx._ps.optim_load`): the shard reads one packed region, after checking the
   manifest against its own entries, checks what it holds against the optimizer (see
-  :mod:`tensorx._ps.optim_check`), and loads it once every rank has committed. A refused
+  :mod:`tensorx._ps.update.optim_check`), and loads it once every rank has committed. A refused
   load is answered with the error; the workers stay connected.
 
 The service loop calls these between updates, so the state is never read or loaded halfway
@@ -23,8 +23,8 @@ import asyncio
 import logging
 from typing import Any
 
-from tensorx._ps import optim_check
 from tensorx._ps.optim_load import RULE, LoadRound, Put
+from tensorx._ps.update import optim_check
 from tensorx._ps.wire import hyper, optim_state, protocol
 from tensorx._text import printable
 from tensorx.endpoint import Endpoint
@@ -254,7 +254,7 @@ class OptimService:
 
 def _checked(optimizer: Any, sent: Any) -> list[dict[str, Any]]:
     """A peer's hyperparameters for ``optimizer``'s groups, checked (see
-    :mod:`tensorx._ps.optim_check`)."""
+    :mod:`tensorx._ps.update.optim_check`)."""
     changes = hyper.check(sent, [{k: v for k, v in g.items() if k not in hyper.SKIP}
                                  for g in optimizer.param_groups])
     optim_check.check_hyper(optimizer, changes)

@@ -8,7 +8,7 @@ the next parts) and written back to every worker that copies, at once; the ``par
 notification follows the last part. A rank of the barrier that goes away, or a part that
 holds NaN or Inf, restores every part applied so far from its backup first. What is checked
 for NaN and Inf is each part as folded into the shard's own memory, which is what is applied
-(:mod:`tensorx._ps.fold`): the slots stay writable by their ranks all along.
+(:mod:`tensorx._ps.update.fold`): the slots stay writable by their ranks all along.
 """
 
 from __future__ import annotations

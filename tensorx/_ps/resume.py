@@ -13,9 +13,9 @@ checkpoint's do not (a newer torch's option) keeps the factory's value.
 Refused, each in one :class:`~tensorx.errors.UsageError` line and before anything is
 replaced: an optimizer of another class than the checkpoint's (SGD's momentum buffers are
 no state for Adam), other param groups (as many, with as many parameters each), state that
-does not fit (:func:`tensorx._ps.optim_check.check_state`: the keys and shapes the
+does not fit (:func:`tensorx._ps.update.optim_check.check_state`: the keys and shapes the
 optimizer keeps, finite values) and hyperparameters the optimizer's own constructor refuses
-(:func:`tensorx._ps.optim_check.check_hyper`). Each names the way out: the optimizer the
+(:func:`tensorx._ps.update.optim_check.check_hyper`). Each names the way out: the optimizer the
 checkpoint was written with, or the parameters alone with a fresh optimizer
 (``resume_optimizer=False``, ``tensorx ps --no-resume-optimizer``).
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import optim_check
+from tensorx._ps.update import optim_check
 from tensorx._ps.wire import hyper
 from tensorx._text import printable
 from tensorx.errors import UsageError

@@ -1,6 +1,6 @@
 """A sync update applied part by part while the workers' gradients are still arriving.
 
-A shard whose update runs as flat ranges (:mod:`tensorx._ps.flat`) can apply each range (a
+A shard whose update runs as flat ranges (:mod:`tensorx._ps.update.flat`) can apply each range (a
 *part*) on its own: the same update as applying them all at once. In sync mode it applies
 part ``k`` as soon as every rank of the barrier has pushed its part ``k``, and writes that
 part of the new parameters back while later parts are still on their way

@@ -20,12 +20,8 @@ import torch
 from tensorx._ps import checkpoint, resume
 from tensorx._ps.common.device import allocate_arenas, fence
 from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
-from tensorx._ps.flat import FlatUpdate
-from tensorx._ps.fold import DenseFold, Units
-from tensorx._ps.optim import build_optimizer, step_failure
 from tensorx._ps.rows.changed import ChangedRows
 from tensorx._ps.rows.tables import Rows, SparseRows
-from tensorx._ps.rowsgd import RowSGD
 from tensorx._ps.shard_layout import (
     ShardLayout,
     Slot,
@@ -35,7 +31,11 @@ from tensorx._ps.shard_layout import (
     single_dtype,
     views,
 )
-from tensorx._ps.update import TorchStep, choose, dense_grads
+from tensorx._ps.update.flat import FlatUpdate
+from tensorx._ps.update.fold import DenseFold, Units
+from tensorx._ps.update.optim import build_optimizer, step_failure
+from tensorx._ps.update.rowsgd import RowSGD
+from tensorx._ps.update.step import TorchStep, choose, dense_grads
 from tensorx._ps.wire.checksum import checksum
 from tensorx.errors import UsageError
 from tensorx.memregion import MemoryRegion
@@ -46,7 +46,7 @@ __all__ = ["CHECKPOINT_FORMAT", "OptimizerFactory", "SchedulerFactory", "ShardLa
 
 logger = logging.getLogger(__name__)
 
-# factory(params) or factory(named_params=[(name, param), ...]): see tensorx._ps.optim
+# factory(params) or factory(named_params=[(name, param), ...]): see tensorx._ps.update.optim
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
@@ -55,15 +55,15 @@ class ShardState:
     """Parameters, one gradient slot per worker, and a real ``torch.optim`` optimizer.
 
     The optimizer's parameters are the model's (named, shaped as in the model, in model
-    order; see :mod:`tensorx._ps.optim`) as views of the arena, and their ``.grad`` views of
+    order; see :mod:`tensorx._ps.update.optim`) as views of the arena, and their ``.grad`` views of
     an accumulator that holds the ranks' gradients folded out of their slots (the mean; one
-    rank's copied: see :mod:`tensorx._ps.fold`), so momentum, Adam, param groups and LR
+    rank's copied: see :mod:`tensorx._ps.update.fold`), so momentum, Adam, param groups and LR
     schedulers work unchanged.
     ``flat=None`` (the default) steps an elementwise optimizer (SGD, Adam(W), RMSprop,
-    Adagrad, ...: :func:`tensorx._ps.flat.elementwise`) as a few flat ranges of the arena,
+    Adagrad, ...: :func:`tensorx._ps.update.flat.elementwise`) as a few flat ranges of the arena,
     one or more per param group, with torch's fused or foreach kernels: the same result,
     far fewer kernel launches; the optimizer still sees (and its ``state_dict`` still holds)
-    the model's parameters (see :mod:`tensorx._ps.flat`). Other optimizers, and
+    the model's parameters (see :mod:`tensorx._ps.update.flat`). Other optimizers, and
     ``flat=False``, step per tensor. One INFO line says which and why.
     ``flat=True`` gives the optimizer itself one flat parameter over the whole arena instead
     of one per tensor (named ``"flat.0"``, ...): right for elementwise optimizers only.
@@ -217,7 +217,7 @@ class ShardState:
     def fold(self, ranks: list[int], parts: list[int] | None = None) -> None:
         """Fold ``ranks``' dense gradients (of ``parts``; default all) out of their slots
         into the gradient memory, afresh: what :meth:`apply` and :meth:`apply_part` step
-        with, in memory no peer can write (see :mod:`tensorx._ps.fold`)."""
+        with, in memory no peer can write (see :mod:`tensorx._ps.update.fold`)."""
         self._fold.fold(ranks, self._units(parts))
 
     def folded_finite(self, parts: list[int] | None = None) -> bool:
@@ -406,7 +406,7 @@ class ShardState:
 
     def _optimizer_state(self) -> dict[str, Any] | None:
         """The optimizer's state; a flat shard's in the one-parameter form (whatever the
-        part size, see :mod:`tensorx._ps.parts`)."""
+        part size, see :mod:`tensorx._ps.update.parts`)."""
         if self.optimizer is None:
             return None
         return self._update.saved_state(self.optimizer.state_dict())

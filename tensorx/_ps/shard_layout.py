@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import parts
-from tensorx._ps.optim import ParamSpec, param_specs
+from tensorx._ps.update import parts
+from tensorx._ps.update.optim import ParamSpec, param_specs
 from tensorx.errors import UsageError
 from tensorx.memregion import MemoryRegion
 

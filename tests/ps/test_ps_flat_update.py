@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from tensorx._ps import parts
 from tensorx._ps.shard import ShardState, load_checkpoint, views
+from tensorx._ps.update import parts
 from tests.support.flat_update import ELEMENTWISE, layout, same, train, two_groups
 
 
@@ -154,7 +154,7 @@ def test_a_loaded_state_the_flat_update_cannot_hold_turns_it_off(
     auto = ShardState(layout(), 1, make)
     train(auto, range(2), workers=1)
     assert auto.optimizer is not None
-    with caplog.at_level(logging.WARNING, logger="tensorx._ps.flat"):
+    with caplog.at_level(logging.WARNING, logger="tensorx._ps.update.flat"):
         auto.optimizer.load_state_dict(copy.deepcopy(saved))
     assert auto.fast is None and "per-tensor from now on" in caplog.text
     ref.optimizer.load_state_dict(saved)

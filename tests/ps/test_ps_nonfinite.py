@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import parts
 from tensorx._ps import round as rounds
 from tensorx._ps.nonfinite import finite, listed, nonfinite_names
 from tensorx._ps.shard import ShardLayout, ShardState
+from tensorx._ps.update import parts
 from tensorx.errors import UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import parts
 from tensorx._ps.normx import NormExchange
 from tensorx._ps.shard import ShardLayout, ShardState, load_checkpoint
+from tensorx._ps.update import parts
 from tensorx._ps.wire import protocol
 from tensorx.errors import BrokenError, TensorxError, UsageError
 from tensorx.errors import TimeoutError as TxTimeoutError

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps.optim_check import check_hyper, check_state
+from tensorx._ps.update.optim_check import check_hyper, check_state
 from tensorx.errors import UsageError
 
 Make = Callable[[list[nn.Parameter]], torch.optim.Optimizer]

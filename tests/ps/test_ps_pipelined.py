@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import parts
 from tensorx._ps import round as rounds
 from tensorx._ps.common import abtimer
-from tensorx._ps.parts import check_parts, split_ops
 from tensorx._ps.round import PartBackups, Round
+from tensorx._ps.update import parts
+from tensorx._ps.update.parts import check_parts, split_ops
 from tensorx._ps.wire import protocol
 from tensorx.errors import ProtocolError, TensorxError, UsageError
 from tensorx.ps import ParameterServer

@@ -1,4 +1,4 @@
-"""The C kernel for plain SGD on sparse rows (tensorx._ps.rowkernel): torch's bits, nothing
+"""The C kernel for plain SGD on sparse rows (tensorx._ps.update.rowkernel): torch's bits, nothing
 written where it refuses, and the torch ops wherever it cannot be built."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorx._ps import rowkernel, rowsgd
 from tensorx._ps.rows.tables import no_invariant_checks, sum_rows
+from tensorx._ps.update import rowkernel, rowsgd
 from tests.support.host import NOBODY, as_root, kernel_or_skip, plant
 from tests.support.logs import only_warning
 
@@ -222,7 +222,7 @@ def test_a_kernel_replaced_after_its_build_is_rebuilt(
     cache = tmp_path / "cache"
     monkeypatch.setenv("TENSORX_CACHE_DIR", str(cache))
     subprocess.run([sys.executable, "-c",
-                    "from tensorx._ps import rowkernel; assert rowkernel._load()"],
+                    "from tensorx._ps.update import rowkernel; assert rowkernel._load()"],
                    check=True, timeout=120)
     marker = tmp_path / "marker"
     plant(cache / kernel_file, marker)

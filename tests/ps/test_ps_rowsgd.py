@@ -1,5 +1,6 @@
-"""Plain SGD on sparse tables in a few ops for all of them (tensorx._ps.rowsgd): the same bits
-as torch's own sparse SGD step, update after update, and torch's step wherever it may not."""
+"""Plain SGD on sparse tables in a few ops for all of them (tensorx._ps.update.rowsgd): the
+same bits as torch's own sparse SGD step, update after update, and torch's step wherever it
+may not."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import rowkernel, rowsgd
 from tensorx._ps.rows.tables import row_groups
 from tensorx._ps.shard import ShardLayout, ShardState
+from tensorx._ps.update import rowkernel, rowsgd
 from tensorx.graph_analyzer import GraphAnalyzer
 from tests.support.host import kernel_or_skip
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import answer, parts
+from tensorx._ps import answer
 from tensorx._ps.rows.changed import runs
+from tensorx._ps.update import parts
 from tensorx.ps import ParameterServer
 from tests.support.clusters import servers, workers
 from tests.support.lanes import assert_link, lanes, node_transport

@@ -57,7 +57,7 @@ async def test_updates_sent_part_by_part_equal_single_process(
         lane: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A flat shard in several parts (tiny parts here) applies and writes back the update
     part by part to workers that copy: still exactly single-process training."""
-    from tensorx._ps import parts
+    from tensorx._ps.update import parts
 
     monkeypatch.setattr(parts, "PART_BYTES", 256)
     data = batches(12, 2)

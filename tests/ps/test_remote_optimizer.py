@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps.optim import plan_params
+from tensorx._ps.update.optim import plan_params
 from tensorx._ps.wire import hyper, optim_state
 from tensorx.errors import ProtocolError, UsageError
 from tensorx.ps import ParameterServer

@@ -19,7 +19,7 @@ from tensorx import _shm
 if TYPE_CHECKING:
     import torch
 
-    from tensorx._ps import rowkernel
+    from tensorx._ps.update import rowkernel
 
 NOBODY = 65534  # "another user" (uid and gid of nobody)
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play another user")
@@ -60,7 +60,7 @@ def shm_files(tensors: Iterable[torch.Tensor]) -> set[str]:
 
 def kernel_or_skip() -> rowkernel.RowKernel:
     """The C kernel; a test fails if a C compiler is here and it did not build."""
-    from tensorx._ps import rowkernel
+    from tensorx._ps.update import rowkernel
 
     kernel = rowkernel.load()
     if kernel is None:

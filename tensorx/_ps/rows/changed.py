@@ -74,7 +74,7 @@ class ChangedRows:
 
     def noted(self, changed: dict[int, torch.Tensor]) -> None:
         """After a row-local step that changed the rows ``changed`` (sorted unique ids per
-        table) without sparse gradients in ``.grad`` (see :mod:`tensorx._ps.rowsgd`)."""
+        table) without sparse gradients in ``.grad`` (see :mod:`tensorx._ps.update.rowsgd`)."""
         self._memo.clear()
         for i, ids in changed.items():
             self._current.setdefault(i, []).append(ids.cpu())

@@ -17,9 +17,10 @@ same key to different values, the lowest rank wins (logged as a WARNING); every 
 ``param_groups`` show the winning values once its step returns.
 
 What a value may be (:func:`refusal`; the worker checks it before sending, the shard again
-on arrival, then against the optimizer's own constructor, see :mod:`tensorx._ps.optim_check`):
-the kind of value the group holds (a number where it has a number, a tuple of as many
-numbers, None only where it has None or a flag), and a finite number. Pure: no I/O.
+on arrival, then against the optimizer's own constructor, see
+:mod:`tensorx._ps.update.optim_check`): the kind of value the group holds (a number where
+it has a number, a tuple of as many numbers, None only where it has None or a flag), and a
+finite number. Pure: no I/O.
 """
 
 from __future__ import annotations

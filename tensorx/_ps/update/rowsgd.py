@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from tensorx._ps import rowkernel
 from tensorx._ps.rows.tables import (
     RowGroup,
     Rows,
@@ -34,6 +33,7 @@ from tensorx._ps.rows.tables import (
     sum_rows,
     take_rows,
 )
+from tensorx._ps.update import rowkernel
 
 __all__ = ["RowSGD", "why_not"]
 

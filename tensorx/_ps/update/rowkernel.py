@@ -1,6 +1,6 @@
 """A small C kernel for plain SGD on a shard's sparse rows (issue 17's apply rate).
 
-:class:`~tensorx._ps.rowsgd.RowSGD` steps a group of tables with a few torch and numpy ops:
+:class:`~tensorx._ps.update.rowsgd.RowSGD` steps a group of tables with a few torch and numpy ops:
 the ranks' rows summed by key (a sort and an ``embedding_bag``), divided by the number of
 ranks, the table's rows gathered, ``rows + (-lr) * grad``, scattered back. Each op is a pass
 of its own, and the gather and the scatter each wait on every row's cache misses: 8192 rows
@@ -16,7 +16,7 @@ scatter. This kernel does the same arithmetic in two passes, with the same bits:
    read and one write of each row.
 
 Whether the fused multiply-add or the separate one gives torch's bits is measured on the
-spot (:class:`~tensorx._ps.rowsgd.RowSGD` probes both against torch's own sparse step, per
+spot (:class:`~tensorx._ps.update.rowsgd.RowSGD` probes both against torch's own sparse step, per
 dtype, row shape and lr), as for the torch ops. Built on first use with the host's C
 compiler (``$CC``, else ``cc``) into ``$TENSORX_CACHE_DIR`` (else ``~/.cache/tensorx``),
 once per machine and source, loaded with ctypes, only as :mod:`tensorx._cache` allows (a

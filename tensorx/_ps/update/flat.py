@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from tensorx._ps.optim import ParamSpec
+from tensorx._ps.update.optim import ParamSpec
 
 __all__ = ["ELEMENTWISE", "FlatUpdate", "Range", "elementwise", "ranges"]
 

@@ -8,14 +8,14 @@ from then on calls it without asking which it is:
   update is one part.
 - :class:`FlatParams`: ``flat=True``: the optimizer itself sees a few flat parameters over
   the arena (``"flat.0"``, ...), each one part; its state is saved in the one-parameter
-  form (see :mod:`tensorx._ps.parts`).
-- :class:`FlatRanges`: the flat update of an elementwise optimizer (:mod:`tensorx._ps.flat`):
+  form (see :mod:`tensorx._ps.update.parts`).
+- :class:`FlatRanges`: the flat update of an elementwise optimizer (:mod:`tensorx._ps.update.flat`):
   the sparse tables first, one part each, then the flat ranges, each one part. An optimizer
   state loaded that the flat update cannot hold turns it off for good
   (:meth:`FlatUpdate.adopt`): it steps as :class:`PerTensor` from then on.
 
 Each steps the sparse tables through :class:`TorchStep`, by the row kernel
-(:mod:`tensorx._ps.rowsgd`) where it gives torch's very bits, else by ``optimizer.step()``.
+(:mod:`tensorx._ps.update.rowsgd`) where it gives torch's very bits, else by ``optimizer.step()``.
 Pure: torch only, no I/O; the caller fences the device (:func:`tensorx._ps.common.device.fence`).
 """
 
@@ -26,13 +26,13 @@ from typing import Any, Protocol
 
 import torch
 
-from tensorx._ps import parts
-from tensorx._ps.flat import FlatUpdate, elementwise
-from tensorx._ps.fold import DenseFold, Units
-from tensorx._ps.optim import ParamSpec
 from tensorx._ps.rows.changed import ChangedRows, row_local
 from tensorx._ps.rows.tables import SparseRows, no_invariant_checks
-from tensorx._ps.rowsgd import RowSGD
+from tensorx._ps.update import parts
+from tensorx._ps.update.flat import FlatUpdate, elementwise
+from tensorx._ps.update.fold import DenseFold, Units
+from tensorx._ps.update.optim import ParamSpec
+from tensorx._ps.update.rowsgd import RowSGD
 from tensorx.errors import OptimizerError, UsageError
 from tensorx.memregion import MemoryRegion
 
@@ -264,7 +264,7 @@ class PerTensor:
 class FlatParams(PerTensor):
     """``flat=True``: the optimizer's parameters are flat parts of the arena, one part each;
     its state is kept whatever the part size (the one-parameter form, see
-    :mod:`tensorx._ps.parts`)."""
+    :mod:`tensorx._ps.update.parts`)."""
 
     flat = True
 
@@ -293,7 +293,7 @@ class FlatParams(PerTensor):
 
 
 class FlatRanges(PerTensor):
-    """The flat update (:mod:`tensorx._ps.flat`): the sparse tables, one part each, then
+    """The flat update (:mod:`tensorx._ps.update.flat`): the sparse tables, one part each, then
     the ranges; per tensor (:class:`PerTensor`) once the flat update has turned off."""
 
     def __init__(self, fast: FlatUpdate, step: TorchStep, fold: DenseFold,
