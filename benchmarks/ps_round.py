@@ -204,7 +204,7 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
     import torch
 
     from tensorx._ps.nonfinite import checked
-    from tensorx._ps.shard import ShardLayout, ShardState
+    from tensorx._ps.state.shard import ShardLayout, ShardState
     from tensorx.graph_analyzer import GraphAnalyzer
     from tensorx.memregion import MemoryRegion
 

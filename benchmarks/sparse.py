@@ -172,7 +172,7 @@ def apply_rate(rows: int = 1_000_000, dim: int = 64, touched: int = 4096, worker
     import torch
     from torch import nn
 
-    from tensorx._ps.shard import ShardLayout, ShardState
+    from tensorx._ps.state.shard import ShardLayout, ShardState
     from tensorx.graph_analyzer import GraphAnalyzer
 
     torch.set_num_threads(1)

@@ -42,7 +42,6 @@ from typing import Any
 
 from tensorx._ps import observe
 from tensorx._ps.applier import Applier
-from tensorx._ps.checkpoint import check_schedule
 from tensorx._ps.common.abtimer import EarlyChooser
 from tensorx._ps.common.device import resolve as resolve_device
 from tensorx._ps.common.remembered import Memory
@@ -60,8 +59,9 @@ from tensorx._ps.plan import PlanHolder
 from tensorx._ps.schedule import MODES, Scheduler
 from tensorx._ps.service import ServiceLoop
 from tensorx._ps.session import Sessions
-from tensorx._ps.shard import OptimizerFactory, SchedulerFactory, checkpoint_path
 from tensorx._ps.sharing import Sharing
+from tensorx._ps.state.checkpoint import check_schedule
+from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, checkpoint_path
 from tensorx._ps.steps import Steps
 from tensorx.errors import UsageError
 from tensorx.node import Node
@@ -94,14 +94,14 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     Initial parameters come from the checkpoint in ``checkpoint_dir`` when there is one, else
     from worker rank 0. ``checkpoint_every``: also checkpoint every N updates;
     ``checkpoint_keep``: checkpoints kept (a damaged newest one falls back to the one before;
-    see :mod:`tensorx._ps.checkpoint` for durability and permissions). A checkpoint that
+    see :mod:`tensorx._ps.state.checkpoint` for durability and permissions). A checkpoint that
     fails (disk full) is logged and counted; training goes on. Resuming restores the
     optimizer's state with its hyperparameters, as torch's ``load_state_dict`` does: the
     checkpoint's ``lr`` wins over the factory's (one WARNING per value the factory gives
     differently), and an optimizer of another class, or one the state does not fit, is
     refused (UsageError) before anything is replaced. ``resume_optimizer=False`` resumes
     the parameters (and version) alone, with a fresh optimizer and LR schedule from the
-    factories. See :mod:`tensorx._ps.resume`.
+    factories. See :mod:`tensorx._ps.state.resume`.
     ``token`` (default ``$TENSORX_TOKEN``) is required to listen beyond loopback, unless
     ``insecure=True``. ``log_every``: seconds between throughput log lines (None: never).
     ``flat``: how the update runs. ``None`` (the default): when the optimizer is

@@ -34,8 +34,8 @@ from tensorx._ps.common.stats import WorkerTimings
 from tensorx._ps.links import ShardLinks
 from tensorx._ps.optim_client import OptimStates
 from tensorx._ps.rows.sparse import SparseSender
-from tensorx._ps.shard_layout import dynamic_path_ok
 from tensorx._ps.shared import SharedArenas
+from tensorx._ps.state.shard_layout import dynamic_path_ok
 from tensorx._ps.update.parts import check_parts, split_ops
 from tensorx._ps.wire import optim_state, protocol
 from tensorx._ps.wire.checksum import checksum

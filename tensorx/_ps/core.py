@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from tensorx._ps.round import PartBackups, Round
     from tensorx._ps.rows.sparse import SparseReceiver
     from tensorx._ps.schedule import Decision, Scheduler
-    from tensorx._ps.shard import OptimizerFactory, SchedulerFactory, ShardState
     from tensorx._ps.sharing import Sharing
+    from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, ShardState
     from tensorx.endpoint import Endpoint
     from tensorx.errors import TensorxError
     from tensorx.graph_analyzer import TransferPlan

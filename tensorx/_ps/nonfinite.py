@@ -40,7 +40,7 @@ import torch
 
 from tensorx._ps.rows.tables import sum_finite
 from tensorx._ps.schedule import Decision
-from tensorx._ps.shard_layout import views
+from tensorx._ps.state.shard_layout import views
 from tensorx._text import printable
 from tensorx.errors import UsageError
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tensorx._commands.ps import main
-from tensorx._ps.shard import ShardLayout, ShardState, checkpoint_path
+from tensorx._ps.state.shard import ShardLayout, ShardState, checkpoint_path
 from tensorx.graph_analyzer import GraphAnalyzer
 
 BASE = ["--workers", "1", "--listen", "tcp://127.0.0.1:0", "--transport", "tcp"]

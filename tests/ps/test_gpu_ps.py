@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tensorx._ps.nonfinite import finite
-from tensorx._ps.shard import (
+from tensorx._ps.state.shard import (
     ShardLayout,
     ShardState,
     Slot,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorx._ps.shard import ShardLayout, ShardState, load_checkpoint
+from tensorx._ps.state.shard import ShardLayout, ShardState, load_checkpoint
 from tensorx.errors import UsageError
 from tensorx.graph_analyzer import TransferPlan
 from tensorx.ps import ParameterServer

@@ -11,7 +11,7 @@ import torch
 
 from tensorx._ps.losses import LossWatch
 from tensorx._ps.schedule import Scheduler
-from tensorx._ps.shard import ShardLayout, ShardState, Slot, load_checkpoint, views
+from tensorx._ps.state.shard import ShardLayout, ShardState, Slot, load_checkpoint, views
 from tensorx._ps.update import parts
 from tensorx._ps.wire import protocol
 from tensorx.errors import ProtocolError, UsageError

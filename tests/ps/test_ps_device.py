@@ -13,8 +13,8 @@ import torch
 
 from tensorx._commands import ps as ps_command
 from tensorx._ps.common.device import fence, resolve
-from tensorx._ps.shard import to_cpu
 from tensorx._ps.sharing import Sharing
+from tensorx._ps.state.shard import to_cpu
 from tensorx.errors import UsageError
 from tensorx.ps import ParameterServer
 from tests.support.clusters import train_sync

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tensorx._ps.shard import ShardState, load_checkpoint, views
+from tensorx._ps.state.shard import ShardState, load_checkpoint, views
 from tensorx._ps.update import parts
 from tests.support.flat_update import ELEMENTWISE, layout, same, train, two_groups
 
@@ -77,7 +77,7 @@ def test_a_subclass_of_an_elementwise_optimizer_steps_per_tensor() -> None:
 
 
 def test_one_log_line_says_which_update_and_why(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="tensorx._ps.shard"):
+    with caplog.at_level(logging.INFO, logger="tensorx._ps.state.shard"):
         ShardState(layout(), 1, two_groups(torch.optim.SGD, lr=0.1))
         ShardState(layout(), 1, lambda p: NormScaled(p, lr=0.1))
         ShardState(layout(), 1, lambda p: torch.optim.SGD(p, lr=0.1), flat=False)

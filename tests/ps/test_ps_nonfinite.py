@@ -19,7 +19,7 @@ from torch import nn
 
 from tensorx._ps import round as rounds
 from tensorx._ps.nonfinite import finite, listed, nonfinite_names
-from tensorx._ps.shard import ShardLayout, ShardState
+from tensorx._ps.state.shard import ShardLayout, ShardState
 from tensorx._ps.update import parts
 from tensorx.errors import UsageError
 from tensorx.graph_analyzer import GraphAnalyzer

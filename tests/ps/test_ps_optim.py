@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tensorx._ps.normx import NormExchange
-from tensorx._ps.shard import ShardLayout, ShardState, load_checkpoint
+from tensorx._ps.state.shard import ShardLayout, ShardState, load_checkpoint
 from tensorx._ps.update import parts
 from tensorx._ps.wire import protocol
 from tensorx.errors import BrokenError, TensorxError, UsageError

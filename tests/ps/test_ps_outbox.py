@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tensorx._ps.outbox import Outbox
-from tensorx._ps.shard import ShardLayout, ShardState, views
+from tensorx._ps.state.shard import ShardLayout, ShardState, views
 from tensorx.graph_analyzer import GraphAnalyzer
 from tests.support import models
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tensorx._ps.rows.tables import row_groups
-from tensorx._ps.shard import ShardLayout, ShardState
+from tensorx._ps.state.shard import ShardLayout, ShardState
 from tensorx._ps.update import rowkernel, rowsgd
 from tensorx.graph_analyzer import GraphAnalyzer
 from tests.support.host import kernel_or_skip

@@ -20,7 +20,7 @@ from torch import nn
 import tensorx as tx
 from tensorx._analyzer.sparse import SparseStaging, payload_views
 from tensorx._ps.rows.sparse import SparseReceiver
-from tensorx._ps.shard import ShardLayout, ShardState
+from tensorx._ps.state.shard import ShardLayout, ShardState
 from tensorx.errors import ProtocolError, RegionError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tensorx._ps.rows.tables import PushedRows, SparseRows, put_rows, take_rows
-from tensorx._ps.shard import ShardLayout
+from tensorx._ps.state.shard import ShardLayout
 from tensorx.errors import RegionError
 from tensorx.memregion import MemoryRegion
 from tests.support.sparse_rows import Copying, setup

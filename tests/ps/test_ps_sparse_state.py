@@ -13,7 +13,7 @@ import torch
 
 from tensorx._analyzer.sparse import SparseStaging, read_header, read_headers
 from tensorx._ps.rows.sparse import SparseReceiver
-from tensorx._ps.shard import ShardLayout, ShardState
+from tensorx._ps.state.shard import ShardLayout, ShardState
 from tensorx._ps.update.optim_check import check_state
 from tensorx._ps.wire import optim_state
 from tensorx.errors import BrokenError, RegionError

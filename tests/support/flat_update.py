@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tensorx._ps.shard import ShardLayout, ShardState, views
+from tensorx._ps.state.shard import ShardLayout, ShardState, views
 from tensorx.graph_analyzer import GraphAnalyzer
 from tests.support import models
 

@@ -25,7 +25,7 @@ from tensorx.memregion import MemoryRegion
 
 __all__ = ["allocate_arenas", "fence", "is_cuda", "resolve"]
 
-logger = logging.getLogger("tensorx._ps.shard")  # its warning read as the shard's
+logger = logging.getLogger("tensorx._ps.state.shard")  # its warning read as the shard's
 
 _FORM = re.compile(r"(cpu|cuda)(?::(\d+))?")
 

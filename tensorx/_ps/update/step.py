@@ -1,6 +1,6 @@
 """How a shard steps its update: one interface (:class:`Update`), one implementation per way.
 
-:class:`~tensorx._ps.shard.ShardState` chooses one when it is built (:func:`choose`) and
+:class:`~tensorx._ps.state.shard.ShardState` chooses one when it is built (:func:`choose`) and
 from then on calls it without asking which it is:
 
 - :class:`PerTensor`: the optimizer's own step over the model's parameters (any optimizer,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import checkpoint
+from tensorx._ps.state import checkpoint
 from tensorx.errors import UsageError
 
 __all__ = ["CHECKPOINT_FORMAT", "load_checkpoint", "read_checkpoint", "to_cpu"]

@@ -17,12 +17,17 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import checkpoint, resume
 from tensorx._ps.common.device import allocate_arenas, fence
-from tensorx._ps.files import CHECKPOINT_FORMAT, load_checkpoint, read_checkpoint, to_cpu
 from tensorx._ps.rows.changed import ChangedRows
 from tensorx._ps.rows.tables import Rows, SparseRows
-from tensorx._ps.shard_layout import (
+from tensorx._ps.state import checkpoint, resume
+from tensorx._ps.state.checkpoint_format import (
+    CHECKPOINT_FORMAT,
+    load_checkpoint,
+    read_checkpoint,
+    to_cpu,
+)
+from tensorx._ps.state.shard_layout import (
     ShardLayout,
     Slot,
     dense_splitter,
@@ -108,7 +113,7 @@ class ShardState:
         # a shard the plan left empty still counts versions, with nothing to optimize
         self.optimizer = build_optimizer(optimizer, self.named_parameters()) \
             if self.params else None
-        # what the factory gave, before a schedule changes it: see tensorx._ps.resume
+        # what the factory gave, before a schedule changes it: see tensorx._ps.state.resume
         self._given = resume.given(self.optimizer) if self.optimizer is not None else []
         self._row_sgd = RowSGD.build(self.optimizer, self.params, self.rows, device)
         self._torch = TorchStep(self.optimizer, self.params, acc, self.rows, self.changed,
@@ -366,7 +371,7 @@ class ShardState:
     def load_state_dict(self, state: dict[str, Any], optimizer: bool = True) -> None:
         """Resume from a checkpoint: its parameters and version, and (``optimizer``) its
         optimizer state, hyperparameters included, and LR schedule, each judged before
-        anything is replaced (see :mod:`tensorx._ps.resume`); UsageError in one line."""
+        anything is replaced (see :mod:`tensorx._ps.state.resume`); UsageError in one line."""
         if state.get("fingerprint") != self.layout.fingerprint:
             raise UsageError("checkpoint was taken for a different plan (another model, "
                              "plan options or number of shards): resume it with the "
@@ -413,7 +418,7 @@ class ShardState:
 
     def save(self, path: Path, plan_bytes: bytes, keep: int = checkpoint.KEEP) -> None:
         """Write durably and atomically, keeping ``keep`` generations (see
-        :mod:`tensorx._ps.checkpoint`): a crash or a full disk mid-save raises and leaves the
+        :mod:`tensorx._ps.state.checkpoint`): a crash or a full disk mid-save raises and leaves the
         previous checkpoints intact."""
         state = self.state_dict(plan_bytes)
         checkpoint.save(path, lambda file: torch.save(state, file), keep)
