@@ -4,7 +4,7 @@ A communication-heavy model (a wide MLP, 20M parameters, small batches; see
 ``benchmarks/baselines/training.py``) trained in sync mode by:
 
 * tensorx (``ParameterServer`` + ``RemoteOptimizer`` in a plain PyTorch loop), as shipped
-  (overlap measured, see :mod:`tensorx._ps.buckets`) and with gradient overlap forced on
+  (overlap measured, see :mod:`tensorx._ps.worker.buckets`) and with gradient overlap forced on
   (buckets written during backward) and off, over tcp and over UCX, all on the
   copy path; and as shipped (``share_memory=True``): the workers map the PS's arenas;
 * the ``torch.distributed.rpc`` parameter-server pattern (TensorPipe) from the PyTorch

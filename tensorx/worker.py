@@ -8,7 +8,7 @@ shards write fresh parameters straight into the module::
         loss.backward(); await worker.step()       # push, wait as the mode says, pull
 
 On the shards' own host, in sync mode, the arenas are the shards' memory itself (mapped
-from /dev/shm, see :mod:`tensorx._ps.shared`) and a step only exchanges notifications.
+from /dev/shm, see :mod:`tensorx._ps.worker.samehost`) and a step only exchanges notifications.
 
 :class:`tensorx.RemoteOptimizer` (:mod:`tensorx.remote_optimizer`) is the blocking
 ``torch.optim.Optimizer`` facade for ordinary PyTorch loops.
@@ -28,19 +28,19 @@ import torch
 
 from tensorx._backoff import Backoff
 from tensorx._deadline import Deadline, wait_for
-from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets
 from tensorx._ps.common.gather import windowed
 from tensorx._ps.common.stats import WorkerTimings
-from tensorx._ps.links import ShardLinks
-from tensorx._ps.optim_client import OptimStates
 from tensorx._ps.rows.sparse import SparseSender
-from tensorx._ps.shared import SharedArenas
 from tensorx._ps.state.shard_layout import dynamic_path_ok
 from tensorx._ps.update.parts import check_parts, split_ops
 from tensorx._ps.wire import optim_state, protocol
 from tensorx._ps.wire.checksum import checksum
 from tensorx._ps.wire.hyper import heard as hyper_heard
 from tensorx._ps.wire.hyper import snapshot as hyper_snapshot
+from tensorx._ps.worker.buckets import Bucket, BucketPusher, make_buckets
+from tensorx._ps.worker.links import ShardLinks
+from tensorx._ps.worker.optim_client import OptimStates
+from tensorx._ps.worker.samehost import SharedArenas
 from tensorx.endpoint import Endpoint
 from tensorx.errors import (
     BrokenError,
@@ -71,7 +71,7 @@ class Worker:
     ``plan_options``: passed to :class:`tensorx.GraphAnalyzer` (every worker must agree).
     ``overlap``: start writing a gradient bucket (about ``bucket_bytes``) to its shard as
     soon as autograd has finished it, during backward; ``None`` (default): measure steps
-    with and without it and keep the faster (:mod:`tensorx._ps.buckets`). ``timeout``:
+    with and without it and keep the faster (:mod:`tensorx._ps.worker.buckets`). ``timeout``:
     seconds for every wait, including a sync step's wait for the slowest worker. When a
     shard goes away (killed, restarted, cut off), :meth:`step` raises
     :class:`~tensorx.errors.BrokenError` naming the shard and its address

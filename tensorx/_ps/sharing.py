@@ -3,7 +3,7 @@
 A worker on the shard's host may map its gradient slot (autograd writes straight into it:
 a push copies nothing) and the parameter arena (the shard's update is there for it to read:
 a pull copies nothing). The worker maps the parameter arena copy-on-write
-(:mod:`tensorx._ps.shared`), so an edit it makes in place never reaches the shard or any
+(:mod:`tensorx._ps.worker.samehost`), so an edit it makes in place never reaches the shard or any
 other worker, and is dropped at its next pull, as on the copy path.
 
 The offer is no PS-private mechanism: it is the two regions' descriptors, which carry their

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tensorx import _shm
-from tensorx._ps.shared import plan_obstacle
+from tensorx._ps.worker.samehost import plan_obstacle
 from tensorx.errors import ProtocolError, RegionError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion, host_id

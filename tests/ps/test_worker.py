@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from tensorx import RemoteOptimizer
-from tensorx._ps.buckets import Bucket, BucketPusher, make_buckets, merge_adjacent
 from tensorx._ps.common import abtimer
 from tensorx._ps.common.gather import together
+from tensorx._ps.worker.buckets import Bucket, BucketPusher, make_buckets, merge_adjacent
 from tensorx.errors import TransportUnavailableError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.ps import ParameterServer
@@ -120,7 +120,7 @@ async def test_overlap_by_default_is_measured_and_the_faster_kept(
 
     pusher = BucketPusher(buckets, model, write, asyncio.get_running_loop(), overlap=None)
     now, seen = 0.0, []
-    with caplog.at_level(logging.INFO, logger="tensorx._ps.buckets"):
+    with caplog.at_level(logging.INFO, logger="tensorx._ps.worker.buckets"):
         for _ in range(abtimer.SKIP + 2 * abtimer.PROBE + 1):
             before = pusher.early  # buckets started during backward, so far
             model(torch.randn(3, 64)).sum().backward()
@@ -269,7 +269,7 @@ def test_an_edit_between_backward_and_step_reaches_the_server(
             assert norm > 0.05  # it really clips
             opt.step()
 
-    with caplog.at_level(logging.WARNING, logger="tensorx._ps.buckets"), \
+    with caplog.at_level(logging.WARNING, logger="tensorx._ps.worker.buckets"), \
             server_thread(num_workers=1, optimizer=sgd, **link_options(link)) as ps:
         model = WithUnused()
         with RemoteOptimizer(model, ps=ps.address, bucket_bytes=2048,

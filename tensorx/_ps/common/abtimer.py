@@ -2,7 +2,7 @@
 
 Both sides use it: a shard chooses whether a pipelined round applies parts as they land
 (:class:`EarlyChooser`'s own labels), a worker whether it pushes gradient buckets during
-backward (:mod:`tensorx._ps.buckets`).
+backward (:mod:`tensorx._ps.worker.buckets`).
 
 Applying part ``k`` while later parts are still arriving (see :mod:`tensorx._ps.round`)
 shortens a round only where moving the bytes leaves the shard's cores time to spare: an
@@ -33,7 +33,7 @@ class EarlyChooser:
     """Decides, round by round, whether parts are applied as they land (``early()``), from
     the durations it is told (``observe``). ``forced``: always that answer. ``labels``:
     the two ways and their short names, for :attr:`decided` (a worker's gradient overlap
-    is chosen the same way, see :mod:`tensorx._ps.buckets`)."""
+    is chosen the same way, see :mod:`tensorx._ps.worker.buckets`)."""
 
     LABELS = ("parts applied as they land", "once all have landed", "as they land",
               "once all have landed", "rounds")

@@ -115,7 +115,7 @@ SCHEMAS: dict[str, Record] = {kind: Record(f"{kind} message", fields)
                               for kind, fields in _FIELDS.items()}
 # welcome["share"] when the shard offers mapping: the descriptors of its parameter arena
 # (exported read-only) and of this worker's gradient slot, both in shared memory, for the
-# worker's Node.attach (see tensorx._ps.shared)
+# worker's Node.attach (see tensorx._ps.worker.samehost)
 SHARE_OFFER = Record("welcome message: share offer", {"params": _DESC, "slot": _DESC},
                      strict=True)
 # welcome["optim"]: the shard's optimizer (groups may be [] for a shard without parameters)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tensorx._ps.links import ShardLinks
 from tensorx._ps.update.optim import plan_params
 from tensorx._ps.wire import optim_state, protocol
 from tensorx._ps.wire.hyper import heard
+from tensorx._ps.worker.links import ShardLinks
 from tensorx.errors import ProtocolError, TensorxError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
