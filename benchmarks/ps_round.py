@@ -203,7 +203,7 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
     in place before it reads a pull (same host: its copy-on-write pages, found in pagemap)."""
     import torch
 
-    from tensorx._ps.nonfinite import checked
+    from tensorx._ps.service.nonfinite import checked
     from tensorx._ps.state.shard import ShardLayout, ShardState
     from tensorx.graph_analyzer import GraphAnalyzer
     from tensorx.memregion import MemoryRegion

@@ -13,24 +13,24 @@ slots live in /dev/shm, a worker on this host maps them and its model's tensors 
 of them, so neither write happens; a step is ``notify(push)``, apply, ``notify(params)``.
 
 The shard handles one message at a time (a session per peer, taking turns: see
-:mod:`tensorx._ps.service`), and an update never runs on an arena that
+:mod:`tensorx._ps.service.loop`), and an update never runs on an arena that
 parameters are being written out of (async and bounded answers in flight keep theirs, see
-:mod:`tensorx._ps.outbox`): a worker never sees a half-applied update, and since a push
+:mod:`tensorx._ps.service.outbox`): a worker never sees a half-applied update, and since a push
 notification is ordered after its gradient write, a partial gradient is never applied. In
 sync mode a shard with a flat update in several parts applies each part as soon as every
 worker's part has landed and writes it back at once, while later parts still arrive; a
 part applied early is backed up, and restored if the push does not complete (see
-:mod:`tensorx._ps.round`), so this holds there too.
+:mod:`tensorx._ps.service.round`), so this holds there too.
 
 A worker that goes away (killed mid-push, crashed, cut off) loses what it had pushed for
 the barrier in progress, and its gradient slot is replaced by fresh memory with a fresh
 descriptor (the old one is revoked, its /dev/shm file unlinked): nothing a dead connection
 wrote can ever be applied, and a restarted worker re-handshakes into a clean slot. How long
 a sync barrier waits for it, and what then, is ``on_worker_loss`` (see
-:mod:`tensorx._ps.losses`).
+:mod:`tensorx._ps.service.losses`).
 
 This module is the server's public face (its settings, lifecycle and checkpoints); the
-parts it is assembled from, one job each, are listed in :mod:`tensorx._ps.core`.
+parts it is assembled from, one job each, are listed in :mod:`tensorx._ps.service.core`.
 """
 
 from __future__ import annotations
@@ -40,29 +40,29 @@ import logging
 import os
 from typing import Any
 
-from tensorx._ps import observe
-from tensorx._ps.applier import Applier
 from tensorx._ps.common.abtimer import EarlyChooser
 from tensorx._ps.common.device import resolve as resolve_device
 from tensorx._ps.common.remembered import Memory
 from tensorx._ps.common.rendezvous import connect_store as launcher_store
 from tensorx._ps.common.rendezvous import publish as _publish
 from tensorx._ps.common.stats import ShardTimings
-from tensorx._ps.grads import GradHook, GradProcessing
-from tensorx._ps.losses import LossWatch
-from tensorx._ps.nonfinite import NonFiniteGuard
-from tensorx._ps.normx import NormExchange
-from tensorx._ps.optim_service import OptimService
-from tensorx._ps.outbox import Outbox
-from tensorx._ps.pipelined import Pipelined
-from tensorx._ps.plan import PlanHolder
-from tensorx._ps.schedule import MODES, Scheduler
-from tensorx._ps.service import ServiceLoop
-from tensorx._ps.session import Sessions
-from tensorx._ps.sharing import Sharing
+from tensorx._ps.service import observe
+from tensorx._ps.service.applier import Applier
+from tensorx._ps.service.grads import GradHook, GradProcessing
+from tensorx._ps.service.loop import ServiceLoop
+from tensorx._ps.service.losses import LossWatch
+from tensorx._ps.service.nonfinite import NonFiniteGuard
+from tensorx._ps.service.norm_exchange import NormExchange
+from tensorx._ps.service.optim_service import OptimService
+from tensorx._ps.service.outbox import Outbox
+from tensorx._ps.service.pipelined import Pipelined
+from tensorx._ps.service.plan import PlanHolder
+from tensorx._ps.service.samehost import Sharing
+from tensorx._ps.service.schedule import MODES, Scheduler
+from tensorx._ps.service.session import Sessions
+from tensorx._ps.service.steps import Steps
 from tensorx._ps.state.checkpoint import check_schedule
 from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, checkpoint_path
-from tensorx._ps.steps import Steps
 from tensorx.errors import UsageError
 from tensorx.node import Node
 
@@ -138,9 +138,9 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     WARNING). Under ``"continue"`` a rank that stays connected but has not pushed that long
     after a barrier's first push is lost too (one WARNING): the barrier goes on without it,
     and its late push is refused (:class:`~tensorx.errors.BrokenError`, its connection
-    closed; with ``reconnect`` it rejoins). See :mod:`tensorx._ps.losses`; async and
+    closed; with ``reconnect`` it rejoins). See :mod:`tensorx._ps.service.losses`; async and
     bounded modes never wait for a departed worker. A worker retrying a step that timed out
-    is taken once (:mod:`tensorx._ps.schedule`). A departed worker's pushed gradient for the
+    is taken once (:mod:`tensorx._ps.service.schedule`). A departed worker's pushed gradient for the
     barrier in progress is dropped, never applied. A worker that *said goodbye*
     (``aclose()``) is finished, not lost: sync barriers go on without it at once (uneven
     step counts just work: the last rounds average over the ranks still training) until it
@@ -148,20 +148,20 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     its TimeoutError says so.
     ``clip_grad_norm`` (sync mode): clip the averaged gradient to this global 2-norm, over
     all shards, as ``torch.nn.utils.clip_grad_norm_`` would on one process (the shards
-    exchange their partial sums of squares, see :mod:`tensorx._ps.normx`).
+    exchange their partial sums of squares, see :mod:`tensorx._ps.service.norm_exchange`).
     ``grad_hook``: ``callable(named_grads)`` run on this shard's averaged gradient before
-    clipping and the step (see :mod:`tensorx._ps.grads`).
+    clipping and the step (see :mod:`tensorx._ps.service.grads`).
     ``send_timeout`` (seconds, default 10; None: no limit): how long writing a worker its
     parameters (or its welcome, or an error) may take. A worker that misses it (stopped,
     hung, or on a link too slow for it) is dropped at once, its connection aborted, and
     treated as departed: async and bounded modes go on without it, sync mode per
     ``on_worker_loss``; with ``reconnect`` it rejoins when it can. In async and bounded
     modes a slow worker holds nobody up meanwhile (each answer is sent on its own; an update
-    due while one is in flight goes to a copy of the arena: :mod:`tensorx._ps.outbox`); a
+    due while one is in flight goes to a copy of the arena: :mod:`tensorx._ps.service.outbox`); a
     sync round waits for it at most this long, once.
     ``on_nonfinite`` (``"skip"``, the default, or ``"refuse"``): what to do with a pushed
     gradient that holds NaN or Inf (never applied; logged with its rank, counted in
-    ``stats["nonfinite"]``); see :mod:`tensorx._ps.nonfinite`.
+    ``stats["nonfinite"]``); see :mod:`tensorx._ps.service.nonfinite`.
     ``pipeline`` (sync mode, a flat update in several parts; see docs/architecture.md, "A
     pipelined round"): ``None`` (the default): the shard measures its first rounds both
     ways (parts applied as soon as every worker's has landed, with a backup each, or once
@@ -245,11 +245,11 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self._sparse = None
         self.sharing = Sharing(shard, mode, share_memory, self.device)  # same-host mapping
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
-        self._turn = asyncio.Lock()  # sessions take turns: see tensorx._ps.service
-        self._round = self._round_of = self._backups = None  # see tensorx._ps.pipelined
+        self._turn = asyncio.Lock()  # sessions take turns: see tensorx._ps.service.loop
+        self._round = self._round_of = self._backups = None  # see tensorx._ps.service.pipelined
         self._writes, self._release, self._deferred = {}, [], []
         self._round_t0 = 0.0
-        self._applier = Applier()  # the apply thread: see tensorx._ps.applier
+        self._applier = Applier()  # the apply thread: see tensorx._ps.service.applier
         self._chooser = EarlyChooser(pipeline)
         self._memory = Memory("pipelined", self._chooser)
         self._sessions: set[asyncio.Task[None]] = set()
@@ -261,7 +261,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self._closed = False
         self._initialised = False  # parameters came from rank 0 or a checkpoint
         self._resumed = False      # ... from a checkpoint: the plan is never released
-        self._idle = False  # every worker left before the first update (see _ps.plan)
+        self._idle = False  # every worker left before the first update (see _ps.service.plan)
         self.stats = {"updates": 0, "pushes": 0, "max_gap": 0,
                       "max_version_lag": 0, "apply_s": 0.0,
                       "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,

@@ -376,7 +376,7 @@ class Worker:
         """Write what is left of this step's gradient for ``shard`` and tell it, in one go:
         the push notification travels with the data (never ahead of it). A pipelined shard
         gets the push first, then each part with its own notification (see
-        :mod:`tensorx._ps.round`), so it can apply the first parts while later ones land."""
+        :mod:`tensorx._ps.service.round`), so it can apply the first parts while later ones land."""
         link = self._links.shards[shard]
         assert link.optim is not None  # it welcomed us
         ops = [] if self._mapped(shard) else [self._bucket_op(b) for b in rest]
@@ -508,7 +508,7 @@ class Worker:
         """Load ``states[s]`` (by entry label) into shard ``s``'s optimizer, with the groups'
         hyperparameters ``hps``: into every shard, or (the first shard's error) into none.
         Every rank loads the same state between the same two steps (see
-        :mod:`tensorx._ps.optim_load`)."""
+        :mod:`tensorx._ps.service.optim_load`)."""
         await self._states.load(self.num_shards, hps, states, self.timeout)
 
 

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 from tensorx import _eventloop
 from tensorx._eventloop import LOOPS
 from tensorx._ps.common.device import resolve as resolve_device
-from tensorx._ps.losses import POLICIES
+from tensorx._ps.service.losses import POLICIES
 from tensorx.errors import TensorxError, UsageError
 
 __all__ = ["add_parser", "main", "parse_lr_scheduler", "parse_optimizer", "run"]

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps.nonfinite import finite
+from tensorx._ps.service.nonfinite import finite
 from tensorx._ps.state.shard import (
     ShardLayout,
     ShardState,
@@ -140,7 +140,7 @@ def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 async def test_gpu_server_equals_single_process(opt: OptFactory, transport: str,
                                                 share_memory: bool,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="tensorx._ps.sharing"):
+    with caplog.at_level(logging.INFO, logger="tensorx._ps.service.samehost"):
         got = await train_sync(opt, transport, CUDA, CUDA, share_memory)
     said = [r for r in caplog.records if NOT_MAPPED in r.getMessage()]
     assert len(said) == (1 if share_memory else 0)

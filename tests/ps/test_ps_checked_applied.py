@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import round as rounds
-from tensorx._ps.nonfinite import Verdict, checked
+from tensorx._ps.service import round as rounds
+from tensorx._ps.service.nonfinite import Verdict, checked
 from tensorx._ps.state.shard import ShardLayout, ShardState
 from tensorx._ps.update import fold, parts
 from tensorx.graph_analyzer import GraphAnalyzer

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorx._ps.losses import LossWatch
-from tensorx._ps.schedule import Scheduler
+from tensorx._ps.service.losses import LossWatch
+from tensorx._ps.service.schedule import Scheduler
 from tensorx._ps.state.shard import ShardLayout, ShardState, Slot, load_checkpoint, views
 from tensorx._ps.update import parts
 from tensorx._ps.wire import protocol

@@ -13,7 +13,7 @@ import torch
 
 from tensorx._commands import ps as ps_command
 from tensorx._ps.common.device import fence, resolve
-from tensorx._ps.sharing import Sharing
+from tensorx._ps.service.samehost import Sharing
 from tensorx._ps.state.shard import to_cpu
 from tensorx.errors import UsageError
 from tensorx.ps import ParameterServer
@@ -61,7 +61,7 @@ def test_cuda_is_resolved_and_an_index_out_of_range_refused() -> None:
 
 def test_a_gpu_shard_offers_no_mapping_and_says_why_once(
         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="tensorx._ps.sharing"):
+    with caplog.at_level(logging.INFO, logger="tensorx._ps.service.samehost"):
         sharing = Sharing(0, "sync", True, "cuda:0")
         assert not sharing.wanted
         assert not sharing.offer(None, 0, asked=True)

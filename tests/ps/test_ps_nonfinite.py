@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import round as rounds
-from tensorx._ps.nonfinite import finite, listed, nonfinite_names
+from tensorx._ps.service import round as rounds
+from tensorx._ps.service.nonfinite import finite, listed, nonfinite_names
 from tensorx._ps.state.shard import ShardLayout, ShardState
 from tensorx._ps.update import parts
 from tensorx.errors import UsageError

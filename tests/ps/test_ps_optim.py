@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps.normx import NormExchange
+from tensorx._ps.service.norm_exchange import NormExchange
 from tensorx._ps.state.shard import ShardLayout, ShardState, load_checkpoint
 from tensorx._ps.update import parts
 from tensorx._ps.wire import protocol

@@ -1,6 +1,6 @@
 """Async and bounded answers in flight keep the arena they read (issue 16, item 4).
 
-:meth:`ShardState.move_params` and :class:`tensorx._ps.outbox.Outbox` without processes:
+:meth:`ShardState.move_params` and :class:`tensorx._ps.service.outbox.Outbox` without processes:
 an update that is due while an answer still reads the arena goes to a copy, the answer's
 arena stays exactly as it was, and the training is the same as if nothing had moved. The
 end-to-end case (a SIGSTOPped worker over tcp and ucx) is in ``test_ps_slow_peer.py``.
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tensorx._ps.outbox import Outbox
+from tensorx._ps.service.outbox import Outbox
 from tensorx._ps.state.shard import ShardLayout, ShardState, views
 from tensorx.graph_analyzer import GraphAnalyzer
 from tests.support import models

@@ -1,7 +1,7 @@
-"""The pipelined sync round (tensorx._ps.round, tensorx._ps.pipelined): a shard applies each
-part of the update as soon as every worker's part has landed, and nothing of a push that
-does not complete (a worker gone after k of n parts, NaN in a later part, the server
-closing) stays in the parameters or the optimizer's state."""
+"""The pipelined sync round (tensorx._ps.service.round, tensorx._ps.service.pipelined): a
+shard applies each part of the update as soon as every worker's part has landed, and nothing
+of a push that does not complete (a worker gone after k of n parts, NaN in a later part, the
+server closing) stays in the parameters or the optimizer's state."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import round as rounds
 from tensorx._ps.common import abtimer
-from tensorx._ps.round import PartBackups, Round
+from tensorx._ps.service import round as rounds
+from tensorx._ps.service.round import PartBackups, Round
 from tensorx._ps.update import parts
 from tensorx._ps.update.parts import check_parts, split_ops
 from tensorx._ps.wire import protocol

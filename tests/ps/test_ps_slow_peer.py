@@ -2,7 +2,7 @@
 
 Before, in async mode the healthy worker's next step took 30 s: the shard's one service
 loop waited on the stopped worker's socket for the parameters it owed it. Now each answer
-is sent on its own (``tensorx._ps.outbox``): the loop goes on, and an update due while the
+is sent on its own (``tensorx._ps.service.outbox``): the loop goes on, and an update due while the
 answer still reads the arena goes to a copy of it, so the healthy worker waits for nobody.
 The stopped worker's answer has its own deadline (``send_timeout``); one that misses it
 drops that worker (async mode waits for no departed worker). The victim is a real

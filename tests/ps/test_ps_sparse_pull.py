@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx._ps import answer
 from tensorx._ps.rows.changed import runs
+from tensorx._ps.service import answer
 from tensorx._ps.update import parts
 from tensorx.ps import ParameterServer
 from tests.support.clusters import servers, workers

@@ -4,7 +4,7 @@ Both sides use it: a shard chooses whether a pipelined round applies parts as th
 (:class:`EarlyChooser`'s own labels), a worker whether it pushes gradient buckets during
 backward (:mod:`tensorx._ps.worker.buckets`).
 
-Applying part ``k`` while later parts are still arriving (see :mod:`tensorx._ps.round`)
+Applying part ``k`` while later parts are still arriving (see :mod:`tensorx._ps.service.round`)
 shortens a round only where moving the bytes leaves the shard's cores time to spare: an
 RDMA NIC or another machine's CPU does the copying, or the host has cores to spare. Where
 the copies themselves keep every core busy and memory bandwidth is the limit (two

@@ -11,7 +11,7 @@ checkpoint (saved as CPU tensors, so a checkpoint moves between CPU and GPU serv
 few scalars the non-finite check and the global norm need.
 
 Same-host mapping (``share_memory``) maps host memory in /dev/shm, so a GPU shard never
-offers it (:class:`tensorx._ps.sharing.Sharing` says so once).
+offers it (:class:`tensorx._ps.service.samehost.Sharing` says so once).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ async def together(aws: list[Awaitable[T]]) -> list[T]:
     return list(await asyncio.gather(*aws))
 
 
-# A pipelined push (see tensorx._ps.round) writes its parts this way, a few in flight.
+# A pipelined push (see tensorx._ps.service.round) writes its parts this way, a few in flight.
 async def windowed(calls: list[Callable[[], Awaitable[None]]], window: int) -> None:
     """Run ``calls`` in order with at most ``window`` of them in flight; the first error
     cancels the rest and is raised."""

@@ -229,7 +229,7 @@ class SparseRows:
         self._finite.pop(rank, None)
 
     def finite(self, rank: int) -> bool:
-        """Is every value ``rank`` pushed finite? (as :func:`tensorx._ps.nonfinite.finite`)"""
+        """Is every value ``rank`` pushed finite? (:func:`~tensorx._ps.service.nonfinite.finite`)"""
         got = self._finite.get(rank)
         return self._all_finite(rank) if got is None else got
 

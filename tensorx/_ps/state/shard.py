@@ -172,7 +172,7 @@ class ShardState:
         """Copy the parameters into ``new`` and make it the arena: the optimizer's
         parameters (and the flat update's ranges) view it from now on, and the next update
         goes there. Returns the old arena, left exactly as it was and no longer the state's
-        (the caller closes it once nothing reads it: :mod:`tensorx._ps.outbox`). The
+        (the caller closes it once nothing reads it: :mod:`tensorx._ps.service.outbox`). The
         optimizer's state is kept by parameter, so momentum and the like carry over."""
         old, n = self.params_region, self.layout.nbytes
         if n:
@@ -195,7 +195,7 @@ class ShardState:
     @property
     def in_parts(self) -> bool:
         """Apply the update part by part, sending finished parts meanwhile (see
-        :func:`tensorx._ps.answer.apply_in_parts`)? Not if its dense bytes fit in one
+        :func:`tensorx._ps.service.answer.apply_in_parts`)? Not if its dense bytes fit in one
         part: a thread hop per part costs more than it overlaps (DLRM-shaped: ~4 of 8 ms).
         Never on a GPU: the whole update is a few kernel launches, over well before a
         thread hop per part would let the first part leave."""
@@ -204,7 +204,7 @@ class ShardState:
     @property
     def pipelined(self) -> bool:
         """The update can be applied part by part while gradients land (see
-        :mod:`tensorx._ps.round`): the flat update in host memory, no sparse table."""
+        :mod:`tensorx._ps.service.round`): the flat update in host memory, no sparse table."""
         return not self.params_region.is_cuda and self._update.pipelines()
 
     def part_state(self, k: int) -> tuple[dict[Any, Any], Any]:

@@ -5,7 +5,7 @@ same-host lane or a mapping while the shard reads it, over TCP whenever the even
 runs. A check of the slot followed by a step that reads the slot again checks bytes the
 sender can still change. So the shard first *folds* the ranks' slots into its accumulator
 (the mean in a fixed rank order; one rank's slot copied), memory no peer can reach, then
-checks that (:mod:`tensorx._ps.nonfinite`) and steps with it: what is checked is what is
+checks that (:mod:`tensorx._ps.service.nonfinite`) and steps with it: what is checked is what is
 applied. Folding is the averaging an update of several ranks does anyway; the check then
 reads one gradient instead of one per rank.
 

@@ -8,7 +8,7 @@ while it computes part ``k + 1``.
 
 Checkpoints keep the one-parameter form (:func:`merge_state` on save, :func:`split_state` on
 load), so a checkpoint does not depend on the part size. A pipelined round's parts (see
-:mod:`tensorx._ps.round`) as a worker sees them: :func:`check_parts` checks the welcome's
+:mod:`tensorx._ps.service.round`) as a worker sees them: :func:`check_parts` checks the welcome's
 list, :func:`split_ops` cuts a push at their bounds. Pure: no I/O.
 """
 

@@ -12,7 +12,7 @@ One step, seen from a worker::
 
 Pipelined (sync, a shard whose welcome lists ``parts``): the push comes first, then each
 part of the slot with a ``part`` message; the shard applies each part once every rank's
-has landed and writes it back at once; ``params`` follows the last (see tensorx._ps.round)::
+has landed and writes it back at once; ``params`` follows the last (see tensorx._ps.service.round)::
 
     worker: notify(push); write(part k -> slot) + part(k), for every k not written yet
     shard:  per part: apply, write(params part -> worker arena); after the last: params
@@ -94,7 +94,7 @@ _FIELDS: dict[str, dict[str, Field]] = {
     "state_done": {},
     # worker -> shard: load the optimizer state packed in my `region`, laid out as
     # `manifest`; `digest`: BLAKE2b-256 of the region's bytes (every rank sends the same
-    # state: see tensorx._ps.optim_load)
+    # state: see tensorx._ps.service.optim_load)
     "state_put": {"manifest": table(ITEMS), "region": _DESC, "digest": blob(32)},
     # shard -> worker: every rank's put arrived, the same; I read and checked it and keep it
     "state_checked": {},
@@ -108,7 +108,7 @@ _FIELDS: dict[str, dict[str, Field]] = {
     # worker -> shard: I am leaving (finished: sync barriers go on without me)
     "bye": {},
     # shard -> shard (clip_grad_norm): the sum of squares of my part of the gradient that
-    # makes `version`, averaged over `ranks` (see tensorx._ps.normx)
+    # makes `version`, averaged over `ranks` (see tensorx._ps.service.norm_exchange)
     "gnorm": {"shard": _N, "version": _N, "ranks": seq(ITEMS, _N), "sumsq": real()},
 }
 SCHEMAS: dict[str, Record] = {kind: Record(f"{kind} message", fields)

@@ -4,7 +4,7 @@ state fetched (``state_dict``), or loaded into every shard or none (``load_state
 The tensors never ride on the control channel (see :mod:`tensorx._ps.wire.optim_state`): a
 fetch reads the region the shard lends (``state_get``, ``state``, the read, ``state_done``)
 after checking its size and manifest against the shard's parameters; a load lends each
-shard its packed part, read-only, in two phases (see :mod:`tensorx._ps.optim_load`): every
+shard its packed part, read-only, in two phases (see :mod:`tensorx._ps.service.optim_load`): every
 shard reads and checks its part (``state_put``, ``state_checked``), then all of them load
 it, or, when one refused, all of them drop it (``state_commit``, ``state_loaded``).
 """
@@ -87,7 +87,7 @@ class OptimStates:
 
     async def _put(self, shard: int, hps: list[dict[str, Any]], packed: optim_state.Packed,
                    region: MemoryRegion, timeout: float | None) -> None:
-        """Phase one: ``shard`` has read and checked its part (see _ps.optim_load)."""
+        """Phase one: ``shard`` has read and checked its part (see _ps.service.optim_load)."""
         groups = [{"hp": hp, "params": []} for hp in hps] if self._links.shards[shard].hyper else []
         desc = self._node.export(region, access="r")
         with self._links.naming(shard):

@@ -4,7 +4,7 @@ A shard whose update runs as flat ranges (:mod:`tensorx._ps.update.flat`) can ap
 *part*) on its own: the same update as applying them all at once. In sync mode it applies
 part ``k`` as soon as every rank of the barrier has pushed its part ``k``, and writes that
 part of the new parameters back while later parts are still on their way
-(:mod:`tensorx._ps.pipelined` does the I/O). What keeps every guarantee:
+(:mod:`tensorx._ps.service.pipelined` does the I/O). What keeps every guarantee:
 
 * A part applied before the whole gradient has landed is *backed up* first (its
   parameters and the optimizer's state for it): if a rank of the barrier goes away, or a

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tensorx._ps.rows.tables import sum_finite
-from tensorx._ps.schedule import Decision
+from tensorx._ps.service.schedule import Decision
 from tensorx._ps.state.shard_layout import views
 from tensorx._text import printable
 from tensorx.errors import UsageError

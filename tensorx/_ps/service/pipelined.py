@@ -1,6 +1,6 @@
 """A sync update applied part by part as the workers' gradients land (the I/O of it).
 
-See :mod:`tensorx._ps.round` for what is guaranteed and how. The parts are the flat
+See :mod:`tensorx._ps.service.round` for what is guaranteed and how. The parts are the flat
 update's ranges; the welcome lists them (``parts``), a worker's push comes first and each
 part follows with a ``part`` message carried by its write. Each time a part of every rank
 of the barrier is in, it is applied in the shard's apply thread (the loop meanwhile lands
@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from tensorx._ps import round as rounds
-from tensorx._ps.answer import Peer
 from tensorx._ps.common import remembered
-from tensorx._ps.core import ShardCore
-from tensorx._ps.nonfinite import Verdict, checked, nonfinite_names
-from tensorx._ps.round import PartBackups, Round
-from tensorx._ps.schedule import Decision
+from tensorx._ps.service import round as rounds
+from tensorx._ps.service.answer import Peer
+from tensorx._ps.service.core import ShardCore
+from tensorx._ps.service.nonfinite import Verdict, checked, nonfinite_names
+from tensorx._ps.service.round import PartBackups, Round
+from tensorx._ps.service.schedule import Decision
 from tensorx.endpoint import Endpoint
 from tensorx.errors import OptimizerError, ProtocolError
 
@@ -324,7 +324,7 @@ class Pipelined(ShardCore):
 
     async def _abandon_round(self) -> None:
         """The server closes mid-round: let the apply thread finish (a round's part, or an
-        answer's: :mod:`tensorx._ps.applier`), then undo the round's parts, so that a
+        answer's: :mod:`tensorx._ps.service.applier`), then undo the round's parts, so that a
         checkpoint never holds part of a round's update."""
         await self._applier.settle()
         if self._round is not None and self._round.open:

@@ -6,7 +6,7 @@ of its stream, so it is handled after everything the peer sent (a goodbye is nev
 overtaken by the disconnect behind it). The sessions take turns (:attr:`_turn`, a FIFO
 lock) to handle a message, so an update and the writes out of its arena never interleave
 (async and bounded answers go on after their turn, from an arena the next update leaves
-alone: :mod:`tensorx._ps.outbox`). What a peer can make the shard hold is its stream's
+alone: :mod:`tensorx._ps.service.outbox`). What a peer can make the shard hold is its stream's
 bound: a peer whose messages wait for their turn is held back by TCP.
 
 A peer shard's gradient norm (``clip_grad_norm``) is taken without a turn: the update
@@ -21,8 +21,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tensorx._ps.core import ShardCore
-from tensorx._ps.schedule import Decision
+from tensorx._ps.service.core import ShardCore
+from tensorx._ps.service.schedule import Decision
 from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import ProtocolError, TensorxError, error_code
@@ -132,7 +132,7 @@ class ServiceLoop(ShardCore):
             await self.optim.lend(ep, self.state, self.timeout)
         elif kind == "state_done":
             self.optim.returned(ep)
-        elif kind == "state_put":  # every rank the barrier counts loads (_ps.optim_load)
+        elif kind == "state_put":  # every rank the barrier counts loads (_ps.service.optim_load)
             counted = set(range(self.num_workers)) - self.scheduler.excused - self._finished
             await self.optim.put(ep, rank, msg, self.state, counted,
                                  sorted(self.scheduler.pending), self.timeout)

@@ -1,9 +1,9 @@
 """What the parts of a :class:`~tensorx.ps.ParameterServer` share.
 
-The server is one object assembled from parts, one job each: :mod:`~tensorx._ps.plan`
-(the plan and the state built from it), :mod:`~tensorx._ps.service` (a session per peer),
-:mod:`~tensorx._ps.session` (a worker's hello, welcome and departure) and
-:mod:`~tensorx._ps.steps` (a push, the update it completes and the parameters sent back).
+The server is one object assembled from parts, one job each: :mod:`~tensorx._ps.service.plan`
+(the plan and the state built from it), :mod:`~tensorx._ps.service.loop` (a session per peer),
+:mod:`~tensorx._ps.service.session` (a worker's hello, welcome and departure) and
+:mod:`~tensorx._ps.service.steps` (a push, the update it completes and the parameters sent back).
 :class:`ShardCore` declares the state they share (set by ``ParameterServer.__init__``) and
 what each part offers the others, so each module reads, and type-checks, on its own.
 """
@@ -17,21 +17,21 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tensorx._ps.answer import Peer
-    from tensorx._ps.applier import Applier
     from tensorx._ps.common.abtimer import EarlyChooser
     from tensorx._ps.common.remembered import Memory
     from tensorx._ps.common.stats import ShardTimings
-    from tensorx._ps.grads import GradProcessing
-    from tensorx._ps.losses import LossWatch
-    from tensorx._ps.nonfinite import NonFiniteGuard
-    from tensorx._ps.normx import NormExchange
-    from tensorx._ps.optim_service import OptimService
-    from tensorx._ps.outbox import Outbox
-    from tensorx._ps.round import PartBackups, Round
     from tensorx._ps.rows.sparse import SparseReceiver
-    from tensorx._ps.schedule import Decision, Scheduler
-    from tensorx._ps.sharing import Sharing
+    from tensorx._ps.service.answer import Peer
+    from tensorx._ps.service.applier import Applier
+    from tensorx._ps.service.grads import GradProcessing
+    from tensorx._ps.service.losses import LossWatch
+    from tensorx._ps.service.nonfinite import NonFiniteGuard
+    from tensorx._ps.service.norm_exchange import NormExchange
+    from tensorx._ps.service.optim_service import OptimService
+    from tensorx._ps.service.outbox import Outbox
+    from tensorx._ps.service.round import PartBackups, Round
+    from tensorx._ps.service.samehost import Sharing
+    from tensorx._ps.service.schedule import Decision, Scheduler
     from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, ShardState
     from tensorx.endpoint import Endpoint
     from tensorx.errors import TensorxError
@@ -86,11 +86,11 @@ class ShardCore(abc.ABC):
     _slot_descs: dict[int, RegionDescriptor]
     _header_descs: dict[int, bytes]
     # the service
-    _turn: asyncio.Lock  # one message (or loss) handled at a time, see _ps.service
+    _turn: asyncio.Lock  # one message (or loss) handled at a time, see _ps.service.loop
     _sessions: set[asyncio.Task[None]]
     _stopped: asyncio.Event
     _closed: bool  # aclose() has begun
-    # a sync update applied part by part (see _ps.round, _ps.pipelined)
+    # a sync update applied part by part (see _ps.service.round, _ps.service.pipelined)
     _round: Round | None
     _round_of: ShardState | None  # the state _round belongs to
     _backups: PartBackups | None

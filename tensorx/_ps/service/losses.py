@@ -29,7 +29,7 @@ timer, from when it left. ``"wait"`` starts no clock: a barrier waits for a conn
 as long as it takes.
 
 Joining again cancels the timer, and a rejoined rank is counted at once (see
-:meth:`tensorx._ps.schedule.Scheduler.join`). A shard that resumed from a checkpoint starts
+:meth:`tensorx._ps.service.schedule.Scheduler.join`). A shard that resumed from a checkpoint starts
 a timer for every rank (each is expected back); a fresh one waits for its first workers.
 ``worker_loss_timeout=None``: no timer, the barrier waits silently, as before. The policy
 only concerns the sync barrier: in ``async`` and ``bounded`` modes nothing waits for a
@@ -44,7 +44,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from tensorx._ps.schedule import Decision, Scheduler
+from tensorx._ps.service.schedule import Decision, Scheduler
 from tensorx.errors import BrokenError, UsageError
 
 __all__ = ["POLICIES", "LossWatch"]

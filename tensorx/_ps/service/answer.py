@@ -3,7 +3,7 @@
 A worker that copies gets the parameter arena written into its own (one-sided); one that
 mapped the shard's arena (same host) only gets the notification. With a flat shard in
 several parts (:mod:`tensorx._ps.update.parts`) the update is applied part by part, in the shard's
-apply thread (:mod:`tensorx._ps.applier`; torch releases the GIL), and each finished part is
+apply thread (:mod:`tensorx._ps.service.applier`; torch releases the GIL), and each finished part is
 already on its way while the next is computed; the notification travels with the last part,
 so a worker never sees it before every part has landed.
 """
@@ -14,8 +14,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from tensorx._ps.applier import Applier
 from tensorx._ps.rows.changed import runs
+from tensorx._ps.service.applier import Applier
 from tensorx.endpoint import Endpoint
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 

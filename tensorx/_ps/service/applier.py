@@ -1,8 +1,8 @@
 """The shard's apply thread: where an update is stepped part by part while the loop sends.
 
 torch releases the GIL in its kernels, so a part stepped in a thread overlaps the writes of
-the parts before it (:func:`tensorx._ps.answer.apply_in_parts`) and the landing of the parts
-after it (:mod:`tensorx._ps.pipelined`). Both go through one :class:`Applier` per server:
+the parts before it (:func:`tensorx._ps.service.answer.apply_in_parts`) and the landing of the parts
+after it (:mod:`tensorx._ps.service.pipelined`). Both go through one :class:`Applier` per server:
 one thread, made on first use, so the parts are stepped one at a time, in the order asked,
 always by the same thread (a GPU part's kernels are queued on that thread's current stream,
 which :func:`tensorx._ps.common.device.fence` waits on), and a call whose caller was cancelled (the

@@ -7,7 +7,7 @@ into its gradient memory (one worker's is copied there: the slots stay as writte
    in model order, the tensors the optimizer's ``.grad`` are (change them in place);
 2. clipping scales every gradient by ``min(1, max_norm / (norm + 1e-6))`` as
    ``torch.nn.utils.clip_grad_norm_`` does, where ``norm`` is the 2-norm of the whole
-   gradient over all shards (:mod:`tensorx._ps.normx` adds up the shards' parts);
+   gradient over all shards (:mod:`tensorx._ps.service.norm_exchange` adds up the shards' parts);
 3. the optimizer steps.
 
 Without either, nothing here runs and the update path copies nothing.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tensorx._ps.normx import NormExchange
+from tensorx._ps.service.norm_exchange import NormExchange
 from tensorx.errors import UsageError
 
 __all__ = ["GradHook", "GradProcessing", "check_max_norm"]

@@ -9,10 +9,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tensorx._ps.answer import Peer, RowsAnswer, apply_in_parts, last_part, send_params
 from tensorx._ps.common.gather import together
-from tensorx._ps.core import ShardCore
-from tensorx._ps.schedule import Decision
+from tensorx._ps.service.answer import Peer, RowsAnswer, apply_in_parts, last_part, send_params
+from tensorx._ps.service.core import ShardCore
+from tensorx._ps.service.schedule import Decision
 from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import OptimizerError, ProtocolError, TensorxError, error_code
@@ -32,7 +32,7 @@ class Steps(ShardCore):
         if self.scheduler.again(peer.rank, msg["step"]):
             self._again(peer, msg["step"])
             return
-        if self.scheduler.late(peer.rank):  # it missed a barrier: see tensorx._ps.losses
+        if self.scheduler.late(peer.rank):  # it missed a barrier: see tensorx._ps.service.losses
             raise self.losses.late(peer.rank, msg["step"])
         self.sharing.check_mapped(peer, msg["mapped"])
         await self.optim.stepping(peer.rank, msg["step"], self.timeout)
@@ -53,7 +53,7 @@ class Steps(ShardCore):
         opens = not self.scheduler.pending
         await self._act(self.scheduler.push(peer.rank, msg["step"]))
         if self.mode == "sync" and peer.rank in self.scheduler.pending:
-            if opens:  # the barrier's first push: its clock starts (_ps.losses)
+            if opens:  # the barrier's first push: its clock starts (_ps.service.losses)
                 self.losses.opened(self.scheduler.barrier)
             await self._tell_waiting([peer])
 
@@ -106,7 +106,7 @@ class Steps(ShardCore):
             if self.checkpoint_every and self.state.version % self.checkpoint_every == 0:
                 self.checkpoint()
         self.stats["max_gap"] = self.scheduler.max_gap
-        if self.mode != "sync":  # each answer on its own: see tensorx._ps.outbox
+        if self.mode != "sync":  # each answer on its own: see tensorx._ps.service.outbox
             for p in targets:
                 self._answer_later(p, sending.get(p.rank))
             return

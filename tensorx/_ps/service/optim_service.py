@@ -8,7 +8,7 @@
   state into a fresh region that the asking worker may read (one per worker at a time,
   freed on ``state_done`` or when the worker leaves). A load (``state_put``, then
   ``state_commit``) is every rank's and every shard's or none's (see
-  :mod:`tensorx._ps.optim_load`): the shard reads one packed region, after checking the
+  :mod:`tensorx._ps.service.optim_load`): the shard reads one packed region, after checking the
   manifest against its own entries, checks what it holds against the optimizer (see
   :mod:`tensorx._ps.update.optim_check`), and loads it once every rank has committed. A refused
   load is answered with the error; the workers stay connected.
@@ -23,7 +23,7 @@ import asyncio
 import logging
 from typing import Any
 
-from tensorx._ps.optim_load import RULE, LoadRound, Put
+from tensorx._ps.service.optim_load import RULE, LoadRound, Put
 from tensorx._ps.update import optim_check
 from tensorx._ps.wire import hyper, optim_state, protocol
 from tensorx._text import printable
@@ -133,7 +133,7 @@ class OptimService:
         if region is not None:
             region.close()
 
-    # -- loads: every rank, the same state, every shard or none (see _ps.optim_load) ------
+    # -- loads: every rank, the same state, every shard or none (see _ps.service.optim_load) ------
     def _precheck(self, msg: dict[str, Any], state: Any) -> None:
         """A put's manifest against this shard's entries (ProtocolError: malformed)."""
         if state.optimizer is None:

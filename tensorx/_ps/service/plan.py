@@ -11,8 +11,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from tensorx._ps.core import ShardCore
 from tensorx._ps.rows.sparse import SparseReceiver
+from tensorx._ps.service.core import ShardCore
 from tensorx._ps.state.shard import ShardLayout, ShardState, checkpoint_path, load_checkpoint
 from tensorx._ps.state.shard_layout import dynamic_path_ok
 from tensorx.errors import UsageError

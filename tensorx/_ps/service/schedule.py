@@ -5,7 +5,7 @@ Three modes:
 * ``sync``: every rank ``0..num_workers-1`` pushes, the gradients are averaged, one update,
   then everybody gets the new parameters. Same result as one process on the union of the
   batches. A rank the shard has excused (lost under ``on_worker_loss="continue"``, see
-  :mod:`tensorx._ps.losses`: disconnected, or connected but missing a barrier) is not
+  :mod:`tensorx._ps.service.losses`: disconnected, or connected but missing a barrier) is not
   waited for until it joins again; the update is then the average over the ranks that
   pushed. A connected rank that missed a barrier and pushes before it joins again is
   :meth:`~Scheduler.late`.

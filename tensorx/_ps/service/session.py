@@ -9,9 +9,9 @@ import logging
 from typing import Any
 
 from tensorx._deadline import Deadline
-from tensorx._ps.admission import PROBE_S, holder_alive, rank_taken
-from tensorx._ps.answer import Peer
-from tensorx._ps.core import ShardCore
+from tensorx._ps.service.admission import PROBE_S, holder_alive, rank_taken
+from tensorx._ps.service.answer import Peer
+from tensorx._ps.service.core import ShardCore
 from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import PlanMismatchError, ProtocolError, TensorxError
@@ -78,7 +78,7 @@ class Sessions(ShardCore):
     async def _check_plan(self, msg: dict[str, Any]) -> None:
         if self._idle and self._plan is not None and \
                 msg["fingerprint"] != self._plan.fingerprint:
-            self._release_plan()  # idle, and asked for by nobody: see tensorx._ps.plan
+            self._release_plan()  # idle, and asked for by nobody: see tensorx._ps.service.plan
         if self._plan is None:
             plan = await self._adopt_plan_async(msg["plan"])
             logger.info("ps shard %d: %s", self.shard, plan.summary())
@@ -92,7 +92,7 @@ class Sessions(ShardCore):
 
     async def _welcome(self, peer: Peer) -> None:
         """Write ``peer`` the parameters with its welcome; in async and bounded modes
-        without waiting for it to take them (see :mod:`tensorx._ps.outbox`)."""
+        without waiting for it to take them (see :mod:`tensorx._ps.service.outbox`)."""
         assert self.state is not None
         if self._round is not None and self._round.open:  # the arena is mid-update
             self._deferred.append(peer)

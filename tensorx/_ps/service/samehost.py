@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tensorx._ps.answer import Peer
+from tensorx._ps.service.answer import Peer
 from tensorx.errors import ProtocolError
 from tensorx.memregion import RegionDescriptor
 

@@ -4,7 +4,7 @@ committed. Pure: no I/O.
 A load replaces what every rank trains with, so one rank must not do it for the others
 silently. The rule is DDP's (every rank loads the same checkpoint): **every rank loads
 the same state between the same two steps**. A shard loads only once every rank it
-counts (see :meth:`tensorx._ps.schedule.Scheduler`: not those finished or excused) has
+counts (see :meth:`tensorx._ps.service.schedule.Scheduler`: not those finished or excused) has
 sent it the same state, the same manifest and the same bytes (a digest of the packed
 region, checked against the bytes read), while no rank is in the middle of a step; until
 then it tells the ranks that sent theirs which ranks it waits for. A rank that steps
