@@ -193,6 +193,28 @@ def test_the_fold_is_checked_and_a_rank_named_by_its_own_copy(state: Any) -> Non
     assert checked(state, [0]) == Verdict([], True)  # the others, folded again
 
 
+@pytest.mark.parametrize("where", ["first", "last"])
+@pytest.mark.parametrize("ranks", [[0], [0, 1]])
+def test_the_fold_is_checked_piece_by_piece_and_a_nan_in_its_last_piece_is_found(
+        state: Any, monkeypatch: pytest.MonkeyPatch, where: str, ranks: list[int]) -> None:
+    """The check is taken as the fold is made, in pieces (here of 16 bytes: a real one is
+    4 MiB); NaN in the first or the last piece of the last tensor is found, names its rank,
+    and nothing of the step is applied."""
+    monkeypatch.setattr(fold, "CHECK_PIECE", 16)
+    for rank in ranks:
+        fill(state, rank, 1.0)
+    slot = state.slot_region(ranks[-1]).view(torch.float32)
+    assert slot.numel() > 4 * 4  # several pieces
+    params = state.params_region.view(torch.float32).clone()
+    slot[0 if where == "first" else -1] = float("nan")
+    assert checked(state, ranks) == Verdict([ranks[-1]], False)
+    assert torch.equal(state.params_region.view(torch.float32), params)  # nothing applied
+    slot[0 if where == "first" else -1] = 1.0
+    assert checked(state, ranks) == Verdict([], True)
+    state.apply(ranks)
+    assert torch.allclose(state.params_region.view(torch.float32), params - 0.1 * 1.0)
+
+
 def test_a_mean_that_overflows_is_not_applied_though_no_rank_is_to_blame(state: Any) -> None:
     for rank in (0, 1):
         fill(state, rank, 0.0)[0] = 3e38  # each sums to a finite value, their mean does not

@@ -222,8 +222,9 @@ class ShardState:
     def fold(self, ranks: list[int], parts: list[int] | None = None) -> None:
         """Fold ``ranks``' dense gradients (of ``parts``; default all) out of their slots
         into the gradient memory, afresh: what :meth:`apply` and :meth:`apply_part` step
-        with, in memory no peer can write (see :mod:`tensorx._ps.update.fold`)."""
-        self._fold.fold(ranks, self._units(parts))
+        with, in memory no peer can write (see :mod:`tensorx._ps.update.fold`), checked as
+        it is folded (:meth:`folded_finite` says)."""
+        self._fold.fold(ranks, self._units(parts), check=True)
 
     def folded_finite(self, parts: list[int] | None = None) -> bool:
         """Is the folded dense gradient (of ``parts``; default all) finite?"""

@@ -9,6 +9,9 @@ checks that (:mod:`tensorx._ps.service.nonfinite`) and steps with it: what is ch
 applied. Folding is the averaging an update of several ranks does anyway; the check then
 reads one gradient instead of one per rank.
 
+A fold that is to be checked is checked as it is made, piece by piece (:data:`CHECK_PIECE`
+bytes) while the piece is still in cache: the check then costs no second pass over memory.
+
 Only when the folded gradient is not finite is each rank's slot looked at, and then through
 a private copy of it (:meth:`DenseFold.fold_each_checked`): a rank whose copy holds NaN or
 Inf pushed it (however it changes its slot afterwards), and the mean of the copies is what
@@ -29,6 +32,10 @@ from tensorx.memregion import MemoryRegion
 __all__ = ["DenseFold"]
 
 Units = Callable[[MemoryRegion], list[torch.Tensor]]
+# A fold is checked in pieces of this many bytes as it is made: a piece is summed while it is
+# in cache (on a 2-core EPYC with 1 MiB of L2 per core and 32 MiB of L3, folding and checking
+# 102 MB took 12-13 ms in 4 MiB pieces against 14.5-15 ms for a fold, then a check).
+CHECK_PIECE = 4 << 20
 
 
 class DenseFold:
@@ -46,6 +53,7 @@ class DenseFold:
             weakref.WeakKeyDictionary()  # a renewed slot is a new region: new views
         self._ranks: tuple[int, ...] | None = None
         self._done: set[int] = set()
+        self._finite: dict[int, bool] = {}  # units whose fold was checked as it was made
 
     @property
     def num_units(self) -> int:
@@ -55,14 +63,19 @@ class DenseFold:
         """Does ``unit`` of the accumulator hold the fold of ``ranks``?"""
         return self._ranks == tuple(ranks) and unit in self._done
 
-    def fold(self, ranks: Sequence[int], units: Iterable[int] | None = None) -> None:
+    def fold(self, ranks: Sequence[int], units: Iterable[int] | None = None, *,
+             check: bool = False) -> None:
         """Fold ``ranks``' slots (``units`` of them; default all) into the accumulator,
-        afresh."""
+        afresh; ``check``: and check each unit as it is folded (:meth:`finite` then says)."""
         self._start(ranks)
         slots = [self._of(r) for r in ranks]
         with torch.no_grad():
             for u in self._which(units):
-                _mean_into(self.acc[u], [s[u] for s in slots])
+                if check:
+                    self._finite[u] = _mean_into_checked(self.acc[u], [s[u] for s in slots])
+                else:
+                    self._finite.pop(u, None)
+                    _mean_into(self.acc[u], [s[u] for s in slots])
                 self._done.add(u)
 
     def ensure(self, ranks: Sequence[int], units: Iterable[int] | None = None) -> None:
@@ -72,8 +85,10 @@ class DenseFold:
             self.fold(ranks, todo)
 
     def finite(self, units: Iterable[int] | None = None) -> bool:
-        """Is every value of the folded ``units`` (default all) finite? One sum each."""
-        return all(sum_finite(self.acc[u]) for u in self._which(units))
+        """Is every value of the folded ``units`` (default all) finite? As checked when
+        they were folded, else one sum each."""
+        return all(self._finite[u] if u in self._finite else sum_finite(self.acc[u])
+                   for u in self._which(units))
 
     def fold_each_checked(self, ranks: Sequence[int], units: Iterable[int] | None = None
                           ) -> list[int]:
@@ -86,6 +101,7 @@ class DenseFold:
         with torch.no_grad():
             for u in self._which(units):
                 acc = self.acc[u]
+                self._finite.pop(u, None)
                 for i, (r, s) in enumerate(zip(ranks, slots, strict=True)):
                     mine = s[u].clone()
                     if not sum_finite(mine):
@@ -103,11 +119,13 @@ class DenseFold:
         """The accumulator holds no fold (a new update, or other ranks, fold afresh)."""
         self._ranks = None
         self._done.clear()
+        self._finite.clear()
 
     def _start(self, ranks: Sequence[int]) -> None:
         if self._ranks != tuple(ranks):
             self._ranks = tuple(ranks)
             self._done.clear()
+            self._finite.clear()
 
     def _which(self, units: Iterable[int] | None) -> Iterable[int]:
         return range(self.num_units) if units is None else units
@@ -118,6 +136,21 @@ class DenseFold:
         if views is None:
             views = self._views[region] = self._units(region)
         return views
+
+
+def _mean_into_checked(acc: torch.Tensor, slots: Sequence[torch.Tensor]) -> bool:
+    """:func:`_mean_into`, piece by piece, each piece summed while it is in cache: whether
+    every value of the mean is finite (see :func:`sum_finite`)."""
+    step = max(1, CHECK_PIECE // acc.element_size())
+    if acc.dim() != 1 or acc.numel() <= step or any(s.shape != acc.shape for s in slots):
+        _mean_into(acc, slots)
+        return sum_finite(acc)
+    ok = True
+    for i in range(0, acc.numel(), step):
+        piece = acc[i:i + step]
+        _mean_into(piece, [s[i:i + step] for s in slots])
+        ok = sum_finite(piece) and ok
+    return ok
 
 
 def _mean_into(acc: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
