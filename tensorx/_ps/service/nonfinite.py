@@ -7,7 +7,8 @@ their ranks can still write while the shard reads them. The check is one sum per
 a folded range (per tensor when the arena mixes dtypes), taken as the piece is folded, while
 it is in cache, and accumulated in at least float32: a sum is finite only if every term is,
 so nothing non-finite passes; a finite gradient so large that the sum of a piece (or the
-ranks' mean) overflows is flagged too, and such a step would not be worth applying. It reads one gradient, whatever the number of ranks, with no allocation (see
+ranks' mean) overflows is flagged too, and such a step would not be worth applying. It
+reads one gradient, whatever the number of ranks, with no allocation (see
 ``benchmarks/ps_round.py`` for its cost next to a round's). Only a fold found not finite is
 looked at further: each rank's slot through a private copy, checked on its own, for who
 pushed NaN or Inf, then tensor by tensor (and a sparse push table by table) for the names
