@@ -271,7 +271,8 @@ def check(args: argparse.Namespace) -> None:
     port = urlsplit(args.listen if "://" in args.listen else f"tcp://{args.listen}").port
     if port and port + args.shards - 1 > 65535:
         raise UsageError(f"--listen port {port} + {args.shards} shards runs past 65535")
-    if args.log_level.upper() not in logging.getLevelNamesMapping():
+    # getLevelName maps a known name to its number (getLevelNamesMapping is 3.11+)
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
         raise UsageError(f"--log-level {args.log_level!r}: not a logging level")
     try:
         resolve_device(args.device)
