@@ -32,8 +32,9 @@ from typing import Any
 
 from tensorx.errors import TransportUnavailableError
 
-__all__ = ["DriverEvent", "IpcMapping", "available", "copy_async", "ipc_export",
-           "make_current", "primary_context", "ready", "record", "spin", "wait", "wait_sync"]
+__all__ = ["DriverEvent", "IpcMapping", "available", "copy_async", "device_tensor",
+           "ipc_export", "load_torch", "make_current", "primary_context", "ready", "record",
+           "spin", "wait", "wait_sync"]
 
 _lock = threading.Lock()
 _driver: Any = None
@@ -61,9 +62,9 @@ def torch_cuda() -> Any:
         return None
 
 
-def _torch() -> Any:
+def load_torch() -> Any:
     try:
-        import torch
+        import torch  # noqa: PLC0415 (optional dependency)
     except ImportError as exc:  # pragma: no cover - GPU regions come with torch or cupy
         raise TransportUnavailableError("GPU regions need torch for stream ordering "
                                         "(pip install 'tensorx-rdma[torch]')") from exc
@@ -82,7 +83,7 @@ def _torch_with_cuda(region: Any) -> Any:
     microseconds on some hosts); TransportUnavailableError naming ``region`` if not."""
     global _usable
     if _usable is None:
-        torch = _torch()
+        torch = load_torch()
         if not torch.cuda.is_available():
             raise TransportUnavailableError(
                 f"region {region.region_id:#x} is GPU memory ({region.device}) but CUDA is "
@@ -202,7 +203,7 @@ def ready(regions: Any) -> list[Any]:
 
 def current_stream(torch: Any, index: int) -> int:
     """The raw handle of the calling thread's current torch stream on device ``index``."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # noqa: SLF001 (torch has no public raw-stream getter)
     if raw is not None:
         return int(raw(index))
     return int(torch.cuda.current_stream(index).cuda_stream)  # pragma: no cover
@@ -388,7 +389,7 @@ class IpcMapping:
         self.base = int(ptr.value)
         self.size = keys.size
         self.device = device
-        self.tensor = _device_tensor(self.base, keys.size, device)
+        self.tensor = device_tensor(self.base, keys.size, device)
 
     def close(self) -> None:
         if self.base:
@@ -407,6 +408,6 @@ class _DeviceMemory:
                                          "strides": None, "stream": None}
 
 
-def _device_tensor(address: int, nbytes: int, device: int) -> Any:
+def device_tensor(address: int, nbytes: int, device: int) -> Any:
     torch = sys.modules["torch"]
     return torch.as_tensor(_DeviceMemory(address, nbytes), device=f"cuda:{device}")

@@ -34,7 +34,7 @@ def use_uvloop(choice: str | None = None, default: str = "auto") -> bool:
     if name == "asyncio":
         return False
     try:
-        import uvloop  # noqa: F401
+        import uvloop  # noqa: F401, PLC0415 (optional dependency)
     except ImportError:
         if name == "uvloop":
             raise UsageError("event loop 'uvloop' asked for, but uvloop is not installed "
@@ -47,7 +47,7 @@ def run(main: Coroutine[Any, Any, T], choice: str | None = None, default: str = 
     """``asyncio.run(main)`` on the loop :func:`use_uvloop` picks."""
     if not use_uvloop(choice, default):
         return asyncio.run(main)
-    import uvloop
+    import uvloop  # noqa: PLC0415 (optional dependency)
 
     result: T = uvloop.run(main)
     return result

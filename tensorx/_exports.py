@@ -51,7 +51,7 @@ class ExportTable:
         self._by_id[region.region_id] = _Export(region, desc)
         if name is not None:
             self._by_name[name] = region.region_id
-        region._exported(desc)
+        region._exported(desc)  # noqa: SLF001 (the export table tells its region (the region's hook))
         return desc
 
     def add_keys(self, backend: str,
@@ -64,7 +64,7 @@ class ExportTable:
             if keys is not None:
                 export.descriptor = dataclasses.replace(
                     export.descriptor, keys={**export.descriptor.keys, backend: keys})
-                export.region._exported(export.descriptor)
+                export.region._exported(export.descriptor)  # noqa: SLF001 (the export table tells its region (the region's hook))
 
     def remove(self, region: MemoryRegion) -> RegionDescriptor | None:
         """Stop serving ``region`` (and free its name); the descriptor of its export here,

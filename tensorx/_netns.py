@@ -22,6 +22,7 @@ reason, for tests to skip with.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -60,8 +61,6 @@ def enter_netns(name: str) -> None:
     """Do what ``ip netns exec`` does, for this process: join namespace ``name`` and see
     its interfaces in /sys (UCX finds its devices there). Call it first thing in a fresh,
     single-threaded process; every socket and thread made afterwards lives there."""
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
 
     def check(result: int, what: str) -> None:

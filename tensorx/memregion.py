@@ -6,6 +6,7 @@ DLPack, ``__cuda_array_interface__``); below it only :class:`MemoryRegion` exist
 
 from __future__ import annotations
 
+import logging
 import mmap
 import secrets
 import threading
@@ -243,7 +244,7 @@ class MemoryRegion:
         mm = _shm.attach(name, nbytes, private)
         region = cls._over_mmap(mm, nbytes, Backing(attached=mm))
         region.shared_name = name
-        region._private = private
+        region._private = private  # noqa: SLF001 (same class: the factory fills in its new region)
         return region
 
     def drop_own_writes(self) -> int:
@@ -304,8 +305,6 @@ class MemoryRegion:
             try:
                 fn(self)
             except Exception:  # a failing callback must not keep memory registered
-                import logging
-
                 logging.getLogger(__name__).exception("region close callback failed")
         self._buffer = None
         self.backing.release()  # unmapped now, or after the last op still using it
@@ -358,7 +357,7 @@ class MemoryRegion:
         return count
 
     def _torch_view(self, dtype: Any, shape: tuple[int, ...] | int | None, offset: int) -> Any:
-        import torch
+        import torch  # noqa: PLC0415 (optional dependency)
 
         itemsize = torch.empty((), dtype=dtype).element_size()
         count = self._count(itemsize, shape, offset)
@@ -439,7 +438,7 @@ def _from_torch(t: Any) -> tuple[int, int, str, bool, memoryview | None]:
         return t.data_ptr(), nbytes, f"cuda:{t.device.index or 0}", False, None
     if t.device.type != "cpu":
         raise UsageError(f"torch tensors on {t.device} are not supported")
-    import torch
+    import torch  # noqa: PLC0415 (optional dependency)
 
     raw = t.detach().reshape(-1).view(torch.uint8) if nbytes else None
     buf = memoryview(raw.numpy()) if raw is not None else memoryview(bytearray())
@@ -470,7 +469,7 @@ def _cai_stream(obj: Any) -> int | None:
 def _from_dlpack(obj: Any) -> tuple[int, int, str, bool, memoryview | None]:
     device_type, _device_id = obj.__dlpack_device__()
     if device_type == 2:  # kDLCUDA
-        import torch
+        import torch  # noqa: PLC0415 (optional dependency)
 
         return _from_torch(torch.utils.dlpack.from_dlpack(obj))
     try:
@@ -497,7 +496,7 @@ def _torch_module(obj: Any) -> Any:
     mod = type(obj).__module__
     if not mod.startswith("torch"):
         return None
-    import torch
+    import torch  # noqa: PLC0415 (optional dependency)
 
     return torch if isinstance(obj, torch.Tensor) else None
 
@@ -514,7 +513,7 @@ def _shape(shape: tuple[int, ...] | int | None, count: int) -> tuple[int, ...]:
 
 def _cuda_empty(nbytes: int, device: str) -> Any:
     try:
-        import torch
+        import torch  # noqa: PLC0415 (optional dependency)
     except ImportError as exc:
         raise UsageError("allocating GPU memory needs torch "
                          "(pip install 'tensorx-rdma[torch]')") from exc
@@ -524,7 +523,7 @@ def _cuda_empty(nbytes: int, device: str) -> Any:
 
 
 def _cuda_torch_view(region: MemoryRegion, dtype: Any, count: int, offset: int) -> Any:
-    import torch
+    import torch  # noqa: PLC0415 (optional dependency)
 
     base = region.obj
     if not isinstance(base, torch.Tensor):

@@ -33,11 +33,11 @@ def serve_prometheus(port: int, *nodes: CountedNode, addr: str = "127.0.0.1",
     stop it with :func:`stop_prometheus`. Opt-in: nothing listens unless you call this.
     """
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415 (optional dependency)
     except ImportError as exc:
         raise UsageError("Prometheus metrics need prometheus-client "
                          "(pip install 'tensorx-rdma[metrics]')") from exc
-    from tensorx._prometheus import Collector
+    from tensorx._prometheus import Collector  # noqa: PLC0415 (imports prometheus_client, optional)
 
     registry = CollectorRegistry()
     registry.register(Collector(nodes, tuple(servers), tuple(workers)))

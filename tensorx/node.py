@@ -115,7 +115,7 @@ class Node:
     See docs/transports.md, "Same host".
     """
 
-    def __init__(self, listen: str | None = "tcp://127.0.0.1:0", *, transport: str = "auto",
+    def __init__(self, listen: str | None = "tcp://127.0.0.1:0", *, transport: str = "auto",  # noqa: PLR0913 (the public constructor's keyword options)
                  token: str | bytes | None = None, timeout: float | None = 30.0,
                  require: str | None = None, ucx_options: dict[str, Any] | None = None,
                  insecure: bool = False, handshake_timeout: float = 5.0,
@@ -227,7 +227,7 @@ class Node:
             self._peers.ucx_expected = True  # TCP is a fallback
             return None
         try:
-            from tensorx.transport.ucx import UcxFactory
+            from tensorx.transport.ucx import UcxFactory  # noqa: PLC0415 (UCX code loads only when UCX is chosen)
 
             self._peers.ucx_expected = self.transport == "auto" and _installed("ucxx")
             return UcxFactory(**self._ucx_options)

@@ -74,7 +74,7 @@ UNTIL = (None, "workers_done")  # what serve() may wait for besides stop()
 
 
 def _default_optimizer(params: list[Any]) -> Any:
-    import torch
+    import torch  # noqa: PLC0415 (optional dependency)
 
     return torch.optim.SGD(params, lr=0.1)
 
@@ -176,7 +176,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
     :attr:`stats` (totals) and :attr:`timings` (histograms, see ``tensorx._ps.common.stats``).
     """
 
-    def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,
+    def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,  # noqa: PLR0913 (the public constructor's keyword options)
                  mode: str = "sync", optimizer: OptimizerFactory | None = None,
                  lr_scheduler: SchedulerFactory | None = None, staleness: int = 0,
                  shard: int = 0, num_shards: int = 1,

@@ -29,6 +29,7 @@ import torch
 from tensorx._backoff import Backoff
 from tensorx._deadline import Deadline, wait_for
 from tensorx._ps.common.gather import windowed
+from tensorx._ps.common.rendezvous import Store, connect_store, lookup
 from tensorx._ps.common.stats import WorkerTimings
 from tensorx._ps.rows.sparse import SparseSender
 from tensorx._ps.state.shard_layout import dynamic_path_ok
@@ -49,6 +50,7 @@ from tensorx.errors import (
     TimeoutError,
     UsageError,
 )
+from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
 
@@ -87,7 +89,7 @@ class Worker:
     ``require``).
     """
 
-    def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,
+    def __init__(self, model: torch.nn.Module, ps: str | Sequence[str], rank: int = 0,  # noqa: PLR0913 (the public constructor's keyword options)
                  num_workers: int = 1, *, token: str | bytes | None = None,
                  transport: str = "auto", timeout: float | None = 60.0, verify: bool = False,
                  plan_options: dict[str, Any] | None = None, overlap: bool | None = None,
@@ -163,8 +165,6 @@ class Worker:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> Worker:
-        from tensorx.graph_analyzer import GraphAnalyzer
-
         self.plan = GraphAnalyzer(self.model, num_shards=self.num_shards,
                                   **self._plan_options).plan()
         dynamic = dynamic_path_ok(self.plan)
@@ -512,12 +512,11 @@ class Worker:
         await self._states.load(self.num_shards, hps, states, self.timeout)
 
 
-def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Any = None) -> list[str]:
+def ps_addresses(num_shards: int = 1, timeout: float = 300.0, store: Store | None = None
+                 ) -> list[str]:
     """The shard addresses that ``tensorx ps --rendezvous`` (or ``ParameterServer.publish``)
     put in the launcher's store (under torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``); waits until every shard is there. Blocking."""
-    from tensorx._ps.common.rendezvous import connect_store, lookup
-
     return lookup(store if store is not None else connect_store(timeout), num_shards, timeout)
 
 

@@ -28,7 +28,7 @@ import torch
 from benchmarks.baselines import common
 
 
-def measure(model: str, workers: int, device: str, rounds: int, warmup: int
+def measure(model: str, workers: int, device: str, rounds: int, warmup: int  # noqa: C901 (one measurement, read top to bottom)
             ) -> dict[str, float]:
     n = common.numel(common.MODELS[model]())
 

@@ -321,14 +321,14 @@ class _Packed:
                 != {(dtype, True, 1)}:
             return None
         try:  # one check of every table's row shape (cat refuses rows of unlike shapes)
-            values = torch.cat([g._values() for g in grads])
+            values = torch.cat([g._values() for g in grads])  # noqa: SLF001 (torch: uncoalesced sparse COO has no public accessor)
         except RuntimeError:
             return None
         if values.shape[1:] != row_shape:
             return None
-        ids = torch.cat([g._indices() for g in grads], 1).numpy()[0]
+        ids = torch.cat([g._indices() for g in grads], 1).numpy()[0]  # noqa: SLF001 (torch: uncoalesced sparse COO has no public accessor)
         keys = ids | np.repeat(np.arange(len(grads), dtype=np.int64) << _TABLE_SHIFT,
-                               [g._nnz() for g in grads])
+                               [g._nnz() for g in grads])  # noqa: SLF001 (torch: uncoalesced sparse COO has no public accessor)
         unique, summed = sum_by_key(keys, values)  # duplicates in autograd's order
         counts = np.bincount(unique >> _TABLE_SHIFT, minlength=len(grads))
         return _Packed(unique & _ID_MASK, summed, counts)

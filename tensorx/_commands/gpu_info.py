@@ -11,6 +11,8 @@ import inspect
 import os
 from typing import Any
 
+from tensorx.transport import cuda_ipc
+
 __all__ = ["CUDA_IPC_ENV", "GPU_TLS", "PATHS", "collect_gpu", "format_gpu", "probe_torch"]
 
 # UCX's transports for CUDA memory, as ``ucx_info -d`` names them: copies between host and
@@ -29,7 +31,7 @@ def probe_torch() -> dict[str, Any]:
     failed). Initialises no CUDA context beyond what counting devices takes."""
     out: dict[str, Any] = {"torch": None, "cuda": None, "devices": [], "error": None}
     try:
-        import torch
+        import torch  # noqa: PLC0415 (optional dependency, probed)
     except Exception as exc:  # ImportError, or a broken install
         out["error"] = f"torch is not importable ({type(exc).__name__}: {exc})"
         return out
@@ -48,8 +50,6 @@ def collect_gpu(ucx: dict[str, Any], torch_probe: dict[str, Any] | None = None
                 ) -> dict[str, Any]:
     """The ``gpu`` part of ``tensorx info``: the CUDA transports UCX sees, what torch sees,
     and every GPU path with ``available`` and ``why``."""
-    from tensorx.transport import cuda_ipc
-
     probe = probe_torch() if torch_probe is None else torch_probe
     seen = [t for t in GPU_TLS if t in ucx.get("devices", {})]
     cuda_why = _cuda_why(probe)
@@ -108,7 +108,7 @@ def _gpu_ps(cuda_why: str | None, probe: dict[str, Any]) -> tuple[bool, str]:
     if cuda_why:
         return False, cuda_why
     try:
-        from tensorx.ps import ParameterServer
+        from tensorx.ps import ParameterServer  # noqa: PLC0415 (imports torch: only when probed)
 
         takes_device = "device" in inspect.signature(ParameterServer).parameters
     except Exception as exc:

@@ -14,10 +14,15 @@ import platform
 import re
 import shutil
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import tensorx
+from tensorx import _eventloop
 from tensorx._commands.gpu_info import GPU_TLS, collect_gpu, format_gpu
+from tensorx.errors import TensorxError
+from tensorx.node import Node
 
 __all__ = ["add_parser", "collect_info", "format_info", "format_node", "query_node", "run"]
 
@@ -47,9 +52,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_node_query(args: argparse.Namespace) -> int:
-    from tensorx import _eventloop
-    from tensorx.errors import TensorxError
-
     try:
         answer = _eventloop.run(query_node(args.node, args.token))
     except TensorxError as exc:
@@ -61,8 +63,6 @@ def _run_node_query(args: argparse.Namespace) -> int:
 
 async def query_node(address: str, token: str | None, timeout: float = 10.0) -> dict[str, Any]:
     """What the node at ``address`` exports and who is connected to it (over TCP control)."""
-    from tensorx.node import Node
-
     async with Node(listen=None, transport="tcp", token=token, timeout=timeout) as node:
         ep = await node.connect(address)
         exports = await ep.query("exports")
@@ -84,8 +84,6 @@ def format_node(answer: dict[str, Any]) -> str:
 
 def collect_info() -> dict[str, Any]:
     """Everything ``tensorx info`` prints, as plain data (JSON-serialisable)."""
-    import tensorx
-
     ucx = _ucx_info()
     return {
         "tensorx": tensorx.__version__,
@@ -101,7 +99,7 @@ def _ucx_info() -> dict[str, Any]:
                            "transports": [], "devices": {}, "rdma": False, "gpu": False,
                            "shared_memory": False, "binding": None, "why": ""}
     try:
-        import libucx
+        import libucx  # noqa: PLC0415 (optional dependency, probed)
     except ImportError:
         out["why"] = "UCX is not installed (pip install 'tensorx-rdma[ucx]'); tensorx uses TCP"
         return out
@@ -126,8 +124,6 @@ def _ucx_info() -> dict[str, Any]:
 
 
 def _dist_version(name: str) -> str | None:
-    from importlib import metadata
-
     for dist in (name, f"{name}-cu12", f"{name}-cu13", f"{name}-cu11"):
         try:
             return metadata.version(dist)
@@ -180,12 +176,12 @@ def _binding_state() -> dict[str, Any]:
     """Is the cffi RMA binding built, or can it be built here?"""
     state: dict[str, Any] = {"ok": False, "cached": None, "compiler": shutil.which("cc")}
     try:
-        import cffi  # noqa: F401
+        import cffi  # noqa: F401, PLC0415 (optional dependency, probed)
 
-        from tensorx.transport import _ucp
+        from tensorx.transport import _ucp  # noqa: PLC0415 (inside the probe's try: a failing import is the answer)
 
         version, _, lib = _ucp.ucx_paths()
-        cache = _ucp._cache_dir(version, lib)
+        cache = _ucp.cache_dir(version, lib)
         state["cached"] = str(cache) if any(cache.glob("_tensorx_ucp*.so")) else None
     except Exception as exc:
         state["error"] = f"{type(exc).__name__}: {exc}"

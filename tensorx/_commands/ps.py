@@ -40,6 +40,7 @@ from tensorx._eventloop import LOOPS
 from tensorx._ps.common.device import resolve as resolve_device
 from tensorx._ps.service.losses import POLICIES
 from tensorx.errors import TensorxError, UsageError
+from tensorx.metrics import serve_prometheus, stop_prometheus
 
 __all__ = ["add_parser", "main", "parse_lr_scheduler", "parse_optimizer", "run"]
 
@@ -193,7 +194,7 @@ def parse_optimizer(spec: str) -> Callable[[list[Any]], Any]:
 
     Values are Python literals (``ast.literal_eval``): nothing is executed.
     """
-    import torch
+    import torch  # noqa: PLC0415 (optional dependency: when the subcommand runs)
 
     name, _, rest = spec.partition(":")
     classes = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
@@ -214,7 +215,7 @@ def parse_lr_scheduler(spec: str | None) -> Callable[[Any], Any] | None:
     """``"steplr:step_size=100,gamma=0.5"`` -> ``lambda opt: StepLR(opt, ...)`` (or None)."""
     if not spec:
         return None
-    import torch
+    import torch  # noqa: PLC0415 (optional dependency: when the subcommand runs)
 
     sched = torch.optim.lr_scheduler
     name, _, rest = spec.partition(":")
@@ -297,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from tensorx.ps import ParameterServer
+    from tensorx.ps import ParameterServer  # noqa: PLC0415 (imports torch: when the subcommand runs, not on --help)
 
     shards = range(args.shards) if args.shard is None else [args.shard]
     optimizer = parse_optimizer(args.optimizer)
@@ -324,8 +325,6 @@ async def serve(args: argparse.Namespace) -> None:
                                "workers_done" if args.exit_when_done else None, args.listen)
     finally:
         if exporter is not None:
-            from tensorx.metrics import stop_prometheus
-
             await asyncio.to_thread(stop_prometheus, exporter)  # bounded: 5 s at most
     logger.info("stopped cleanly")
 
@@ -350,8 +349,6 @@ def _serve_metrics(servers: Sequence[Any], port: int | None, addr: str) -> Any:
     """One Prometheus exporter for every shard of this process (None: off)."""
     if port is None:
         return None
-    from tensorx.metrics import serve_prometheus
-
     exporter = serve_prometheus(port, *(s.node for s in servers), servers=servers, addr=addr)
     print(f"tensorx ps metrics on http://{addr}:{exporter.server_port}/metrics", flush=True)
     return exporter
@@ -364,7 +361,7 @@ def _stop_all(servers: Sequence[Any], sig: signal.Signals) -> None:
 
 
 def _publish(servers: Sequence[Any]) -> Any:
-    from tensorx.ps import launcher_store
+    from tensorx.ps import launcher_store  # noqa: PLC0415 (imports torch: when the subcommand runs, not on --help)
 
     store = launcher_store()
     for server in servers:

@@ -12,6 +12,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, Protocol
 
 from tensorx._deadline import Deadline, wait_for
+from tensorx._ps.common.rendezvous import Store, advertised, connect_store, wait_keys
 from tensorx._text import printable
 from tensorx.endpoint import Endpoint
 from tensorx.errors import BrokenError, ClosedError, ProtocolError, TensorxError, TimeoutError
@@ -48,7 +49,7 @@ class Meeting:
 
     def __init__(self, me: int, num_stages: int, routes: Routes, timeout: float,
                  events: Events, loop: asyncio.AbstractEventLoop,
-                 peers: Mapping[int, str] | None, store: Any) -> None:
+                 peers: Mapping[int, str] | None, store: Store | None) -> None:
         self.me = me
         self.num_stages = num_stages
         self.timeout = timeout
@@ -88,8 +89,6 @@ class Meeting:
         if self._peers is not None:
             self._addresses = dict(self._peers)
             return
-        from tensorx._ps.common.rendezvous import advertised, connect_store
-
         assert self.node is not None
         if self._store is None:
             self._store = connect_store(self.timeout)
@@ -97,9 +96,9 @@ class Meeting:
 
     def _address_of(self, stage: int) -> str:
         if stage not in self._addresses:
-            from tensorx._ps.common.rendezvous import wait_keys
-
             key = STORE_KEY.format(stage)
+            # publish() connected it: a stage given peers= has every neighbour's address
+            assert self._store is not None
             self._addresses[stage] = wait_keys(
                 self._store, [key], self.timeout,
                 f"stage {self.me}: stage {stage} did not publish its address ({key})",

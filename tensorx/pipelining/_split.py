@@ -77,7 +77,7 @@ class Pipe:
         if options.get("input_args") is None and self._examples[stage_index] is not None:
             options["input_args"] = self._examples[stage_index]
         routes = Routes(self._routes.incoming, self._routes.outgoing).at(stage_index)
-        return PipelineStage._routed(routes, module, stage_index, self.num_stages, device,
+        return PipelineStage._routed(routes, module, stage_index, self.num_stages, device,  # noqa: SLF001 (the split frontend's private constructor of a stage)
                                      **options)
 
 
@@ -195,7 +195,7 @@ def needs_sorted(needed: list[fx.Node], stage_of: dict[fx.Node, int], nodes: lis
     return sorted(needed, key=lambda n: (stage_of[n], nodes.index(n)))
 
 
-def _stage_graph(s: int, nodes: list[fx.Node], inputs: list[fx.Node],
+def _stage_graph(s: int, nodes: list[fx.Node], inputs: list[fx.Node],  # noqa: PLR0913 (one stage's slice of the split's tables)
                  needs: dict[int, list[fx.Node]], stage_of: dict[fx.Node, int], count: int,
                  output: fx.Node, sends: dict[int, list[fx.Node]],
                  incoming: dict[int, dict[int, list[int]]],

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tensorx._deadline import Deadline, wait_for
+from tensorx._ps.common.rendezvous import Store
 from tensorx.endpoint import Endpoint
 from tensorx.errors import BrokenError, ClosedError, ProtocolError, TensorxError, UsageError
 from tensorx.memregion import RegionDescriptor
@@ -80,14 +81,14 @@ class PipelineStage:
     :class:`~tensorx.errors.TimeoutError` naming whom it waits for.
     """
 
-    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,  # noqa: PLR0913 (torch's PipelineStage signature)
                  device: torch.device | str | int, input_args: Any = None, *,
                  peers: Mapping[int, str] | None = None, transport: str = "auto",
                  require: str | None = None, token: str | bytes | None = None,
                  dynamic: Sequence[int] | None = None,
                  max_shapes: Sequence[Sequence[int]] | None = None,
                  slots: int | None = None, timeout: float = 60.0,
-                 listen: str | None = None, store: Any = None) -> None:
+                 listen: str | None = None, store: Store | None = None) -> None:
         self._setup(submodule, stage_index, num_stages, device, input_args, peers=peers,
                     transport=transport, require=require, token=token, dynamic=dynamic,
                     max_shapes=max_shapes, slots=slots, timeout=timeout, listen=listen,
@@ -99,18 +100,18 @@ class PipelineStage:
                 ) -> PipelineStage:
         """A stage whose boundaries are ``routes`` (the split frontend's), not a chain."""
         stage = cls.__new__(cls)
-        stage._setup(submodule, stage_index, num_stages, device,
+        stage._setup(submodule, stage_index, num_stages, device,  # noqa: SLF001 (same class: the alternate constructor)
                      options.pop("input_args", None), routes=routes, **options)
         return stage
 
-    def _setup(self, submodule: nn.Module, stage_index: int, num_stages: int,
+    def _setup(self, submodule: nn.Module, stage_index: int, num_stages: int,  # noqa: PLR0913 (the constructor's arguments, passed on)
                device: torch.device | str | int, input_args: Any = None, *,
                peers: Mapping[int, str] | None = None, transport: str = "auto",
                require: str | None = None, token: str | bytes | None = None,
                dynamic: Sequence[int] | None = None,
                max_shapes: Sequence[Sequence[int]] | None = None,
                slots: int | None = None, timeout: float = 60.0,
-               listen: str | None = None, store: Any = None,
+               listen: str | None = None, store: Store | None = None,
                routes: Routes | None = None) -> None:
         if not isinstance(num_stages, int) or num_stages < 1:
             raise UsageError(f"num_stages must be an int >= 1, got {num_stages!r}")
@@ -525,20 +526,20 @@ class _Events:
         self._stage = stage
 
     def message(self, stage: int, msg: dict[str, Any], who: str) -> None:
-        self._stage._on_message(stage, msg, who)
+        self._stage._on_message(stage, msg, who)  # noqa: SLF001 (the stage's own event adapter)
 
     def lost(self, stage: int, address: str, how: str) -> None:
-        self._stage._lost(stage, address, how)
+        self._stage._lost(stage, address, how)  # noqa: SLF001 (the stage's own event adapter)
 
     def failed(self, exc: BaseException, origin: int | None = None,
                why: str | None = None) -> None:
-        self._stage._set_failure(exc, origin, why)
+        self._stage._set_failure(exc, origin, why)  # noqa: SLF001 (the stage's own event adapter)
 
     def check_failed(self) -> None:
-        self._stage._check_failed()
+        self._stage._check_failed()  # noqa: SLF001 (the stage's own event adapter)
 
     def failure(self) -> BaseException | None:
-        return self._stage._failure
+        return self._stage._failure  # noqa: SLF001 (the stage's own event adapter)
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
@@ -549,4 +550,4 @@ async def _failing(stage: PipelineStage, aw: Any) -> None:
     try:
         await aw
     except TensorxError as exc:
-        stage._set_failure(exc)
+        stage._set_failure(exc)  # noqa: SLF001 (the stage module's own helper)

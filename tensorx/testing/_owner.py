@@ -289,7 +289,7 @@ class _Owner:
 
     async def do_held(self) -> int:
         """Closed regions whose memory the node still holds for its peers."""
-        return len(self.node._peers.held)
+        return len(self.node._peers.held)  # noqa: SLF001 (test helper: no public count of held regions)
 
     async def do_notes(self) -> list[bytes]:
         return list(self.notes)

@@ -7,13 +7,12 @@ import asyncio
 import socket
 from typing import Any
 
-from tensorx import _wire
+from tensorx import _auth, _wire
+from tensorx.node import parse_address
 
 
 def raw_socket(address: str, timeout: float = 5.0) -> socket.socket:
     """A plain blocking socket to a node, for tests that speak (or abuse) the protocol."""
-    from tensorx.node import parse_address
-
     _, host, port = parse_address(address)
     return socket.create_connection((host, port), timeout=timeout)
 
@@ -41,8 +40,6 @@ def authenticate(sock: socket.socket, token: bytes, node_id: str = "raw-client",
     misbehave), up to the server's READY; returns the server's WELCOME header. Raises
     AssertionError if refused. ``then``: frames sent in the same ``sendall`` as the last
     handshake frame."""
-    from tensorx import _auth
-
     nonce = _auth.new_nonce()
     sock.sendall(_wire.encode(_wire.Kind.HELLO, {"id": node_id, "nonce": nonce}))
     kind, ch = recv_frame(sock)
@@ -73,8 +70,6 @@ class FaultyProxy:
     (stop forwarding, keep sockets open: a black-holed link) or cut (reset every link)."""
 
     def __init__(self, target: str) -> None:
-        from tensorx.node import parse_address
-
         _, self._host, self._port = parse_address(target)
         self._server: asyncio.Server | None = None
         self._links: list[asyncio.StreamWriter] = []

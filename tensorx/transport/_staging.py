@@ -229,7 +229,7 @@ class _CudaCopier:
     def __init__(self, region: MemoryRegion) -> None:
         with map_exceptions(f"GPU memory over TCP is staged with torch, which cannot reach "
                             f"{region.device} here", TORCH_ERRORS):
-            import torch
+            import torch  # noqa: PLC0415 (optional dependency)
 
             self._device = torch.device(region.device)
             stream = self._streams.get(region.device)

@@ -32,9 +32,10 @@ from tensorx import _cache
 from tensorx._text import printable
 from tensorx.errors import TransportUnavailableError
 from tensorx.transport._exceptions import UCX_ERRORS, map_exceptions
+from tensorx.transport._ucp_build import CDEF, SOURCE
 
-__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "lane_roles", "load", "prepare",
-           "status_string", "ucx_paths", "ucxx_context"]
+__all__ = ["UCS_ERR_CANCELED", "UCS_OK", "UcpLib", "cache_dir", "lane_roles", "load",
+           "prepare", "status_string", "ucx_paths", "ucxx_context"]
 
 logger = logging.getLogger("tensorx.transport.ucx")
 
@@ -70,7 +71,7 @@ class UcpLib:
 def ucx_paths() -> tuple[str, Path, Path]:
     """(version, include dir, lib dir) of the ``libucx`` wheel; TransportUnavailableError."""
     with map_exceptions("UCX is not installed (pip install 'tensorx-rdma[ucx]')", UCX_ERRORS):
-        import libucx
+        import libucx  # noqa: PLC0415 (optional dependency)
     root = Path(libucx.__file__).parent
     include, lib = root / "include", root / "lib"
     if not (include / "ucp" / "api" / "ucp.h").is_file() or not (lib / "libucp.so").exists():
@@ -96,7 +97,7 @@ def prepare() -> None:
     with _lock:
         if _loaded is None and _prepared is None:
             version, include, lib = ucx_paths()
-            _prepared = _cache_dir(version, lib), _built(version, include, lib)
+            _prepared = cache_dir(version, lib), _built(version, include, lib)
 
 
 def status_string(status: int) -> str:
@@ -106,12 +107,10 @@ def status_string(status: int) -> str:
         return f"UCS status {status}"
 
 
-def _cache_dir(version: str, lib: Path) -> Path:
+def cache_dir(version: str, lib: Path) -> Path:
     """One build per UCX version, ABI, source and libucx location: the module's runpath
     names ``lib`` (a child process that loads it, see :mod:`._ucx_probe`, relies on it),
     so a build made for another environment, perhaps since deleted, is never reused."""
-    from tensorx.transport._ucp_build import CDEF, SOURCE
-
     abi = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
     source = hashlib.sha256((CDEF + SOURCE + str(lib)).encode()).hexdigest()[:12]
     return _cache.cache_root() / f"ucp-{version}-{abi}-{source}"
@@ -121,18 +120,18 @@ def _import_or_build() -> UcpLib:
     global _prepared
     version, include, lib = ucx_paths()
     with map_exceptions("cannot load libucx", UCX_ERRORS):
-        import libucx
+        import libucx  # noqa: PLC0415 (optional dependency)
 
         libucx.load_library()
     ready, _prepared = _prepared, None
-    built = ready[1] if ready and ready[0] == _cache_dir(version, lib) else \
+    built = ready[1] if ready and ready[0] == cache_dir(version, lib) else \
         _built(version, include, lib)
     return UcpLib(_import_from(built), built)
 
 
 def _built(version: str, include: Path, lib: Path) -> _cache.Built:
     """The binding for this UCX, from the cache or built now; not loaded."""
-    folder = _cache_dir(version, lib)
+    folder = cache_dir(version, lib)
     name = _MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
     with map_exceptions(f"cannot build the UCX binding into {printable(str(folder))}",
                         UCX_ERRORS):
@@ -143,9 +142,7 @@ def _built(version: str, include: Path, lib: Path) -> _cache.Built:
 def _build(include: Path, lib: Path, tmp: Path) -> Path:
     """The binding, compiled in the private folder ``tmp``."""
     with map_exceptions("the UCX transport needs cffi (pip install cffi)", UCX_ERRORS):
-        import cffi
-    from tensorx.transport._ucp_build import CDEF, SOURCE
-
+        import cffi  # noqa: PLC0415 (optional dependency)
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     ffi.set_source(_MODULE, SOURCE, include_dirs=[str(include)], library_dirs=[str(lib)],
@@ -225,20 +222,20 @@ def ucxx_context(defaults: Mapping[str, str], tls: str | None,
     over both. A context that already exists is used as it is (a differing ``tls`` is
     logged)."""
     with map_exceptions("ucxx is not usable here", UCX_ERRORS):
-        import ucxx
-        from ucxx import core
+        import ucxx  # noqa: PLC0415 (optional dependency)
+        from ucxx import core  # noqa: PLC0415 (optional dependency)
     wanted = {k: v for k, v in defaults.items() if f"UCX_{k}" not in os.environ}
     wanted.update(options or {})
     if tls is not None:
         wanted["TLS"] = tls
     with map_exceptions("cannot initialise UCX", UCX_ERRORS):
-        created = core._ctx is None
+        created = core._ctx is None  # noqa: SLF001 (ucxx has no public way to share its context)
         if created:
             _init(ucxx, wanted, explicit={**(options or {}), **({"TLS": tls} if tls else {})})
-        elif tls is not None and core._ctx.config.get("TLS") != tls:
+        elif tls is not None and core._ctx.config.get("TLS") != tls:  # noqa: SLF001 (ucxx has no public way to share its context)
             logger.warning("UCX already initialised in this process with TLS=%s; tls=%r "
-                           "is ignored", core._ctx.config.get("TLS"), tls)
-        return core._get_ctx(), created
+                           "is ignored", core._ctx.config.get("TLS"), tls)  # noqa: SLF001 (ucxx has no public way to share its context)
+        return core._get_ctx(), created  # noqa: SLF001 (ucxx has no public way to share its context)
 
 
 def _init(ucxx: Any, wanted: dict[str, str], explicit: Mapping[str, str]) -> None:

@@ -31,7 +31,7 @@ class UcxLater:
     on and stops calling this; :meth:`aclose` closes it otherwise."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
-        from tensorx.transport.ucx import UcxFactory
+        from tensorx.transport.ucx import UcxFactory  # noqa: PLC0415 (UCX code loads when UCX starts, not with the node)
 
         inspect.signature(UcxFactory).bind(**options)  # a bad option fails now, not later
         self._options = dict(options)
@@ -75,7 +75,7 @@ class UcxLater:
     async def _start(self) -> LaneFactory | None:
         try:
             await asyncio.to_thread(_ucp.load)
-            from tensorx.transport.ucx import UcxFactory
+            from tensorx.transport.ucx import UcxFactory  # noqa: PLC0415 (UCX code loads when UCX starts, not with the node)
 
             return UcxFactory(**self._options)
         except (ImportError, TransportUnavailableError) as exc:

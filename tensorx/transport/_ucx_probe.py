@@ -47,7 +47,7 @@ def _backend_dirs() -> list[str]:
     """The directory of cffi's ``_cffi_backend``, which the binding imports: the child runs
     isolated (``-I``), so a cffi installed through ``PYTHONPATH`` or a user site would be
     missing there and every probe would fail ("no answer")."""
-    import _cffi_backend
+    import _cffi_backend  # noqa: PLC0415 (optional dependency)
 
     where = getattr(_cffi_backend, "__file__", None)
     return [os.path.dirname(where)] if where else []

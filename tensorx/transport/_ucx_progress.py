@@ -80,7 +80,7 @@ class ProgressDriver:
                 driver = cls._start(ucp, ctx, spin_ns)
                 if driver is None:
                     return None
-            driver._users += 1
+            driver._users += 1  # noqa: SLF001 (same class: counts its instance's users)
             return driver
 
     @classmethod
@@ -155,7 +155,7 @@ class ProgressDriver:
 
 
 def _cuda_device() -> int:
-    import torch
+    import torch  # noqa: PLC0415 (optional dependency)
 
     return int(torch.cuda.current_device())
 

@@ -25,6 +25,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from tensorx import _cuda
 from tensorx._deadline import wait_for
 from tensorx._shm import host_id
@@ -225,7 +227,7 @@ class CudaIpcLane(DataLane):
         """Enqueue every copy on the lane's stream (one per local device) and record an
         event after them; never yields. Device to device: ``cuMemcpyAsync`` on raw
         pointers (a few microseconds per op); host memory at one end: a torch copy."""
-        torch = _cuda._torch()
+        torch = _cuda.load_torch()
         by_device: dict[int, list[tuple[Op, _cuda.IpcKeys]]] = {}
         for op, keys in items:
             device = _cuda.device_index(op.local.device) if op.local.is_cuda \
@@ -254,7 +256,7 @@ class CudaIpcLane(DataLane):
                    to_remote: bool) -> None:
         device = self._device_of(keys.uuid)
         assert device is not None  # checked in _ipc_keys
-        theirs = _cuda._device_tensor(remote, op.nbytes, device)
+        theirs = _cuda.device_tensor(remote, op.nbytes, device)
         ours = _host(torch, op.local, op.local_offset, op.nbytes)
         dst, src = (theirs, ours) if to_remote else (ours, theirs)
         with torch.cuda.stream(stream):
@@ -310,7 +312,5 @@ class CudaIpcLane(DataLane):
 
 def _host(torch: Any, region: MemoryRegion, offset: int, nbytes: int) -> Any:
     """A uint8 torch view of ``nbytes`` of host ``region`` at ``offset``."""
-    import numpy as np
-
     flat = np.frombuffer(region.buffer(), dtype=np.uint8)
     return torch.from_numpy(flat[offset:offset + nbytes])

@@ -215,7 +215,7 @@ class UcxFactory(LaneFactory):
         lane = UcxLane(self.runtime, self._settings, address, peer, peer_info,
                        closed=self._lanes.discard)
         try:
-            await lane._connect(deadline.left())
+            await lane._connect(deadline.left())  # noqa: SLF001 (the factory connects the lane it made)
         except BaseException:
             lane.abort()
             raise

@@ -54,7 +54,7 @@ def binding_file() -> Path:
 
     version, _, lib = _ucp.ucx_paths()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    return _ucp._cache_dir(version, lib) / f"_tensorx_ucp{suffix}"
+    return _ucp.cache_dir(version, lib) / f"_tensorx_ucp{suffix}"
 
 
 def load_here(marker: Path, caplog: pytest.LogCaptureFixture,

@@ -39,7 +39,7 @@ def test_build_is_cached_per_version_abi_and_source() -> None:
     lib = _ucp.load()
     assert _ucp.load() is lib
     version, _, libdir = _ucp.ucx_paths()
-    cache = _ucp._cache_dir(version, libdir)
+    cache = _ucp.cache_dir(version, libdir)
     assert version in cache.name
     assert list(cache.glob("_tensorx_ucp*.so"))
     assert lib.version().startswith(version.split(".")[0])

@@ -40,7 +40,7 @@ def resolve(device: Any) -> str:
     if match[1] == "cpu":
         return "cpu"
     try:
-        import torch
+        import torch  # noqa: PLC0415 (optional dependency)
     except ImportError as exc:  # pragma: no cover - the server itself needs torch
         raise UsageError(f"device={device!r} needs torch with CUDA") from exc
     if not torch.cuda.is_available():
@@ -70,7 +70,7 @@ def fence(device: str) -> None:
     sharing the GPU, keep running). No-op on the CPU."""
     if not is_cuda(device):
         return
-    import torch
+    import torch  # noqa: PLC0415 (optional dependency)
 
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record(torch.cuda.current_stream(torch.device(device)))

@@ -10,14 +10,24 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from tensorx.errors import TimeoutError, UsageError
 
-__all__ = ["advertised", "connect_store", "launched", "lookup", "publish", "wait_keys"]
+__all__ = ["Store", "advertised", "connect_store", "launched", "lookup", "publish", "wait_keys"]
 
 KEY = "tensorx/ps/{}"
+
+
+class Store(Protocol):
+    """What tensorx uses of a launcher's key-value store (torch.distributed's TCPStore)."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
 
 
 def launched() -> bool:
@@ -25,12 +35,12 @@ def launched() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def connect_store(timeout: float = 300.0) -> Any:
+def connect_store(timeout: float = 300.0) -> Store:
     """The launcher's TCPStore: hosted by torchrun's agent, or by rank 0 when there is none."""
     if not launched():
         raise UsageError("RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT must be set "
                          "(start under torchrun)")
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # noqa: PLC0415 (optional dependency)
 
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     is_master = int(os.environ["RANK"]) == 0 and not agent_hosts
@@ -57,17 +67,17 @@ def _outward_ip() -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
-def publish(store: Any, shard: int, address: str) -> None:
+def publish(store: Store, shard: int, address: str) -> None:
     store.set(KEY.format(shard), advertised(address))
 
 
-def lookup(store: Any, num_shards: int, timeout: float = 300.0) -> list[str]:
+def lookup(store: Store, num_shards: int, timeout: float = 300.0) -> list[str]:
     """Every shard's address, in shard order; waits until all have published."""
     keys = [KEY.format(s) for s in range(num_shards)]
     return wait_keys(store, keys, timeout, f"parameter servers did not publish {keys}")
 
 
-def wait_keys(store: Any, keys: list[str], timeout: float, missing: str,
+def wait_keys(store: Store, keys: list[str], timeout: float, missing: str,
               hint: str = "") -> list[str]:
     """The values of ``keys`` in ``store``, waiting up to ``timeout`` s for all of them;
     else TimeoutError saying ``missing`` (then ``hint``)."""

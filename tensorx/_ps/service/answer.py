@@ -156,7 +156,7 @@ def delta_ops(state: Any, region: MemoryRegion, desc: RegionDescriptor,
     return ops
 
 
-async def send_params(region: MemoryRegion, peer: Peer, msg: bytes,
+async def send_params(region: MemoryRegion, peer: Peer, msg: bytes,  # noqa: PLR0913 (one answer's parts; until the server is composed (issue 29 item 1))
                       sent: list[asyncio.Future[None]] | None, last: tuple[int, int],
                       timeout: float | None, changed: dict[int, Any] | None = None,
                       state: Any = None, rows: RowsAnswer | None = None) -> None:

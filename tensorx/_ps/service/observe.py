@@ -26,7 +26,7 @@ def start_exporter(port: int | None, addr: str, node: CountedNode, server: Timed
     see the returned exporter's ``server_port``)."""
     if port is None:
         return None
-    from tensorx.metrics import serve_prometheus
+    from tensorx.metrics import serve_prometheus  # noqa: PLC0415 (metrics support loads only when metrics are on)
 
     exporter = serve_prometheus(port, node, servers=[server], addr=addr)
     logger.info("ps shard %d: metrics on http://%s:%d/metrics", server.shard, addr,
@@ -37,7 +37,7 @@ def start_exporter(port: int | None, addr: str, node: CountedNode, server: Timed
 async def stop_exporter(exporter: Any) -> None:
     if exporter is None:
         return
-    from tensorx.metrics import stop_prometheus
+    from tensorx.metrics import stop_prometheus  # noqa: PLC0415 (metrics support loads only when metrics are on)
 
     await asyncio.to_thread(stop_prometheus, exporter)  # bounded: 5 s at most
 

@@ -57,7 +57,7 @@ def elementwise(optimizer: torch.optim.Optimizer) -> str | None:
         return f"{name} is not known to be elementwise"
     if any(g.get("differentiable") for g in optimizer.param_groups):
         return f"{name} with differentiable=True"
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:  # noqa: SLF001 (torch.optim keeps its hooks private)
         return f"{name} has step hooks"
     return None
 
@@ -195,7 +195,7 @@ class FlatUpdate:
             self.engine.step()
         finally:
             self.engine.param_groups = groups
-        self.face._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers
+        self.face._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers  # noqa: SLF001 (torch's LR schedulers read it)
 
     # -- the face's state -----------------------------------------------------------------
     def expose(self) -> None:

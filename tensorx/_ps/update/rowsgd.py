@@ -44,9 +44,9 @@ def why_not(optimizer: torch.optim.Optimizer | None, tables: Sequence[torch.Tens
     """None when every group holding one of ``tables`` is plain SGD; else why not."""
     if type(optimizer) is not torch.optim.SGD:
         return f"{type(optimizer).__name__} is not plain SGD"
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or \
-            torch_optimizer._global_optimizer_pre_hooks or \
-            torch_optimizer._global_optimizer_post_hooks:
+    if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks  # noqa: SLF001 (torch.optim keeps its hooks private)
+            or torch_optimizer._global_optimizer_pre_hooks  # noqa: SLF001 (torch.optim keeps its hooks private)
+            or torch_optimizer._global_optimizer_post_hooks):  # noqa: SLF001 (torch.optim keeps its hooks private)
         return "SGD has step hooks"
     ids = {id(t) for t in tables}
     for group in optimizer.param_groups:
@@ -110,7 +110,7 @@ class RowSGD:
                     keys, grad = got
                     _update(rg.view(region), keys, grad, lr)
                 changed.update(rg.split(keys))
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers  # noqa: SLF001 (torch's LR schedulers read it)
         return changed
 
     def _kernel_step(self, rg: RowGroup, k: int, ranks: Sequence[int], region: Any,
