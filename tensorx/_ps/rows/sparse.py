@@ -15,7 +15,7 @@ import asyncio
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,13 +28,19 @@ from tensorx._text import printable
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
+if TYPE_CHECKING:
+    from tensorx._analyzer.binding import Binding
+    from tensorx._analyzer.plan import TransferPlan
+    from tensorx.endpoint import Endpoint
+    from tensorx.node import Node
+
 __all__ = ["SparseReceiver", "SparseSender"]
 
 
 class SparseSender:
     """Worker side: stage, export, and say which staging regions are new."""
 
-    def __init__(self, binding: Any, model: torch.nn.Module, node: Any) -> None:
+    def __init__(self, binding: Binding, model: torch.nn.Module, node: Node) -> None:
         self.binding = binding
         self.node = node
         self.entries = list(binding.plan.dynamic_entries)
@@ -45,7 +51,7 @@ class SparseSender:
         self.inboxes = {s: RowInbox([e for e in self.entries if e.shard == s], device)
                         for s in {e.shard for e in self.entries}}
 
-    def rebind(self, binding: Any) -> None:
+    def rebind(self, binding: Binding) -> None:
         """The model was bound anew (arenas mapped or unmapped): stage into the new
         binding's regions, and announce them."""
         self.binding = binding
@@ -114,7 +120,8 @@ class SparseReceiver:
     The rows are read into a buffer on the shard's ``device`` (next to the slots they are
     scattered into); the small headers stay in host memory, where they are decoded."""
 
-    def __init__(self, plan: Any, shard: int, num_workers: int, device: str = "cpu") -> None:
+    def __init__(self, plan: TransferPlan, shard: int, num_workers: int,
+                 device: str = "cpu") -> None:
         self.device = device
         self.entries = [d for d in plan.dynamic_entries if d.shard == shard]
         offsets = {e.name: e.offset for e in plan.shard_entries(shard) if e.kind == "dynamic"}
@@ -155,7 +162,7 @@ class SparseReceiver:
         self.answers.announce(rank, inbox)
         self._staging.update(new)
 
-    async def receive(self, ep: Any, rank: int, timeout: float | None) -> PushedRows:
+    async def receive(self, ep: Endpoint, rank: int, timeout: float | None) -> PushedRows:
         """Every sparse gradient of ``rank``: table name -> (row ids, rows), on the shard's
         device. One read per staging region of the worker (one per shard, whatever the
         number of tables); raises, handing over nothing, if any read or check fails."""

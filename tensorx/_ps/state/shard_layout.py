@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,9 @@ from tensorx._ps.update import parts
 from tensorx._ps.update.optim import ParamSpec, param_specs
 from tensorx.errors import UsageError
 from tensorx.memregion import MemoryRegion
+
+if TYPE_CHECKING:
+    from tensorx._analyzer.plan import TransferPlan
 
 __all__ = ["ShardLayout", "Slot", "dense_splitter", "dynamic_path_ok", "entry_key",
            "flat_splitter", "param_splitter",
@@ -46,14 +49,14 @@ class ShardLayout:
                                     for s in self.slots)
 
     @classmethod
-    def from_plan(cls, plan: Any, shard: int) -> ShardLayout:
+    def from_plan(cls, plan: TransferPlan, shard: int) -> ShardLayout:
         entries = sorted(plan.shard_entries(shard), key=lambda e: e.offset)
         slots = tuple(Slot(entry_key(e), e.offset, e.numel, to_dtype(e.dtype)) for e in entries)
         return cls(shard, plan.num_shards, plan.arena_bytes(shard), slots, plan.fingerprint,
                    param_specs(entries, to_dtype, dynamic_path_ok(plan)))
 
 
-def dynamic_path_ok(plan: Any) -> bool:
+def dynamic_path_ok(plan: TransferPlan) -> bool:
     """True when the plan has sparse tensors and none of them was split into chunks: then
     they travel as rows (:mod:`tensorx._ps.rows.sparse`), and both sides lay them out so."""
     dynamic = [e for e in plan.entries if e.kind == "dynamic"]

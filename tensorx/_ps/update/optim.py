@@ -19,11 +19,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tensorx.errors import UsageError
+
+if TYPE_CHECKING:
+    from tensorx._analyzer.plan import TransferPlan
 
 __all__ = ["ParamSpec", "build_optimizer", "param_specs", "plan_params", "step_failure"]
 
@@ -82,7 +85,7 @@ def _spec(run: list[Any], to_dtype: Callable[[Any], torch.dtype], rows: bool) ->
                      rows and whole and getattr(first, "kind", "") == "dynamic")
 
 
-def plan_params(plan: Any) -> list[ParamSpec]:
+def plan_params(plan: TransferPlan) -> list[ParamSpec]:
     """What every shard's optimizer sees, shard after shard (as a worker can work it out)."""
     return [spec for shard in range(plan.num_shards)
             for spec in param_specs(plan.shard_entries(shard), _dtype)]

@@ -29,13 +29,16 @@ import concurrent.futures
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tensorx import _cuda
 from tensorx._ps.common.abtimer import EarlyChooser
 from tensorx._ps.common.remembered import Memory
+
+if TYPE_CHECKING:
+    from tensorx._analyzer.plan import TransferPlan
 
 __all__ = ["WATCH_STEPS", "Bucket", "BucketPusher", "make_buckets", "merge_adjacent"]
 
@@ -63,7 +66,7 @@ OVERLAP_LABELS = ("gradients sent during backward", "all sent at step()", "durin
                   "at step()", "steps")
 
 
-def make_buckets(plan: Any, bucket_bytes: int) -> list[Bucket]:
+def make_buckets(plan: TransferPlan, bucket_bytes: int) -> list[Bucket]:
     """Runs of dense entries per shard, cut every ``bucket_bytes`` and at sparse entries."""
     out: list[Bucket] = []
     for shard in range(plan.num_shards):

@@ -12,7 +12,7 @@ it, or, when one refused, all of them drop it (``state_commit``, ``state_loaded`
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorx._ps.update.optim import plan_params
 from tensorx._ps.wire import optim_state, protocol
@@ -21,6 +21,9 @@ from tensorx._ps.worker.links import ShardLinks
 from tensorx.errors import ProtocolError, TensorxError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
+
+if TYPE_CHECKING:
+    from tensorx._analyzer.plan import TransferPlan
 
 __all__ = ["OptimStates"]
 
@@ -35,12 +38,13 @@ class OptimStates:
         self._links = links
         self._node = node
 
-    async def fetch(self, num_shards: int, plan: Any, timeout: float | None) -> list[Fetched]:
+    async def fetch(self, num_shards: int, plan: TransferPlan, timeout: float | None
+                    ) -> list[Fetched]:
         """Every shard's optimizer state: (manifest, state by entry label) per shard."""
         return list(await asyncio.gather(*(self._fetch(s, plan, timeout)
                                            for s in range(num_shards))))
 
-    async def _fetch(self, shard: int, plan: Any, timeout: float | None) -> Fetched:
+    async def _fetch(self, shard: int, plan: TransferPlan, timeout: float | None) -> Fetched:
         ep = self._links.eps[shard]
         with self._links.naming(shard):
             await ep.notify(protocol.encode("state_get"), timeout=timeout)

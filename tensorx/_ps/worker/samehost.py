@@ -12,13 +12,17 @@ path, with one log line saying why.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorx._analyzer.binding import ARENAS, Binding
 from tensorx._ps.wire import protocol
 from tensorx._shm import SHM_DIR, host_id
 from tensorx.errors import ProtocolError, TensorxError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
+
+if TYPE_CHECKING:
+    from tensorx._analyzer.plan import TransferPlan
+    from tensorx.node import Node
 
 __all__ = ["SharedArenas", "plan_obstacle"]
 
@@ -28,7 +32,7 @@ NOT_OFFERED = ("the server did not offer it (its mode is not sync, it runs with 
                "share_memory=False, or its arenas are not in shared memory)")
 
 
-def plan_obstacle(plan: Any, device: str) -> str:
+def plan_obstacle(plan: TransferPlan, device: str) -> str:
     """Why this plan on this device cannot be mapped at all; "" when it can."""
     if device != "cpu":
         return f"the model is on {device} (only host memory is mapped)"
@@ -47,7 +51,7 @@ def plan_obstacle(plan: Any, device: str) -> str:
 class SharedArenas:
     """Which shards' arenas the model is bound to, and the swaps between them and copies."""
 
-    def __init__(self, plan: Any, rank: int, enabled: bool, device: str) -> None:
+    def __init__(self, plan: TransferPlan, rank: int, enabled: bool, device: str) -> None:
         self.plan = plan
         self.rank = rank
         self.obstacle = "share_memory=False" if not enabled else plan_obstacle(plan, device)
@@ -60,7 +64,7 @@ class SharedArenas:
         """Ask the shards for mapping (hello ``share``)?"""
         return not self.obstacle
 
-    def map(self, binding: Binding, welcomes: list[dict[str, Any]], node: Any) -> Binding:
+    def map(self, binding: Binding, welcomes: list[dict[str, Any]], node: Node) -> Binding:
         """Map what the welcomes offer (with ``node.attach``); return the binding the model
         now has."""
         assert not self._attached, "unmap before mapping again"
@@ -105,7 +109,7 @@ class SharedArenas:
         self.mapped = [False] * self.plan.num_shards
         return new
 
-    def _attach(self, shard: int, welcome: dict[str, Any], node: Any
+    def _attach(self, shard: int, welcome: dict[str, Any], node: Node
                 ) -> tuple[MemoryRegion, MemoryRegion]:
         try:
             offer = protocol.share_offer(welcome)
