@@ -54,6 +54,7 @@ from tensorx._ps.service.losses import LossWatch
 from tensorx._ps.service.nonfinite import NonFiniteGuard
 from tensorx._ps.service.norm_exchange import NormExchange
 from tensorx._ps.service.optim_service import OptimService
+from tensorx._ps.service.options import ShardOptions
 from tensorx._ps.service.outbox import Outbox
 from tensorx._ps.service.pipelined import Pipelined
 from tensorx._ps.service.plan import PlanHolder
@@ -62,7 +63,7 @@ from tensorx._ps.service.schedule import MODES, Scheduler
 from tensorx._ps.service.session import Sessions
 from tensorx._ps.service.steps import Steps
 from tensorx._ps.state.checkpoint import check_schedule
-from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, checkpoint_path
+from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, ShardState, checkpoint_path
 from tensorx.errors import UsageError
 from tensorx.node import Node
 
@@ -79,7 +80,7 @@ def _default_optimizer(params: list[Any]) -> Any:
     return torch.optim.SGD(params, lr=0.1)
 
 
-class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
+class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined):
     """One parameter-server shard. ``async with ParameterServer(...) as ps: await ps.serve()``.
 
     ``mode``: ``"sync"``, ``"async"`` or ``"bounded"`` (with ``staleness``).
@@ -224,6 +225,12 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self.share_memory = share_memory
         self._optimizer = optimizer or _default_optimizer
         self._lr_scheduler = lr_scheduler
+        self._options = ShardOptions(
+            mode=mode, num_workers=num_workers, shard=shard, num_shards=num_shards,
+            timeout=timeout, send_timeout=send_timeout, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
+            resume_optimizer=resume_optimizer, flat=flat, share_memory=share_memory,
+            device=self.device, optimizer=self._optimizer, lr_scheduler=lr_scheduler)
         self.scheduler = Scheduler(mode, num_workers, staleness)
         self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost,
                                 self._post_overdue)
@@ -233,16 +240,12 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self._norms = NormExchange(self.node, shard, num_shards, timeout) \
             if clip_grad_norm is not None and num_shards > 1 else None
         self.grads = GradProcessing(clip_grad_norm, grad_hook, self._norms)
-        self.state = None
-        self._plan = None
-        self._plan_bytes = b""
         self._peers = {}
         self._waiting = []      # said hello before the parameters were initialised
         self._finished = set()  # ranks that said goodbye (until they join again)
         self._until = None      # serve(until=...)
         self._slot_descs = {}
         self._header_descs = {}
-        self._sparse = None
         self.sharing = Sharing(shard, mode, share_memory, self.device)  # same-host mapping
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
         self._turn = asyncio.Lock()  # sessions take turns: see tensorx._ps.service.loop
@@ -255,13 +258,12 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         self._sessions: set[asyncio.Task[None]] = set()
         # async and bounded modes: answers in flight, and the arenas they read
         self.outbox = Outbox(shard, limit=max(1, num_workers - 1))
+        self.plans = PlanHolder(self._options, self.sharing.wanted, self.losses, self.outbox,
+                                self._forget_slots)  # the plan, and the state built from it
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = asyncio.Event()
         self._closed = False
-        self._initialised = False  # parameters came from rank 0 or a checkpoint
-        self._resumed = False      # ... from a checkpoint: the plan is never released
-        self._idle = False  # every worker left before the first update (see _ps.service.plan)
         self.stats = {"updates": 0, "pushes": 0, "max_gap": 0,
                       "max_version_lag": 0, "apply_s": 0.0,
                       "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,
@@ -282,7 +284,9 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         async with self._turn:  # a session handles nothing before the checkpoint is loaded
             await self.node.start()
             try:
-                self._restore()
+                resumed = self.plans.restore()
+                if resumed is not None:
+                    self._saved_version = resumed
                 self._metrics = observe.start_exporter(self.metrics_port, self.metrics_addr,
                                                        self.node, self)
                 if self._metrics is not None:
@@ -294,7 +298,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
         if self.log_every:
             self._tasks.append(loop.create_task(
                 observe.report(self, self.log_every, lambda: len(self._peers))))
-        if self._initialised and self.mode == "sync":
+        if self.plans.initialised and self.mode == "sync":
             # resumed from a checkpoint: every rank is expected back, and one that does not
             # come back is a loss like any other (a fresh server waits for its first workers)
             for rank in range(self.num_workers):
@@ -310,7 +314,12 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
 
     @property
     def version(self) -> int:
-        return self.state.version if self.state is not None else 0
+        return self.plans.version
+
+    @property
+    def state(self) -> ShardState | None:
+        """This shard's memory (arenas, optimizer), once a plan is adopted."""
+        return self.plans.state
 
     async def serve(self, until: str | None = None) -> None:
         """Serve until :meth:`stop` (or SIGTERM in the CLI); then checkpoint and close.
@@ -363,10 +372,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
             await self.outbox.aclose(None if self.state is None
                                      else self.state.params_region)
             await self.node.aclose()
-            if self.state is not None:
-                self.state.close()
-            if self._sparse is not None:
-                self._sparse.close()
+            self.plans.close()
 
     async def __aenter__(self) -> ParameterServer:
         return await self.start()
@@ -385,7 +391,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
             return False  # nothing new: the one there stays, and so does the one before it
         path = checkpoint_path(self.checkpoint_dir, self.shard, self.num_shards)
         try:
-            self.state.save(path, self._plan_bytes, self.checkpoint_keep)
+            self.state.save(path, self.plans.plan_bytes, self.checkpoint_keep)
         except (OSError, RuntimeError, UsageError) as exc:
             self.stats["checkpoint_failures"] += 1
             logger.error("ps shard %d: checkpoint of version %d to %s failed, the previous "
@@ -394,3 +400,12 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined, PlanHolder):
             return False
         self._saved_version = self.state.version
         return True
+
+    # -- what the parts are given -----------------------------------------------------------
+    def _forget_slots(self) -> None:
+        """The plan was released: the slots exported for its state are gone with it."""
+        self._slot_descs.clear()
+        self._header_descs.clear()
+
+    def _release_plan_if_idle(self) -> None:
+        self.plans.release_if_idle(bool(self._peers), self._closed)

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from tensorx._ps.common.abtimer import EarlyChooser
     from tensorx._ps.common.remembered import Memory
     from tensorx._ps.common.stats import ShardTimings
-    from tensorx._ps.rows.sparse import SparseReceiver
     from tensorx._ps.service.answer import Peer
     from tensorx._ps.service.applier import Applier
     from tensorx._ps.service.grads import GradProcessing
@@ -29,13 +28,13 @@ if TYPE_CHECKING:
     from tensorx._ps.service.norm_exchange import NormExchange
     from tensorx._ps.service.optim_service import OptimService
     from tensorx._ps.service.outbox import Outbox
+    from tensorx._ps.service.plan import PlanHolder
     from tensorx._ps.service.round import PartBackups, Round
     from tensorx._ps.service.samehost import Sharing
     from tensorx._ps.service.schedule import Decision, Scheduler
     from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, ShardState
     from tensorx.endpoint import Endpoint
     from tensorx.errors import TensorxError
-    from tensorx.graph_analyzer import TransferPlan
     from tensorx.memregion import RegionDescriptor
     from tensorx.node import Node
 
@@ -70,14 +69,7 @@ class ShardCore(abc.ABC):
     outbox: Outbox
     timings: ShardTimings
     _norms: NormExchange | None
-    # the plan and the state built from it
-    state: ShardState | None
-    _plan: TransferPlan | None
-    _plan_bytes: bytes
-    _sparse: SparseReceiver | None
-    _initialised: bool
-    _resumed: bool
-    _idle: bool
+    plans: PlanHolder  # the plan and the state built from it (_ps.service.plan)
     _saved_version: int | None
     # workers
     _peers: dict[Endpoint, Peer]
@@ -112,21 +104,15 @@ class ShardCore(abc.ABC):
     @abc.abstractmethod
     def version(self) -> int: ...
 
+    @property
+    @abc.abstractmethod
+    def state(self) -> ShardState | None: ...
+
     @abc.abstractmethod
     def checkpoint(self) -> bool: ...
 
-    # -- offered by plan.PlanHolder -------------------------------------------------------
-    @abc.abstractmethod
-    def _adopt_plan(self, plan_bytes: bytes) -> TransferPlan: ...
-
-    @abc.abstractmethod
-    async def _adopt_plan_async(self, plan_bytes: bytes) -> TransferPlan: ...
-
     @abc.abstractmethod
     def _release_plan_if_idle(self) -> None: ...
-
-    @abc.abstractmethod
-    def _release_plan(self) -> None: ...
 
     # -- offered by service.ServiceLoop ---------------------------------------------------
     @abc.abstractmethod

@@ -125,7 +125,7 @@ class ServiceLoop(ShardCore):
                 await ep.aclose()
 
     async def _optim_request(self, ep: Endpoint, kind: str, msg: dict[str, Any]) -> None:
-        if ep not in self._peers or self.state is None or not self._initialised:
+        if ep not in self._peers or self.state is None or not self.plans.initialised:
             raise ProtocolError(f"{kind} before a completed handshake")
         rank = self._peers[ep].rank
         if kind == "state_get":

@@ -54,21 +54,19 @@ class Sessions(ShardCore):
         self.state.verify = self.state.verify or msg["verify"]
         if rank not in self._slot_descs:
             self._slot_descs[rank] = self.node.export(self.state.slot_region(rank), access="w")
-            self._header_descs[rank] = b"" if self._sparse is None else self.node.export(
-                self._sparse.headers[rank], access="w").to_bytes()
+            self._header_descs[rank] = b"" if self.plans.sparse is None else self.node.export(
+                self.plans.sparse.headers[rank], access="w").to_bytes()
         peer.offered = self.sharing.offer(self.state, rank, msg["share"])
-        if self._idle and rank == 0:
-            self._initialised = False  # rank 0 gives the parameters, as the first time
-        self._idle = False
+        self.plans.joined(rank)  # idle: rank 0 gives the parameters, as the first time
         self.scheduler.join(rank)
         self._finished.discard(rank)
         away = self.losses.back(rank)
         logger.info("ps shard %d: worker rank %d joined from %s%s", self.shard, rank, ep.peer,
                     "" if away is None else f" (back after {away:.1f} s; fresh gradient slot)")
-        if self._initialised or rank == 0:
-            if not self._initialised:
+        if self.plans.initialised or rank == 0:
+            if not self.plans.initialised:
                 await ep.read(self.state.params_region, peer.params, timeout=self.timeout)
-                self._initialised = True
+                self.plans.took_parameters()
                 logger.info("ps shard %d: initial parameters from rank 0", self.shard)
             waiting, self._waiting = [*self._waiting, peer], []
             await asyncio.gather(*(self._welcome(p) for p in waiting))
@@ -76,18 +74,19 @@ class Sessions(ShardCore):
             self._waiting.append(peer)
 
     async def _check_plan(self, msg: dict[str, Any]) -> None:
-        if self._idle and self._plan is not None and \
-                msg["fingerprint"] != self._plan.fingerprint:
-            self._release_plan()  # idle, and asked for by nobody: see tensorx._ps.service.plan
-        if self._plan is None:
-            plan = await self._adopt_plan_async(msg["plan"])
+        plans = self.plans
+        if plans.idle and plans.plan is not None and \
+                msg["fingerprint"] != plans.plan.fingerprint:
+            plans.release()  # idle, and asked for by nobody: see tensorx._ps.service.plan
+        if plans.plan is None:
+            plan = await plans.adopt_async(msg["plan"])
             logger.info("ps shard %d: %s", self.shard, plan.summary())
             return
-        if msg["fingerprint"] != self._plan.fingerprint:
-            self._plan.check_same(msg["plan"], ours="this shard's plan (the first worker's)",
+        if msg["fingerprint"] != plans.plan.fingerprint:
+            plans.plan.check_same(msg["plan"], ours="this shard's plan (the first worker's)",
                                   theirs="the joining worker's")
             raise PlanMismatchError(f"plan fingerprint {msg['fingerprint']} differs from "
-                                    f"{self._plan.fingerprint} though the plans hold the same "
+                                    f"{plans.plan.fingerprint} though the plans hold the same "
                                     "tensors: run the same tensorx version everywhere")
 
     async def _welcome(self, peer: Peer) -> None:
@@ -193,5 +192,5 @@ class Sessions(ShardCore):
             return
         del self._slot_descs[rank], self._header_descs[rank]
         self.state.renew_slot(rank)
-        if self._sparse is not None:
-            self._sparse.renew(rank)
+        if self.plans.sparse is not None:
+            self.plans.sparse.renew(rank)

@@ -27,7 +27,7 @@ class Steps(ShardCore):
         peer = self._peers.get(ep)
         if peer is None and ep.closed:
             return  # the last words of a connection that has left: never applied
-        if peer is None or self.state is None or not self._initialised:
+        if peer is None or self.state is None or not self.plans.initialised:
             raise ProtocolError("push before a completed handshake")
         if self.scheduler.again(peer.rank, msg["step"]):
             self._again(peer, msg["step"])
@@ -45,9 +45,9 @@ class Steps(ShardCore):
         self.timings.pushed(peer.rank, peer.step, lag)
         if self._pipelined():
             self._pushed_parts(peer, msg["parts"])
-        if self._sparse is not None:
-            self._sparse.announce(peer.rank, msg["staging"], msg["inbox"])
-            rows = await self._sparse.receive(ep, peer.rank, self.timeout)
+        if self.plans.sparse is not None:
+            self.plans.sparse.announce(peer.rank, msg["staging"], msg["inbox"])
+            rows = await self.plans.sparse.receive(ep, peer.rank, self.timeout)
             self.state.put_rows(peer.rank, rows)
             self.stats["sparse_rows"] += rows.num_rows
         opens = not self.scheduler.pending
@@ -94,7 +94,7 @@ class Steps(ShardCore):
             try:
                 if copies and self.state.in_parts:
                     sending = await apply_in_parts(self._applier, self.state, decision.apply,
-                                                   copies, self.send_timeout, self._sparse)
+                                                   copies, self.send_timeout, self.plans.sparse)
                 else:
                     self.state.apply(decision.apply)
             except OptimizerError as exc:
@@ -186,7 +186,7 @@ class Steps(ShardCore):
         # a worker that holds a recent version gets, of the sparse tables, the changed rows
         changed = None if peer.mapped or not state.rows else \
             state.changed.since(peer.held, state.version)
-        rows = RowsAnswer.plan(self._sparse, peer.rank, state, changed)
+        rows = RowsAnswer.plan(self.plans.sparse, peer.rank, state, changed)
         msg = protocol.encode("params", version=state.version, step=peer.step,
                               checksum=state.checksum(), hyper=self.optim.answer(peer.ep, state),
                               rows=rows.nbytes, rows_want=rows.want)
