@@ -40,9 +40,7 @@ import logging
 import os
 from typing import Any
 
-from tensorx._ps.common.abtimer import EarlyChooser
 from tensorx._ps.common.device import resolve as resolve_device
-from tensorx._ps.common.remembered import Memory
 from tensorx._ps.common.rendezvous import connect_store as launcher_store
 from tensorx._ps.common.rendezvous import publish as _publish
 from tensorx._ps.common.stats import ShardTimings
@@ -56,7 +54,7 @@ from tensorx._ps.service.norm_exchange import NormExchange
 from tensorx._ps.service.optim_service import OptimService
 from tensorx._ps.service.options import ShardOptions
 from tensorx._ps.service.outbox import Outbox
-from tensorx._ps.service.pipelined import Pipelined
+from tensorx._ps.service.pipelined import PipelinedRounds
 from tensorx._ps.service.plan import PlanHolder
 from tensorx._ps.service.samehost import Sharing
 from tensorx._ps.service.schedule import MODES, Scheduler
@@ -80,7 +78,7 @@ def _default_optimizer(params: list[Any]) -> Any:
     return torch.optim.SGD(params, lr=0.1)
 
 
-class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined):
+class ParameterServer(ServiceLoop, Sessions, Steps):
     """One parameter-server shard. ``async with ParameterServer(...) as ps: await ps.serve()``.
 
     ``mode``: ``"sync"``, ``"async"`` or ``"bounded"`` (with ``staleness``).
@@ -230,7 +228,8 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined):
             timeout=timeout, send_timeout=send_timeout, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
             resume_optimizer=resume_optimizer, flat=flat, share_memory=share_memory,
-            device=self.device, optimizer=self._optimizer, lr_scheduler=lr_scheduler)
+            device=self.device, optimizer=self._optimizer, lr_scheduler=lr_scheduler,
+            pipeline=pipeline)
         self.scheduler = Scheduler(mode, num_workers, staleness)
         self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost,
                                 self._post_overdue)
@@ -249,12 +248,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined):
         self.sharing = Sharing(shard, mode, share_memory, self.device)  # same-host mapping
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
         self._turn = asyncio.Lock()  # sessions take turns: see tensorx._ps.service.loop
-        self._round = self._round_of = self._backups = None  # see tensorx._ps.service.pipelined
-        self._writes, self._release, self._deferred = {}, [], []
-        self._round_t0 = 0.0
         self._applier = Applier()  # the apply thread: see tensorx._ps.service.applier
-        self._chooser = EarlyChooser(pipeline)
-        self._memory = Memory("pipelined", self._chooser)
         self._sessions: set[asyncio.Task[None]] = set()
         # async and bounded modes: answers in flight, and the arenas they read
         self.outbox = Outbox(shard, limit=max(1, num_workers - 1))
@@ -271,6 +265,11 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined):
                       "checkpoint_failures": 0, "arena_moves": 0,
                       "parts_early": 0, "rollbacks": 0}
         self.timings = ShardTimings(sync=mode == "sync")
+        self.rounds = PipelinedRounds(
+            self._options, self.plans, self._peers, scheduler=self.scheduler, optim=self.optim,
+            nonfinite=self.nonfinite, grads=self.grads, timings=self.timings, stats=self.stats,
+            applier=self._applier, answer=self._params_sender, fail=self._fail_update,
+            welcome=self._welcome, refuse=self._refuse, checkpoint=self.checkpoint)
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
         self._metrics: Any = None  # the HTTP server, once started
@@ -363,7 +362,7 @@ class ParameterServer(ServiceLoop, Sessions, Steps, Pipelined):
         await asyncio.gather(*tasks, return_exceptions=True)
         exporter, self._metrics = self._metrics, None
         await observe.stop_exporter(exporter)
-        await self._abandon_round()  # a checkpoint never holds part of an update
+        await self.rounds.abandon()  # a checkpoint never holds part of an update
         try:
             self.checkpoint()
         finally:

@@ -128,7 +128,7 @@ async def train(link: str, variant: str, monkeypatch: pytest.MonkeyPatch | None
     if monkeypatch is not None:
         attack_when_applying(monkeypatch, armed)
     async with cluster(link, variant, models) as (ps, ws):
-        assert ps._pipelined() is variant.startswith("pipelined")
+        assert ps.rounds.active() is variant.startswith("pipelined")
         write = nan_over_slot(ws[1], asyncio.get_running_loop())
         for i, step in enumerate(batches(STEPS, 2)):
             for w, m, (x, y) in zip(ws, models, step, strict=True):

@@ -227,9 +227,9 @@ async def _rank_1_stops_after_2_parts(ps: ParameterServer, ws: list[Worker],
         backward(m, x, y)
     handled = _watch(ps)
     first = asyncio.create_task(ws[0].step())
-    await _until(handled, lambda: 0 in (ps._round.landed if ps._round else {}))
+    await _until(handled, lambda: 0 in (ps.rounds.current.landed if ps.rounds.current else {}))
     await _push_partly(ws[1], 2)
-    await _until(handled, lambda: ps._round is not None and len(ps._round.applied) >= 2)
+    await _until(handled, lambda: len(ps.rounds.current.applied if ps.rounds.current else []) >= 2)
     return first
 
 
@@ -342,7 +342,7 @@ async def test_a_server_closing_mid_round_checkpoints_the_version_before(
         await _steps(ws, models, data[:1])
         before = ps.state.params_region.view(torch.uint8).clone()  # type: ignore[union-attr]
         first = await _rank_1_stops_after_2_parts(ps, ws, models, data[1])
-        assert ps._round is not None and ps._round.open
+        assert ps.rounds.current is not None and ps.rounds.current.open
         await ps.aclose()  # SIGTERM in the CLI: checkpoint, then close
         with contextlib.suppress(TensorxError):
             await first
@@ -360,7 +360,7 @@ async def test_by_default_the_shard_measures_both_ways_and_says_which_it_keeps(
     with caplog.at_level(logging.INFO, logger="tensorx.ps"):
         async with pipelined_cluster("tcp", SGD_MOMENTUM, models, pipeline=None) as (ps, ws):
             await _steps(ws, models, batches(rounds + 1, 2))
-            assert ps._chooser.rounds >= rounds
+            assert ps.rounds.chooser.rounds >= rounds
     assert "pipelined rounds: parts applied as they land:" in caplog.text
 
 
@@ -387,9 +387,9 @@ async def test_a_second_run_takes_the_choices_the_first_measured(
         return ps, ws
 
     ps, ws = await run(abtimer.SKIP + 2 * abtimer.PROBE + 2)
-    assert ps._chooser.decided and all(w._pusher.choice.decided for w in ws)  # type: ignore[union-attr]
-    assert ps._chooser.probed > 0 and not ps._chooser.recalled
+    assert ps.rounds.chooser.decided and all(w._pusher.choice.decided for w in ws)  # type: ignore[union-attr]
+    assert ps.rounds.chooser.probed > 0 and not ps.rounds.chooser.recalled
     ps, ws = await run(abtimer.SKIP + 2)
-    assert ps._chooser.recalled and ps._chooser.probed == 0
+    assert ps.rounds.chooser.recalled and ps.rounds.chooser.probed == 0
     for w in ws:
         assert w._pusher.choice.recalled and w._pusher.choice.probed == 0  # type: ignore[union-attr]

@@ -17,8 +17,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tensorx._ps.common.abtimer import EarlyChooser
-    from tensorx._ps.common.remembered import Memory
     from tensorx._ps.common.stats import ShardTimings
     from tensorx._ps.service.answer import Peer
     from tensorx._ps.service.applier import Applier
@@ -28,8 +26,8 @@ if TYPE_CHECKING:
     from tensorx._ps.service.norm_exchange import NormExchange
     from tensorx._ps.service.optim_service import OptimService
     from tensorx._ps.service.outbox import Outbox
+    from tensorx._ps.service.pipelined import PipelinedRounds
     from tensorx._ps.service.plan import PlanHolder
-    from tensorx._ps.service.round import PartBackups, Round
     from tensorx._ps.service.samehost import Sharing
     from tensorx._ps.service.schedule import Decision, Scheduler
     from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, ShardState
@@ -82,17 +80,8 @@ class ShardCore(abc.ABC):
     _sessions: set[asyncio.Task[None]]
     _stopped: asyncio.Event
     _closed: bool  # aclose() has begun
-    # a sync update applied part by part (see _ps.service.round, _ps.service.pipelined)
-    _round: Round | None
-    _round_of: ShardState | None  # the state _round belongs to
-    _backups: PartBackups | None
-    _writes: dict[int, list[asyncio.Future[None]]]  # parts on their way, by rank
-    _release: list[int]  # the ranks the round answers
-    _round_t0: float
+    rounds: PipelinedRounds  # a sync update applied part by part (_ps.service.pipelined)
     _applier: Applier  # the apply thread, of the round and of an answer sent in parts
-    _deferred: list[Peer]  # joined while a round was open: welcomed after it
-    _chooser: EarlyChooser  # whether a round applies parts as they land (_ps.common.abtimer)
-    _memory: Memory  # ... as measured in an earlier run (_ps.common.remembered)
     _until: str | None
     stats: dict[str, Any]
 
@@ -151,25 +140,3 @@ class ShardCore(abc.ABC):
 
     @abc.abstractmethod
     async def _welcome(self, peer: Peer) -> None: ...
-
-    # -- offered by pipelined.Pipelined ---------------------------------------------------
-    @abc.abstractmethod
-    def _pipelined(self) -> bool: ...
-
-    @abc.abstractmethod
-    def _parts_offer(self) -> list[list[int]]: ...
-
-    @abc.abstractmethod
-    def _pushed_parts(self, peer: Peer, done: list[Any]) -> None: ...
-
-    @abc.abstractmethod
-    async def _part(self, ep: Endpoint, msg: dict[str, Any]) -> None: ...
-
-    @abc.abstractmethod
-    async def _start_round(self, decision: Decision) -> None: ...
-
-    @abc.abstractmethod
-    async def _round_lost(self, rank: int) -> None: ...
-
-    @abc.abstractmethod
-    async def _abandon_round(self) -> None: ...

@@ -104,7 +104,7 @@ class ServiceLoop(ShardCore):
         elif kind == "push":
             await self._push(ep, msg)
         elif kind == "part":
-            await self._part(ep, msg)
+            await self.rounds.part(ep, msg)
         elif kind == "bye":
             await self._goodbye(ep)
         elif kind in ("state_get", "state_done", "state_put", "state_commit"):

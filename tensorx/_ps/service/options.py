@@ -30,3 +30,4 @@ class ShardOptions:
     device: str  # "cpu" or "cuda:N", see tensorx._ps.common.device
     optimizer: OptimizerFactory
     lr_scheduler: SchedulerFactory | None
+    pipeline: bool | None  # apply a sync round's parts as they land (None: measure)

@@ -93,8 +93,7 @@ class Sessions(ShardCore):
         """Write ``peer`` the parameters with its welcome; in async and bounded modes
         without waiting for it to take them (see :mod:`tensorx._ps.service.outbox`)."""
         assert self.state is not None
-        if self._round is not None and self._round.open:  # the arena is mid-update
-            self._deferred.append(peer)
+        if self.rounds.defer(peer):  # the arena is mid-update: welcomed after the round
             return
         region = self.state.params_region
         # Written even when mapping is offered: the worker may yet fail to map and copy.
@@ -104,7 +103,7 @@ class Sessions(ShardCore):
             mode=self.mode, checksum=self.state.checksum(),
             share=self.sharing.offer_message(self.state, peer, self.node,
                                              self._slot_descs[peer.rank]),
-            optim=self.optim.welcome(peer.ep, self.state), parts=self._parts_offer())
+            optim=self.optim.welcome(peer.ep, self.state), parts=self.rounds.parts_offer())
 
         async def send() -> None:
             try:
@@ -135,7 +134,7 @@ class Sessions(ShardCore):
             return
         self._waiting = [p for p in self._waiting if p.ep is not ep]
         rank = peer.rank
-        await self._round_lost(rank)  # before its slot is renewed: nothing of it stays
+        await self.rounds.lost(rank)  # before its slot is renewed: nothing of it stays
         self._log_departure(rank, why)
         if close:
             with contextlib.suppress(TensorxError):

@@ -43,8 +43,8 @@ class Steps(ShardCore):
         lag = self.state.version - msg["version"]
         self.stats["max_version_lag"] = max(self.stats["max_version_lag"], lag)
         self.timings.pushed(peer.rank, peer.step, lag)
-        if self._pipelined():
-            self._pushed_parts(peer, msg["parts"])
+        if self.rounds.active():
+            self.rounds.pushed(peer, msg["parts"])
         if self.plans.sparse is not None:
             self.plans.sparse.announce(peer.rank, msg["staging"], msg["inbox"])
             rows = await self.plans.sparse.receive(ep, peer.rank, self.timeout)
@@ -71,8 +71,8 @@ class Steps(ShardCore):
 
     async def _act(self, decision: Decision) -> None:
         assert self.state is not None
-        if decision.apply and self._pipelined():
-            await self._start_round(decision)
+        if decision.apply and self.rounds.active():
+            await self.rounds.start(decision)
             return
         by_rank = {p.rank: p for p in self._peers.values()}
         if decision.apply:
