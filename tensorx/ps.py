@@ -45,6 +45,7 @@ from tensorx._ps.common.rendezvous import connect_store as launcher_store
 from tensorx._ps.common.rendezvous import publish as _publish
 from tensorx._ps.common.stats import ShardTimings
 from tensorx._ps.service import observe
+from tensorx._ps.service.answer import Answers
 from tensorx._ps.service.applier import Applier
 from tensorx._ps.service.grads import GradHook, GradProcessing
 from tensorx._ps.service.loop import ServiceLoop
@@ -59,7 +60,7 @@ from tensorx._ps.service.plan import PlanHolder
 from tensorx._ps.service.samehost import Sharing
 from tensorx._ps.service.schedule import MODES, Scheduler
 from tensorx._ps.service.session import Sessions
-from tensorx._ps.service.steps import Steps
+from tensorx._ps.service.steps import Updates
 from tensorx._ps.state.checkpoint import check_schedule
 from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, ShardState, checkpoint_path
 from tensorx.errors import UsageError
@@ -78,7 +79,7 @@ def _default_optimizer(params: list[Any]) -> Any:
     return torch.optim.SGD(params, lr=0.1)
 
 
-class ParameterServer(ServiceLoop, Sessions, Steps):
+class ParameterServer(ServiceLoop, Sessions):
     """One parameter-server shard. ``async with ParameterServer(...) as ps: await ps.serve()``.
 
     ``mode``: ``"sync"``, ``"async"`` or ``"bounded"`` (with ``staleness``).
@@ -265,11 +266,18 @@ class ParameterServer(ServiceLoop, Sessions, Steps):
                       "checkpoint_failures": 0, "arena_moves": 0,
                       "parts_early": 0, "rollbacks": 0}
         self.timings = ShardTimings(sync=mode == "sync")
+        answers = Answers(self._options, self.plans, self._peers, self.optim)
         self.rounds = PipelinedRounds(
             self._options, self.plans, self._peers, scheduler=self.scheduler, optim=self.optim,
             nonfinite=self.nonfinite, grads=self.grads, timings=self.timings, stats=self.stats,
-            applier=self._applier, answer=self._params_sender, fail=self._fail_update,
+            applier=self._applier, answer=answers.sender, fail=answers.fail,
             welcome=self._welcome, refuse=self._refuse, checkpoint=self.checkpoint)
+        self.updates = Updates(
+            self._options, self.plans, self._peers, scheduler=self.scheduler,
+            losses=self.losses, sharing=self.sharing, optim=self.optim, outbox=self.outbox,
+            grads=self.grads, nonfinite=self.nonfinite, timings=self.timings, stats=self.stats,
+            applier=self._applier, rounds=self.rounds, answers=answers, refuse=self._refuse,
+            tell_waiting=self._tell_waiting, checkpoint=self.checkpoint)
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
         self._metrics: Any = None  # the HTTP server, once started

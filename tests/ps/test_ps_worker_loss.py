@@ -358,14 +358,14 @@ async def test_a_worker_killed_just_before_the_answer_leaves_the_others_served(
                                    share_memory=False, on_worker_loss="continue",
                                    worker_loss_timeout=LOSS_TIMEOUT) as ps:
             await start_pair(ps, [survivor, victim])
-            answer = ps._send_params
+            answer = ps.updates._send_params
 
             async def killing_first(peer: Any, sent: Any = None) -> None:
                 if victim.proc.is_alive():
                     victim.kill()  # blocking: gone before the shard's loop runs again
                 await answer(peer, sent)
 
-            ps._send_params = killing_first  # type: ignore[method-assign]
+            ps.updates._send_params = killing_first  # type: ignore[method-assign]
             survivor.send("step")
             victim.send("step")
             values_, _, rejoins = await survivor.expect("stepped")

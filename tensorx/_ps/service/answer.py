@@ -11,15 +11,27 @@ so a worker never sees it before every part has landed.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorx._ps.rows.changed import runs
 from tensorx._ps.service.applier import Applier
+from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
+from tensorx.errors import OptimizerError, TensorxError, error_code
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
-__all__ = ["Peer", "RowsAnswer", "apply_in_parts", "last_part", "send_params"]
+if TYPE_CHECKING:
+    from tensorx._ps.service.optim_service import OptimService
+    from tensorx._ps.service.options import ShardOptions
+    from tensorx._ps.service.plan import PlanHolder
+
+__all__ = ["Answers", "Peer", "RowsAnswer", "apply_in_parts", "drop", "last_part",
+           "send_params"]
+
+logger = logging.getLogger("tensorx.ps")  # one logger name for the whole server
 
 
 GAP_BYTES = 64 << 10  # unchanged table bytes worth resending to save an op (changed.runs)
@@ -184,3 +196,61 @@ async def send_params(region: MemoryRegion, peer: Peer, msg: bytes,  # noqa: PLR
     for result in results:
         if isinstance(result, BaseException):
             raise result
+
+
+def drop(shard: int, peer: Peer, when: str, exc: TensorxError) -> None:
+    """A send to ``peer`` failed or missed ``send_timeout``: abort its connection at
+    once (nothing of it may still read the arena, which the next update changes) and
+    let the loop handle it as a departure."""
+    logger.warning("ps shard %d: lost rank %d%s: %s", shard, peer.rank,
+                   f" {when}" if when else "", exc)
+    peer.ep.abort()  # its session then handles the departure, in its turn
+
+
+class Answers:
+    """What a shard answers the workers of an update: the parameters as of now, or the
+    error that failed it. It reads the state from ``plans``, the workers still here from
+    ``peers`` (by endpoint, kept by the server's sessions) and the hyperparameters to send
+    from ``optim``."""
+
+    def __init__(self, options: ShardOptions, plans: PlanHolder,
+                 peers: Mapping[Endpoint, Peer], optim: OptimService) -> None:
+        self._options = options
+        self._plans = plans
+        self._peers = peers
+        self._optim = optim
+
+    def sender(self, peer: Peer, sent: list[asyncio.Future[None]] | None,
+               last: tuple[int, int] | None = None) -> Callable[[], Awaitable[None]]:
+        """The answer to ``peer`` as of now (arena, version, checksum, hyperparameters),
+        to be sent by awaiting the result; a failed or late send drops ``peer``. With
+        ``sent`` (parts on their way), the notification travels with part ``last``
+        ((offset, nbytes); default: the state's last part)."""
+        state = self._plans.state
+        assert state is not None
+        region, last = state.params_region, last or last_part(state)
+        # a worker that holds a recent version gets, of the sparse tables, the changed rows
+        changed = None if peer.mapped or not state.rows else \
+            state.changed.since(peer.held, state.version)
+        rows = RowsAnswer.plan(self._plans.sparse, peer.rank, state, changed)
+        msg = protocol.encode("params", version=state.version, step=peer.step,
+                              checksum=state.checksum(), hyper=self._optim.answer(peer.ep, state),
+                              rows=rows.nbytes, rows_want=rows.want)
+        timeout = self._options.send_timeout
+
+        async def send() -> None:
+            try:
+                await send_params(region, peer, msg, sent, last, timeout, changed, state, rows)
+            except TensorxError as exc:
+                if self._peers.get(peer.ep) is peer:  # else it has left already
+                    drop(self._options.shard, peer, "", exc)
+
+        return send
+
+    async def fail(self, exc: Exception, targets: list[Peer]) -> None:
+        """Tell every worker waiting for this update that it failed, and why, at once."""
+        if isinstance(exc, OptimizerError):
+            logger.error("ps shard %d: %s", self._options.shard, exc)
+        error = protocol.encode("error", code=error_code(exc), msg=str(exc))
+        await asyncio.gather(*(p.ep.notify(error, timeout=self._options.timeout)
+                               for p in targets), return_exceptions=True)

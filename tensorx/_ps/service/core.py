@@ -13,7 +13,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,7 +28,8 @@ if TYPE_CHECKING:
     from tensorx._ps.service.pipelined import PipelinedRounds
     from tensorx._ps.service.plan import PlanHolder
     from tensorx._ps.service.samehost import Sharing
-    from tensorx._ps.service.schedule import Decision, Scheduler
+    from tensorx._ps.service.schedule import Scheduler
+    from tensorx._ps.service.steps import Updates
     from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, ShardState
     from tensorx.endpoint import Endpoint
     from tensorx.errors import TensorxError
@@ -81,6 +81,7 @@ class ShardCore(abc.ABC):
     _stopped: asyncio.Event
     _closed: bool  # aclose() has begun
     rounds: PipelinedRounds  # a sync update applied part by part (_ps.service.pipelined)
+    updates: Updates  # a push, the update it completes and the answers (_ps.service.steps)
     _applier: Applier  # the apply thread, of the round and of an answer sent in parts
     _until: str | None
     stats: dict[str, Any]
@@ -118,25 +119,7 @@ class ShardCore(abc.ABC):
     async def _leave(self, ep: Endpoint, why: str, close: bool = True) -> None: ...
 
     @abc.abstractmethod
-    def _drop(self, peer: Peer, when: str, exc: TensorxError) -> None: ...
-
-    @abc.abstractmethod
     async def _tell_waiting(self, held: list[Peer]) -> None: ...
-
-    # -- offered by steps.Steps -----------------------------------------------------------
-    @abc.abstractmethod
-    async def _push(self, ep: Endpoint, msg: dict[str, Any]) -> None: ...
-
-    @abc.abstractmethod
-    async def _act(self, decision: Decision) -> None: ...
-
-    @abc.abstractmethod
-    async def _fail_update(self, exc: Exception, targets: list[Peer]) -> None: ...
-
-    @abc.abstractmethod
-    def _params_sender(self, peer: Peer, sent: list[asyncio.Future[None]] | None,
-                       last: tuple[int, int] | None = None
-                       ) -> Callable[[], Awaitable[None]]: ...
 
     @abc.abstractmethod
     async def _welcome(self, peer: Peer) -> None: ...

@@ -87,7 +87,7 @@ class ServiceLoop(ShardCore):
             try:
                 decision = decide()
                 self.stats["worker_losses"] = self.losses.declared
-                await self._act(decision)
+                await self.updates.act(decision)
             except Exception:
                 logger.exception("ps shard %d: failed acting on %s", self.shard, what)
 
@@ -102,7 +102,7 @@ class ServiceLoop(ShardCore):
         if kind == "hello":
             await self._hello(ep, msg)
         elif kind == "push":
-            await self._push(ep, msg)
+            await self.updates.push(ep, msg)
         elif kind == "part":
             await self.rounds.part(ep, msg)
         elif kind == "bye":

@@ -10,7 +10,7 @@ from typing import Any
 
 from tensorx._deadline import Deadline
 from tensorx._ps.service.admission import PROBE_S, holder_alive, rank_taken
-from tensorx._ps.service.answer import Peer
+from tensorx._ps.service.answer import Peer, drop
 from tensorx._ps.service.core import ShardCore
 from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
@@ -110,20 +110,12 @@ class Sessions(ShardCore):
                 await peer.ep.write(region, peer.params, notify=msg, timeout=self.send_timeout)
             except TensorxError as exc:
                 if self._peers.get(peer.ep) is peer:
-                    self._drop(peer, "at welcome", exc)
+                    drop(self.shard, peer, "at welcome", exc)
 
         if self.mode == "sync":
             await send()
         else:
             self.outbox.send(peer.rank, region, send)
-
-    def _drop(self, peer: Peer, when: str, exc: TensorxError) -> None:
-        """A send to ``peer`` failed or missed ``send_timeout``: abort its connection at
-        once (nothing of it may still read the arena, which the next update changes) and
-        let the loop handle it as a departure."""
-        logger.warning("ps shard %d: lost rank %d%s: %s", self.shard, peer.rank,
-                       f" {when}" if when else "", exc)
-        peer.ep.abort()  # its session then handles the departure, in its turn
 
     async def _leave(self, ep: Endpoint, why: str, close: bool = True) -> None:
         peer = self._peers.pop(ep, None)
@@ -143,10 +135,10 @@ class Sessions(ShardCore):
         finished = rank in self._finished
         if self.mode == "sync" and not finished:
             self.losses.gone(rank)
-        await self._act(self.scheduler.leave(rank))
+        await self.updates.act(self.scheduler.leave(rank))
         if self.mode == "sync" and finished:
             # a rank that said goodbye pushes no more: later barriers go on without it
-            await self._act(self.scheduler.excuse(rank))
+            await self.updates.act(self.scheduler.excuse(rank))
         elif self.mode == "sync":
             held = [p for p in self._peers.values() if p.rank in self.scheduler.pending]
             await self._tell_waiting(held)
