@@ -45,7 +45,7 @@ from tensorx._ps.common.rendezvous import connect_store as launcher_store
 from tensorx._ps.common.rendezvous import publish as _publish
 from tensorx._ps.common.stats import ShardTimings
 from tensorx._ps.service import observe
-from tensorx._ps.service.answer import Answers
+from tensorx._ps.service.answer import Answers, Peer
 from tensorx._ps.service.applier import Applier
 from tensorx._ps.service.grads import GradHook, GradProcessing
 from tensorx._ps.service.loop import ServiceLoop
@@ -63,6 +63,7 @@ from tensorx._ps.service.session import Sessions
 from tensorx._ps.service.steps import Updates
 from tensorx._ps.state.checkpoint import check_schedule
 from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, ShardState, checkpoint_path
+from tensorx.endpoint import Endpoint
 from tensorx.errors import UsageError
 from tensorx.node import Node
 
@@ -79,7 +80,7 @@ def _default_optimizer(params: list[Any]) -> Any:
     return torch.optim.SGD(params, lr=0.1)
 
 
-class ParameterServer(ServiceLoop, Sessions):
+class ParameterServer(ServiceLoop):
     """One parameter-server shard. ``async with ParameterServer(...) as ps: await ps.serve()``.
 
     ``mode``: ``"sync"``, ``"async"`` or ``"bounded"`` (with ``staleness``).
@@ -240,12 +241,7 @@ class ParameterServer(ServiceLoop, Sessions):
         self._norms = NormExchange(self.node, shard, num_shards, timeout) \
             if clip_grad_norm is not None and num_shards > 1 else None
         self.grads = GradProcessing(clip_grad_norm, grad_hook, self._norms)
-        self._peers = {}
-        self._waiting = []      # said hello before the parameters were initialised
-        self._finished = set()  # ranks that said goodbye (until they join again)
-        self._until = None      # serve(until=...)
-        self._slot_descs = {}
-        self._header_descs = {}
+        self._until: str | None = None  # serve(until=...)
         self.sharing = Sharing(shard, mode, share_memory, self.device)  # same-host mapping
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
         self._turn = asyncio.Lock()  # sessions take turns: see tensorx._ps.service.loop
@@ -266,18 +262,24 @@ class ParameterServer(ServiceLoop, Sessions):
                       "checkpoint_failures": 0, "arena_moves": 0,
                       "parts_early": 0, "rollbacks": 0}
         self.timings = ShardTimings(sync=mode == "sync")
-        answers = Answers(self._options, self.plans, self._peers, self.optim)
+        peers: dict[Endpoint, Peer] = {}  # the workers admitted, kept by self.sessions
+        answers = Answers(self._options, self.plans, peers, self.optim)
         self.rounds = PipelinedRounds(
-            self._options, self.plans, self._peers, scheduler=self.scheduler, optim=self.optim,
+            self._options, self.plans, peers, scheduler=self.scheduler, optim=self.optim,
             nonfinite=self.nonfinite, grads=self.grads, timings=self.timings, stats=self.stats,
             applier=self._applier, answer=answers.sender, fail=answers.fail,
             welcome=self._welcome, refuse=self._refuse, checkpoint=self.checkpoint)
         self.updates = Updates(
-            self._options, self.plans, self._peers, scheduler=self.scheduler,
+            self._options, self.plans, peers, scheduler=self.scheduler,
             losses=self.losses, sharing=self.sharing, optim=self.optim, outbox=self.outbox,
             grads=self.grads, nonfinite=self.nonfinite, timings=self.timings, stats=self.stats,
             applier=self._applier, rounds=self.rounds, answers=answers, refuse=self._refuse,
             tell_waiting=self._tell_waiting, checkpoint=self.checkpoint)
+        self.sessions = Sessions(
+            self._options, peers, node=self.node, plans=self.plans, sharing=self.sharing,
+            optim=self.optim, losses=self.losses, scheduler=self.scheduler, outbox=self.outbox,
+            norms=self._norms, rounds=self.rounds, updates=self.updates,
+            closed=lambda: self._closed)
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
         self._metrics: Any = None  # the HTTP server, once started
@@ -304,7 +306,7 @@ class ParameterServer(ServiceLoop, Sessions):
         loop = asyncio.get_running_loop()
         if self.log_every:
             self._tasks.append(loop.create_task(
-                observe.report(self, self.log_every, lambda: len(self._peers))))
+                observe.report(self, self.log_every, lambda: len(self.sessions.peers))))
         if self.plans.initialised and self.mode == "sync":
             # resumed from a checkpoint: every rank is expected back, and one that does not
             # come back is a loss like any other (a fresh server waits for its first workers)
@@ -408,11 +410,20 @@ class ParameterServer(ServiceLoop, Sessions):
         self._saved_version = self.state.version
         return True
 
-    # -- what the parts are given -----------------------------------------------------------
-    def _forget_slots(self) -> None:
-        """The plan was released: the slots exported for its state are gone with it."""
-        self._slot_descs.clear()
-        self._header_descs.clear()
+    def _check_done(self) -> None:
+        """``serve(until="workers_done")``: stop once every rank has said goodbye."""
+        if self._until == "workers_done" and \
+                len(self.sessions.finished) == self.num_workers:
+            if not self._stopped.is_set():
+                logger.info("ps shard %d: every worker said goodbye; stopping", self.shard)
+            self._stopped.set()
 
-    def _release_plan_if_idle(self) -> None:
-        self.plans.release_if_idle(bool(self._peers), self._closed)
+    # -- calls to the sessions from the parts built before them -----------------------------
+    def _forget_slots(self) -> None:
+        self.sessions.forget_slots()
+
+    async def _welcome(self, peer: Peer) -> None:
+        await self.sessions.welcome(peer)
+
+    async def _tell_waiting(self, held: list[Peer]) -> None:
+        await self.sessions.tell_waiting(held)

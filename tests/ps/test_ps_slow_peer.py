@@ -140,7 +140,7 @@ async def resume(victim: Any, parent: Connection) -> tuple[str, str]:
 async def _dropped_within(ps: ParameterServer, bound: float) -> bool:
     """Has rank 1 been dropped (within ``bound`` seconds), leaving rank 0 alone?"""
     try:
-        return bool(await wait_until(lambda: [p.rank for p in ps._peers.values()] == [0],
+        return bool(await wait_until(lambda: [p.rank for p in ps.sessions.peers.values()] == [0],
                                      bound, what="rank 1 dropped"))
     except TimeoutError:
         return False
@@ -198,7 +198,7 @@ async def test_a_stopped_worker_holds_nobody_up_even_with_no_send_timeout(
                 version = ps.version
                 await healthy_steps(healthy, model, 120)  # before: never finished
                 assert ps.version >= version + HEALTHY_STEPS
-                assert [p.rank for p in ps._peers.values()] == [0, 1]  # nobody dropped
+                assert [p.rank for p in ps.sessions.peers.values()] == [0, 1]  # nobody dropped
                 if transport == "tcp":  # (UCX may complete a put into a stopped process)
                     assert ps.stats["arena_moves"] >= 1
                 assert await resume(victim, parent) == ("done", "pulled")

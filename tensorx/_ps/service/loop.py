@@ -38,7 +38,7 @@ class ServiceLoop(ShardCore):
         self._sessions.add(asyncio.current_task())  # type: ignore[arg-type]
         try:
             async for payload in ep.messages:
-                if self._norms is not None and ep not in self._peers and \
+                if self._norms is not None and ep not in self.sessions.peers and \
                         self._norms.take(ep, payload):
                     continue
                 async with self._turn:
@@ -56,7 +56,7 @@ class ServiceLoop(ShardCore):
             return
         async with self._turn:
             if not self._closed:
-                await self._leave(ep, "disconnected")
+                await self.sessions.leave(ep, "disconnected")
 
     async def _handle_safely(self, ep: Endpoint, payload: bytes) -> None:
         try:
@@ -70,13 +70,13 @@ class ServiceLoop(ShardCore):
     def _post_lost(self, rank: int) -> None:
         """``rank``'s ``worker_loss_timeout`` ran out: act on it in a turn of its own."""
         self._spawn(self._policy(
-            lambda: self.losses.declare(rank, self.scheduler, self._connected()),
+            lambda: self.losses.declare(rank, self.scheduler, self.sessions.connected()),
             f"the loss of rank {rank}"))
 
     def _post_overdue(self, barrier: int) -> None:
         """The clock of sync barrier ``barrier`` ran out: act on it in a turn of its own."""
         self._spawn(self._policy(
-            lambda: self.losses.overdue(barrier, self.scheduler, self._connected()),
+            lambda: self.losses.overdue(barrier, self.scheduler, self.sessions.connected()),
             f"the ranks late for barrier {barrier}"))
 
     async def _policy(self, decide: Callable[[], Decision], what: str) -> None:
@@ -100,13 +100,14 @@ class ServiceLoop(ShardCore):
         msg = protocol.decode(payload)
         kind = msg["t"]
         if kind == "hello":
-            await self._hello(ep, msg)
+            await self.sessions.hello(ep, msg)
         elif kind == "push":
             await self.updates.push(ep, msg)
         elif kind == "part":
             await self.rounds.part(ep, msg)
         elif kind == "bye":
-            await self._goodbye(ep)
+            await self.sessions.goodbye(ep)
+            self._check_done()
         elif kind in ("state_get", "state_done", "state_put", "state_commit"):
             self._saved_version = None  # a loaded optimizer state is worth a checkpoint
             await self._optim_request(ep, kind, msg)
@@ -118,22 +119,23 @@ class ServiceLoop(ShardCore):
         with contextlib.suppress(TensorxError):
             await ep.notify(protocol.encode("error", code=error_code(exc), msg=str(exc)),
                             timeout=self.send_timeout)
-        if ep in self._peers:
-            await self._leave(ep, f"refused ({type(exc).__name__})")
+        if ep in self.sessions.peers:
+            await self.sessions.leave(ep, f"refused ({type(exc).__name__})")
         else:  # it proved nothing here but its token: its stream ends once this is read
             with contextlib.suppress(TensorxError):
                 await ep.aclose()
 
     async def _optim_request(self, ep: Endpoint, kind: str, msg: dict[str, Any]) -> None:
-        if ep not in self._peers or self.state is None or not self.plans.initialised:
+        peers = self.sessions.peers
+        if ep not in peers or self.state is None or not self.plans.initialised:
             raise ProtocolError(f"{kind} before a completed handshake")
-        rank = self._peers[ep].rank
+        rank = peers[ep].rank
         if kind == "state_get":
             await self.optim.lend(ep, self.state, self.timeout)
         elif kind == "state_done":
             self.optim.returned(ep)
         elif kind == "state_put":  # every rank the barrier counts loads (_ps.service.optim_load)
-            counted = set(range(self.num_workers)) - self.scheduler.excused - self._finished
+            counted = set(range(self.num_workers)) - self.scheduler.excused - self.sessions.finished
             await self.optim.put(ep, rank, msg, self.state, counted,
                                  sorted(self.scheduler.pending), self.timeout)
         else:
