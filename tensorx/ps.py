@@ -29,8 +29,17 @@ wrote can ever be applied, and a restarted worker re-handshakes into a clean slo
 a sync barrier waits for it, and what then, is ``on_worker_loss`` (see
 :mod:`tensorx._ps.service.losses`).
 
-This module is the server's public face (its settings, lifecycle and checkpoints); the
-parts it is assembled from, one job each, are listed in :mod:`tensorx._ps.service.core`.
+This module is the server's public face (its settings, lifecycle and checkpoints) and
+where its parts are built and wired, each with what it needs (its settings come grouped
+in :class:`~tensorx._ps.service.options.ShardOptions`): :mod:`~tensorx._ps.service.plan`
+(the plan and the state built from it), :mod:`~tensorx._ps.service.answer` (what an
+update's workers are answered), :mod:`~tensorx._ps.service.pipelined` (a sync update
+applied part by part), :mod:`~tensorx._ps.service.steps` (a push and the update it
+completes), :mod:`~tensorx._ps.service.session` (a worker's hello, welcome and departure)
+and :mod:`~tensorx._ps.service.loop` (a session per peer, taking turns). Each is built
+after those it calls; the few calls that go the other way (a round welcomes the workers
+it deferred, an update refuses a gradient, the node hands over a connection) are callables
+given at construction, which the server forwards to the part built later.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ from tensorx._ps.service.steps import Updates
 from tensorx._ps.state.checkpoint import check_schedule
 from tensorx._ps.state.shard import OptimizerFactory, SchedulerFactory, ShardState, checkpoint_path
 from tensorx.endpoint import Endpoint
-from tensorx.errors import UsageError
+from tensorx.errors import TensorxError, UsageError
 from tensorx.node import Node
 
 __all__ = ["UNTIL", "ParameterServer", "launcher_store"]
@@ -80,7 +89,7 @@ def _default_optimizer(params: list[Any]) -> Any:
     return torch.optim.SGD(params, lr=0.1)
 
 
-class ParameterServer(ServiceLoop):
+class ParameterServer:
     """One parameter-server shard. ``async with ParameterServer(...) as ps: await ps.serve()``.
 
     ``mode``: ``"sync"``, ``"async"`` or ``"bounded"`` (with ``staleness``).
@@ -219,19 +228,17 @@ class ParameterServer(ServiceLoop):
         self.checkpoint_every = checkpoint_every
         self.checkpoint_keep = checkpoint_keep
         self.resume_optimizer = resume_optimizer
-        self._saved_version = None  # the version the newest checkpoint holds
+        self._saved_version: int | None = None  # the version the newest checkpoint holds
         self.log_every = log_every
         self.flat = flat
         self.share_memory = share_memory
-        self._optimizer = optimizer or _default_optimizer
-        self._lr_scheduler = lr_scheduler
         self._options = ShardOptions(
             mode=mode, num_workers=num_workers, shard=shard, num_shards=num_shards,
             timeout=timeout, send_timeout=send_timeout, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
             resume_optimizer=resume_optimizer, flat=flat, share_memory=share_memory,
-            device=self.device, optimizer=self._optimizer, lr_scheduler=lr_scheduler,
-            pipeline=pipeline)
+            device=self.device, optimizer=optimizer or _default_optimizer,
+            lr_scheduler=lr_scheduler, pipeline=pipeline)
         self.scheduler = Scheduler(mode, num_workers, staleness)
         self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost,
                                 self._post_overdue)
@@ -244,9 +251,7 @@ class ParameterServer(ServiceLoop):
         self._until: str | None = None  # serve(until=...)
         self.sharing = Sharing(shard, mode, share_memory, self.device)  # same-host mapping
         self.optim = OptimService(shard, self.node)  # RemoteOptimizer's requests
-        self._turn = asyncio.Lock()  # sessions take turns: see tensorx._ps.service.loop
         self._applier = Applier()  # the apply thread: see tensorx._ps.service.applier
-        self._sessions: set[asyncio.Task[None]] = set()
         # async and bounded modes: answers in flight, and the arenas they read
         self.outbox = Outbox(shard, limit=max(1, num_workers - 1))
         self.plans = PlanHolder(self._options, self.sharing.wanted, self.losses, self.outbox,
@@ -255,12 +260,11 @@ class ParameterServer(ServiceLoop):
         self._started = False
         self._stopped = asyncio.Event()
         self._closed = False
-        self.stats = {"updates": 0, "pushes": 0, "max_gap": 0,
-                      "max_version_lag": 0, "apply_s": 0.0,
-                      "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0,
-                      "worker_losses": 0, "nonfinite": 0,
-                      "checkpoint_failures": 0, "arena_moves": 0,
-                      "parts_early": 0, "rollbacks": 0}
+        self.stats: dict[str, Any] = {
+            "updates": 0, "pushes": 0, "max_gap": 0, "max_version_lag": 0, "apply_s": 0.0,
+            "barrier_s": 0.0, "send_s": 0.0, "sparse_rows": 0, "worker_losses": 0,
+            "nonfinite": 0, "checkpoint_failures": 0, "arena_moves": 0, "parts_early": 0,
+            "rollbacks": 0}
         self.timings = ShardTimings(sync=mode == "sync")
         peers: dict[Endpoint, Peer] = {}  # the workers admitted, kept by self.sessions
         answers = Answers(self._options, self.plans, peers, self.optim)
@@ -280,6 +284,11 @@ class ParameterServer(ServiceLoop):
             optim=self.optim, losses=self.losses, scheduler=self.scheduler, outbox=self.outbox,
             norms=self._norms, rounds=self.rounds, updates=self.updates,
             closed=lambda: self._closed)
+        self.service = ServiceLoop(
+            self._options, sessions=self.sessions, updates=self.updates, rounds=self.rounds,
+            plans=self.plans, optim=self.optim, losses=self.losses, scheduler=self.scheduler,
+            norms=self._norms, stats=self.stats, closed=lambda: self._closed,
+            goodbye_done=self._check_done, optim_touched=self._optim_touched)
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
         self._metrics: Any = None  # the HTTP server, once started
@@ -290,7 +299,7 @@ class ParameterServer(ServiceLoop):
         if self._started:
             return self
         self._started = True
-        async with self._turn:  # a session handles nothing before the checkpoint is loaded
+        async with self.service.turn:  # a session handles nothing before the checkpoint is loaded
             await self.node.start()
             try:
                 resumed = self.plans.restore()
@@ -366,7 +375,7 @@ class ParameterServer(ServiceLoop):
         self._closed = True
         self._stopped.set()
         self.losses.close()
-        tasks = [*self._tasks, *self._sessions]
+        tasks = [*self._tasks, *self.service.tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -418,7 +427,22 @@ class ParameterServer(ServiceLoop):
                 logger.info("ps shard %d: every worker said goodbye; stopping", self.shard)
             self._stopped.set()
 
-    # -- calls to the sessions from the parts built before them -----------------------------
+    def _optim_touched(self) -> None:
+        self._saved_version = None  # a loaded optimizer state is worth a checkpoint
+
+    # -- calls forwarded to the parts built after the ones that make them ------------------
+    async def _session(self, ep: Endpoint) -> None:
+        await self.service.session(ep)
+
+    def _post_lost(self, rank: int) -> None:
+        self.service.post_lost(rank)
+
+    def _post_overdue(self, barrier: int) -> None:
+        self.service.post_overdue(barrier)
+
+    async def _refuse(self, ep: Endpoint, exc: TensorxError) -> None:
+        await self.service.refuse(ep, exc)
+
     def _forget_slots(self) -> None:
         self.sessions.forget_slots()
 

@@ -85,7 +85,7 @@ async def test_aclose_returns_though_a_handler_lost_its_cancellation() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(3600)  # the handler that swallows aclose()'s cancellation
 
-    ps._handle = swallowing_handle  # type: ignore[method-assign]
+    ps.service._handle = swallowing_handle  # type: ignore[method-assign]
     async with tx.Node(listen=None, transport="tcp") as client:
         await ps.start()
         try:

@@ -201,14 +201,14 @@ async def _push_partly(worker: Worker, k: int) -> None:
 def _watch(ps: ParameterServer) -> asyncio.Condition:
     """A condition notified each time ``ps`` has handled a message."""
     handled = asyncio.Condition()
-    handle = ps._handle
+    handle = ps.service._handle
 
     async def watched(ep: Any, payload: bytes) -> None:
         await handle(ep, payload)
         async with handled:
             handled.notify_all()
 
-    ps._handle = watched  # type: ignore[method-assign]
+    ps.service._handle = watched  # type: ignore[method-assign]
     return handled
 
 
