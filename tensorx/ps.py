@@ -47,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import Any, Generic, NoReturn, TypeVar, overload
 
 from tensorx._ps.common.device import resolve as resolve_device
 from tensorx._ps.common.rendezvous import connect_store as launcher_store
@@ -79,6 +79,7 @@ from tensorx.node import Node
 __all__ = ["UNTIL", "ParameterServer", "launcher_store"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 UNTIL = (None, "workers_done")  # what serve() may wait for besides stop()
 
@@ -87,6 +88,27 @@ def _default_optimizer(params: list[Any]) -> Any:
     import torch  # noqa: PLC0415 (optional dependency)
 
     return torch.optim.SGD(params, lr=0.1)
+
+
+class _Setting(Generic[T]):
+    """A setting of the server as its constructor took it, read from its options: fixed
+    (its parts were built with it), so assigning one is a UsageError, never ignored."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> _Setting[T]: ...
+
+    @overload
+    def __get__(self, obj: ParameterServer, objtype: type | None = None) -> T: ...
+
+    def __get__(self, obj: ParameterServer | None, objtype: type | None = None) -> Any:
+        return self if obj is None else getattr(obj._options, self.name)  # noqa: SLF001 (its own server)
+
+    def __set__(self, obj: ParameterServer, value: object) -> NoReturn:
+        raise UsageError(f"ParameterServer.{self.name} is fixed once the server is built "
+                         f"(its parts use it): pass {self.name}= to ParameterServer(...)")
 
 
 class ParameterServer:
@@ -186,6 +208,21 @@ class ParameterServer:
     :attr:`stats` (totals) and :attr:`timings` (histograms, see ``tensorx._ps.common.stats``).
     """
 
+    # the settings the constructor took, fixed from then on (see _Setting)
+    mode = _Setting[str]()
+    num_workers = _Setting[int]()
+    shard = _Setting[int]()
+    num_shards = _Setting[int]()
+    timeout = _Setting["float | None"]()
+    send_timeout = _Setting["float | None"]()
+    checkpoint_dir = _Setting["str | os.PathLike[str] | None"]()
+    checkpoint_every = _Setting["int | None"]()
+    checkpoint_keep = _Setting[int]()
+    resume_optimizer = _Setting[bool]()
+    flat = _Setting["bool | None"]()
+    share_memory = _Setting[bool]()
+    device = _Setting[str]()
+
     def __init__(self, listen: str = "tcp://127.0.0.1:0", *, num_workers: int,  # noqa: PLR0913 (the public constructor's keyword options)
                  mode: str = "sync", optimizer: OptimizerFactory | None = None,
                  lr_scheduler: SchedulerFactory | None = None, staleness: int = 0,
@@ -204,7 +241,7 @@ class ParameterServer:
                  clip_grad_norm: float | None = None,
                  grad_hook: GradHook | None = None, device: str = "cpu",
                  pipeline: bool | None = None) -> None:
-        self.device = resolve_device(device)
+        device = resolve_device(device)
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if clip_grad_norm is not None and mode != "sync":
@@ -216,28 +253,16 @@ class ParameterServer:
         check_schedule(checkpoint_every, checkpoint_keep)
         if log_every is not None and not log_every >= 0:
             raise UsageError(f"log_every must be >= 0 seconds or None, got {log_every}")
-        self.mode = mode
-        self.num_workers = num_workers
-        self.shard = shard
-        self.num_shards = num_shards
-        self.timeout = timeout
         if send_timeout is not None and not send_timeout > 0:
             raise UsageError(f"send_timeout must be > 0 seconds or None, got {send_timeout!r}")
-        self.send_timeout = send_timeout
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_every = checkpoint_every
-        self.checkpoint_keep = checkpoint_keep
-        self.resume_optimizer = resume_optimizer
         self._saved_version: int | None = None  # the version the newest checkpoint holds
         self.log_every = log_every
-        self.flat = flat
-        self.share_memory = share_memory
         self._options = ShardOptions(
             mode=mode, num_workers=num_workers, shard=shard, num_shards=num_shards,
             timeout=timeout, send_timeout=send_timeout, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
             resume_optimizer=resume_optimizer, flat=flat, share_memory=share_memory,
-            device=self.device, optimizer=optimizer or _default_optimizer,
+            device=device, optimizer=optimizer or _default_optimizer,
             lr_scheduler=lr_scheduler, pipeline=pipeline)
         self.scheduler = Scheduler(mode, num_workers, staleness)
         self.losses = LossWatch(shard, on_worker_loss, worker_loss_timeout, self._post_lost,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tensorx.errors import BrokenError, TimeoutError
+from tensorx.errors import BrokenError, TimeoutError, UsageError
 from tensorx.ps import ParameterServer
 from tensorx.testing import wait_until
 from tensorx.worker import Worker
@@ -218,3 +218,16 @@ async def test_cli_exit_when_done_exits_0_with_a_checkpoint(tmp_path: Path) -> N
     assert "every worker said goodbye" in log
     saved = torch.load(tmp_path / "ps-shard0-of1.pt", weights_only=True)
     assert saved["version"] == 2
+
+
+async def test_a_setting_is_read_as_given_and_assigning_one_is_refused() -> None:
+    """The server's parts are built with its settings: a later assignment would not reach
+    them, so it is refused with a UsageError naming the constructor argument."""
+    async with ParameterServer(num_workers=2, mode="bounded", staleness=1, timeout=12.5,
+                               transport="tcp") as ps:
+        assert (ps.mode, ps.num_workers, ps.timeout, ps.shard, ps.num_shards) == \
+            ("bounded", 2, 12.5, 0, 1)
+        for name, value in (("timeout", 5.0), ("mode", "sync"), ("num_workers", 3)):
+            with pytest.raises(UsageError, match=f"pass {name}= to ParameterServer"):
+                setattr(ps, name, value)
+        assert ps.timeout == 12.5 and ps.mode == "bounded"
