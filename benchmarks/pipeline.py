@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks._charts import save  # noqa: E402
+
 M = 8  # micro-batches
 COLS = 1024
 SIZES = {"64K": 16, "16M": 4096}  # rows per micro-batch: rows x 1024 floats
@@ -457,11 +459,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(f"pipeline step, T1, boundary {case.removeprefix('t1-')}")
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("ms per step (median)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"chart saved to {path}", flush=True)
+    print(save(fig, path), flush=True)
 
 
 def _ms(row: dict[str, Any] | None, key: str = "step_s") -> str:

@@ -33,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import netns
+from benchmarks._charts import save
 from benchmarks.baselines import common
 from benchmarks.baselines.pair import (
     SAME_HOST,
@@ -335,10 +336,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         _bars(ax, [r for r in rows if r["placement"] == place])
         ax.set_title(f"one PS round, {place}")
     axes[0][0].set_ylabel("seconds per round (median, log)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    progress(f"chart saved to {path}")
+    progress(save(fig, path))
 
 
 def _bars(ax: Any, rows: list[dict[str, Any]]) -> None:

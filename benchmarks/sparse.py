@@ -30,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._charts import save
 from benchmarks.baselines import sparse_train
 from benchmarks.baselines.pair import WARMUP_ROUNDS, Pair, Placement, System, warm_up
 from benchmarks.ps_round import placement
@@ -129,11 +130,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(f"sparse embeddings, {place}")
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("ms per step (median)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    progress(f"chart saved to {path}")
+    progress(save(fig, path))
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:

@@ -35,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._charts import save
 from benchmarks.baselines import training
 from benchmarks.baselines.pair import Pair, Placement, System, warm_up
 from benchmarks.ps_round import placement
@@ -144,11 +145,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.tick_params(axis="y", labelsize=7)
         ax.set_title(f"training throughput, {place}")
         ax.set_xlabel("steps/s (median step)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    progress(f"chart saved to {path}")
+    progress(save(fig, path))
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:

@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tensorx as tx
+from benchmarks._charts import save
 from benchmarks.rawsock import AsyncioClient, RawClient
 from tensorx import _eventloop
 from tensorx.testing import OwnerProcess
@@ -244,11 +245,7 @@ def plot(sizes: list[int], systems: dict[str, dict[str, object]], path: str) -> 
         ax.set_xlabel("bytes")
     axes[0].set_ylabel("GB/s")
     axes[0].legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)  # make bench runs this first
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"chart saved to {path}")
+    print(save(fig, path, dpi=120))  # (its folder made: make bench runs this first)
 
 
 def available_transports() -> list[str]:

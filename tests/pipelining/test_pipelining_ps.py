@@ -16,6 +16,7 @@ from torch import nn
 
 from tensorx import ParameterServer, RemoteOptimizer
 from tensorx import pipelining as pp
+from tests.support.clusters import on_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,26 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def on_threads(fns: list[Callable[[], Any]]) -> list[Any]:
-    out: list[Any] = [None] * len(fns)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # the test raises it
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return out
 
 
 def test_each_stage_on_its_own_parameter_server_trains_as_one_process() -> None:
@@ -99,7 +80,7 @@ def test_each_stage_on_its_own_parameter_server_trains_as_one_process() -> None:
         for replica in range(REPLICAS):
             peers = {s: f"tcp://127.0.0.1:{free_port()}" for s in range(STAGES)}
             jobs += [replica_stage(replica, s, peers) for s in range(STAGES)]
-        states = on_threads(jobs)
+        states = on_ranks(lambda i: jobs[i](), len(jobs))
     finally:
         for ps in servers:
             run(ps.aclose())

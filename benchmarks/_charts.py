@@ -1,0 +1,20 @@
+"""What every chart of the benchmarks does last: lay it out, write it, let it go."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["save"]
+
+
+def save(fig: Any, path: Path | str, dpi: int = 110) -> str:
+    """Write ``fig`` (a matplotlib figure) to ``path`` (its folder made if need be), close
+    it, and return the line that says where it went."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return f"chart saved to {path}"
