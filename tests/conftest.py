@@ -31,7 +31,7 @@ if "TENSORX_SECRET_DIR" not in os.environ:
 os.environ.setdefault("TENSORX_UCX_TCP", "1")
 # Choices measured in one test (pipelined rounds, overlap) must not steer another, nor a
 # later run of the suite: nothing is remembered across runs, but where a test says so
-# (tests/ps/test_ps_remembered.py, with a cache folder of its own).
+# (tests/ps/common/test_ps_remembered.py, with a cache folder of its own).
 os.environ["TENSORX_REMEMBER"] = "0"
 
 

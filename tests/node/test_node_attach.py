@@ -2,7 +2,7 @@
 
 The owner is a real process; the descriptor crosses between them as bytes, as it would over
 any control channel. The parameter server's same-host mapping is one use of this
-(``tests/ps/test_ps_shm.py``).
+(``tests/ps/worker/test_ps_shm.py``).
 """
 
 from __future__ import annotations

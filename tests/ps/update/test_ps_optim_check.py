@@ -1,6 +1,6 @@
 """What a shard takes for its optimizer: every torch optimizer's own state and values pass
-(no false refusal of a real checkpoint), and each kind of bad one is named. Pure: no
-server (the attacks over real servers and workers are in test_remote_optimizer.py)."""
+(no false refusal of a real checkpoint), and each kind of bad one is named. Pure: no server
+(the attacks over real servers and workers are in tests/ps/worker/test_remote_optimizer.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Tests of sparse rows on the PS (tensorx._ps.rows): pushes, pulls, receipt, state, adversity."""

@@ -1,0 +1,1 @@
+"""Tests of a shard's service (tensorx._ps.service): admission, rounds, outbox, faults, metrics."""

@@ -1,0 +1,1 @@
+"""Tests of a shard's state (tensorx._ps.state): shard layout and state, checkpoints."""

@@ -1,0 +1,1 @@
+"""Tests of a shard's update (tensorx._ps.update): flat update, row kernel, row SGD, optimizers."""
