@@ -15,7 +15,7 @@ import asyncio
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ import torch
 from tensorx._analyzer.sparse import ALIGN, HeaderSlots, budget_bytes, values_offsets
 from tensorx._ps.common.device import fence
 from tensorx._ps.rows.pull import RowInbox, RowOutbox
-from tensorx._ps.rows.tables import PushedRows, RowBatch, first_out_of_range
+from tensorx._ps.rows.tables import PushedRows, RowBatch, SparseRows, first_out_of_range
 from tensorx._text import printable
 from tensorx.errors import ProtocolError, RegionError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
@@ -35,6 +35,14 @@ if TYPE_CHECKING:
     from tensorx.node import Node
 
 __all__ = ["SparseReceiver", "SparseSender"]
+
+
+class HasRows(Protocol):
+    """What the answers read of a shard's state (a ``ShardState``, which sits above rows/):
+    its sparse tables."""
+
+    @property
+    def rows(self) -> SparseRows: ...
 
 
 class SparseSender:
@@ -255,13 +263,13 @@ class SparseReceiver:
             self._views = {}
         return region, self._recv_bytes
 
-    def rows_plan(self, rank: int, state: Any, changed: dict[int, Any]) -> tuple[int, int]:
+    def rows_plan(self, rank: int, state: HasRows, changed: dict[int, Any]) -> tuple[int, int]:
         """For an answer to ``rank`` of the rows ``changed`` (see
         :meth:`tensorx._ps.rows.changed.ChangedRows.since`): (bytes of rows it writes into the
         worker's inbox, 0: none; the inbox size to ask for, 0: none)."""
         return self.answers.plan(rank, self._ids(state, changed))
 
-    def rows_op(self, rank: int, state: Any, region: MemoryRegion,
+    def rows_op(self, rank: int, state: HasRows, region: MemoryRegion,
                 changed: dict[int, Any]) -> tuple[Any, ...]:
         """The write of the rows ``changed`` of the arena ``region`` into ``rank``'s inbox
         (after :meth:`rows_plan` said it fits)."""
@@ -272,7 +280,7 @@ class SparseReceiver:
         return self.answers.op(rank, self._views_of[1], self._ids(state, changed),
                                same=(changed, region))
 
-    def _ids(self, state: Any, changed: dict[int, Any]) -> list[Any]:
+    def _ids(self, state: HasRows, changed: dict[int, Any]) -> list[Any]:
         return [changed.get(state.rows.index(e.name)) for e in self.entries]
 
     def close(self) -> None:

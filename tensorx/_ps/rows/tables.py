@@ -20,12 +20,15 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from tensorx._analyzer.sparse import sum_by_key
+
+if TYPE_CHECKING:
+    from tensorx.memregion import MemoryRegion
 
 __all__ = ["PushedRows", "RowBatch", "RowGroup", "Rows", "SparseRows", "first_out_of_range",
            "no_invariant_checks", "put_rows", "row_groups", "sum_finite", "sum_rows", "take_rows"]
@@ -167,7 +170,7 @@ class SparseRows:
         """Table ``name``'s index among the shard's parameters."""
         return self._index[name]
 
-    def views(self, region: Any, tables: Sequence[int]) -> list[torch.Tensor]:
+    def views(self, region: MemoryRegion, tables: Sequence[int]) -> list[torch.Tensor]:
         """Tables ``tables``, shaped, in ``region`` (an arena of this shard's layout)."""
         u8 = region.view(torch.uint8)
         out = []
@@ -362,7 +365,7 @@ class RowGroup:
     def row_bytes(self) -> int:
         return math.prod(self.row_shape) * self.dtype.itemsize
 
-    def view(self, region: Any) -> torch.Tensor:
+    def view(self, region: MemoryRegion) -> torch.Tensor:
         """The group's rows in ``region`` (an arena of the shard's layout)."""
         u8: torch.Tensor = region.view(torch.uint8)
         part = u8[self.offset:self.offset + self.rows * self.row_bytes]

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tensorx._ps.service.optim_service import OptimService
     from tensorx._ps.service.options import ShardOptions
     from tensorx._ps.service.plan import PlanHolder
+    from tensorx._ps.state.shard import ShardState
 
 __all__ = ["Answers", "Peer", "RowsAnswer", "apply_in_parts", "drop", "last_part",
            "send_params"]
@@ -63,20 +64,20 @@ class RowsAnswer:
     changed: dict[int, Any] | None = None
 
     @classmethod
-    def plan(cls, sparse: Any, rank: int, state: Any,
+    def plan(cls, sparse: Any, rank: int, state: ShardState,
              changed: dict[int, Any] | None) -> RowsAnswer:
         if sparse is None or changed is None:
             return cls()
         nbytes, want = sparse.rows_plan(rank, state, changed)
         return cls(nbytes, want, sparse, changed)
 
-    def op(self, rank: int, state: Any, region: MemoryRegion) -> tuple[Any, ...]:
+    def op(self, rank: int, state: ShardState, region: MemoryRegion) -> tuple[Any, ...]:
         """Gather the rows of ``region`` (the arena answered from) and write them."""
         assert self.changed is not None
         return self.sparse.rows_op(rank, state, region, self.changed)  # type: ignore[no-any-return]
 
 
-async def apply_in_parts(applier: Applier, state: Any, ranks: list[int], copies: list[Peer],
+async def apply_in_parts(applier: Applier, state: ShardState, ranks: list[int], copies: list[Peer],
                          timeout: float | None, sparse: Any = None
                          ) -> dict[int, list[asyncio.Future[None]]]:
     """Apply ``state``'s update part by part in ``applier``'s thread and start writing each
@@ -108,7 +109,7 @@ async def apply_in_parts(applier: Applier, state: Any, ranks: list[int], copies:
     return sending
 
 
-def _part_ops(state: Any, peer: Peer, group: list[int], tables: bool,
+def _part_ops(state: ShardState, peer: Peer, group: list[int], tables: bool,
               sparse: Any) -> list[tuple[Any, ...]]:
     """The writes of the finished parts ``group`` (``tables``: the sparse tables) to
     ``peer``: whole parts, or of the tables the rows changed since the worker's version."""
@@ -128,19 +129,19 @@ def _part_ops(state: Any, peer: Peer, group: list[int], tables: bool,
     return ops
 
 
-def _apply_parts(state: Any, ranks: list[int], parts: list[int]) -> None:
+def _apply_parts(state: ShardState, ranks: list[int], parts: list[int]) -> None:
     if len(parts) > 1:
         state.apply_tables(ranks, parts)
     else:
         state.apply_part(ranks, parts[0])
 
 
-def last_part(state: Any) -> tuple[int, int]:
+def last_part(state: ShardState) -> tuple[int, int]:
     """(offset, nbytes) of the part :func:`send_params` sends after :func:`apply_in_parts`."""
     return state.part_bytes(state.num_parts - 1)  # type: ignore[no-any-return]
 
 
-def table_ops(state: Any, region: MemoryRegion, desc: RegionDescriptor, table: int,
+def table_ops(state: ShardState, region: MemoryRegion, desc: RegionDescriptor, table: int,
               ids: Any) -> list[tuple[Any, ...]]:
     """Writes of sparse table ``table``'s rows ``ids`` (sorted unique row ids; None: none
     changed), in runs (see :func:`tensorx._ps.rows.changed.runs`)."""
@@ -152,7 +153,7 @@ def table_ops(state: Any, region: MemoryRegion, desc: RegionDescriptor, table: i
              count * row_bytes) for first, count in runs(ids, row_bytes, GAP_BYTES)]
 
 
-def delta_ops(state: Any, region: MemoryRegion, desc: RegionDescriptor,
+def delta_ops(state: ShardState, region: MemoryRegion, desc: RegionDescriptor,
               changed: dict[int, Any]) -> list[tuple[Any, ...]]:
     """Writes of what differs between the worker's version and ``region``'s: every byte
     outside the sparse tables, and of each table the rows in ``changed``."""
@@ -171,7 +172,7 @@ def delta_ops(state: Any, region: MemoryRegion, desc: RegionDescriptor,
 async def send_params(region: MemoryRegion, peer: Peer, msg: bytes,  # noqa: PLR0913 (one answer's parts; until the server is composed (issue 29 item 1))
                       sent: list[asyncio.Future[None]] | None, last: tuple[int, int],
                       timeout: float | None, changed: dict[int, Any] | None = None,
-                      state: Any = None, rows: RowsAnswer | None = None) -> None:
+                      state: ShardState | None = None, rows: RowsAnswer | None = None) -> None:
     """The new parameters in ``region`` (or, after :func:`apply_in_parts`, their ``last``
     part; nothing for a mapped worker) with ``msg`` as the notification, ordered after every
     part sent before. ``changed`` (with ``state``): the worker holds a recent version and

@@ -18,12 +18,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tensorx._ps.service.norm_exchange import NormExchange
 from tensorx.errors import UsageError
+
+if TYPE_CHECKING:
+    from tensorx._ps.state.shard import ShardState
 
 __all__ = ["GradHook", "GradProcessing", "check_max_norm"]
 
@@ -56,7 +59,7 @@ class GradProcessing:
     def active(self) -> bool:
         return self.max_norm is not None or self.hook is not None
 
-    async def run(self, state: Any, ranks: list[int]) -> None:
+    async def run(self, state: ShardState, ranks: list[int]) -> None:
         """Gather ``ranks``' average into ``state``, hook it, clip it; the caller steps. If
         this raises, ``state`` is left as if nothing had been gathered."""
         state.gather(ranks)
@@ -66,7 +69,7 @@ class GradProcessing:
             state.ungather()
             raise
 
-    async def _process(self, state: Any, ranks: list[int]) -> None:
+    async def _process(self, state: ShardState, ranks: list[int]) -> None:
         if self.hook is not None:
             self.hook(state.named_grads())
         if self.max_norm is None:

@@ -35,15 +35,20 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Collection, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from tensorx._ps.rows.tables import sum_finite
 from tensorx._ps.service.schedule import Decision
-from tensorx._ps.state.shard_layout import views
+from tensorx._ps.state.shard_layout import ShardLayout, views
 from tensorx._text import printable
 from tensorx.errors import UsageError
+
+if TYPE_CHECKING:
+    from tensorx._ps.state.shard import ShardState
+    from tensorx._ps.update.optim import ParamSpec
+    from tensorx.memregion import MemoryRegion
 
 __all__ = ["POLICIES", "SHOWN", "NonFiniteGuard", "Verdict", "all_finite", "checked", "finite",
            "listed", "nonfinite_names"]
@@ -63,7 +68,7 @@ class Verdict(NamedTuple):
     finite: bool
 
 
-def checked(state: Any, ranks: list[int], parts: list[int] | None = None) -> Verdict:
+def checked(state: ShardState, ranks: list[int], parts: list[int] | None = None) -> Verdict:
     """Fold ``ranks``' gradients (``parts`` of them; default all) into ``state``'s own
     memory and check the fold, and each rank's sparse rows (the shard's copies)."""
     state.fold(ranks, parts)
@@ -75,7 +80,7 @@ def checked(state: Any, ranks: list[int], parts: list[int] | None = None) -> Ver
     return Verdict(bad, not bad and state.folded_finite(parts))
 
 
-def finite(state: Any, rank: int) -> bool:
+def finite(state: ShardState, rank: int) -> bool:
     """Is every value in ``rank``'s gradient slot, and every sparse row it pushed, finite?
     (The slot as it is now: its rank may still change it. For what an update applies, see
     :func:`checked`.)"""
@@ -88,14 +93,14 @@ def finite(state: Any, rank: int) -> bool:
 _CHECKED: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
-def _checked(state: Any, region: Any) -> list[torch.Tensor]:
+def _checked(state: ShardState, region: MemoryRegion) -> list[torch.Tensor]:
     tensors = _CHECKED.get(region)
     if tensors is None:
         tensors = _CHECKED[region] = _to_check(state.layout, region, bool(state.rows))
     return tensors
 
 
-def _to_check(layout: Any, region: Any, rows: bool) -> list[torch.Tensor]:
+def _to_check(layout: ShardLayout, region: MemoryRegion, rows: bool) -> list[torch.Tensor]:
     if rows:  # the tables' part of the slot is never written: O(rows), not O(table)
         return [region.view(s.dtype, (s.numel,), s.offset) for s in layout.param_specs()
                 if not s.sparse and s.dtype.is_floating_point]
@@ -109,7 +114,7 @@ def _to_check(layout: Any, region: Any, rows: bool) -> list[torch.Tensor]:
     return [v for v in views(layout, region) if v.is_floating_point()]
 
 
-def nonfinite_names(state: Any, rank: int,
+def nonfinite_names(state: ShardState, rank: int,
                     spans: Sequence[tuple[int, int]] | None = None) -> list[str]:
     """The tensors of ``rank``'s gradient that hold NaN or Inf, by name, in model order:
     the second pass, one sum per tensor (per sparse table), made only once :func:`finite`
@@ -122,7 +127,7 @@ def nonfinite_names(state: Any, rank: int,
     return [s.name for s in state.layout.param_specs() if s.name in tables or s.name in bad]
 
 
-def _within(region: Any, spec: Any, spans: Sequence[tuple[int, int]] | None
+def _within(region: MemoryRegion, spec: ParamSpec, spans: Sequence[tuple[int, int]] | None
             ) -> list[torch.Tensor]:
     """Dense tensor ``spec`` of ``region`` (floating point only), cut to ``spans``."""
     if not spec.dtype.is_floating_point:
@@ -162,7 +167,7 @@ class NonFiniteGuard:
         self.policy = policy
         self.count = 0
 
-    def check(self, state: Any, ranks: list[int], steps: dict[int, int]
+    def check(self, state: ShardState, ranks: list[int], steps: dict[int, int]
               ) -> tuple[dict[int, list[str]], bool]:
         """Fold ``ranks``' gradients and check them (:func:`checked`): the ranks whose
         gradient is not finite, each with the tensors concerned, and whether the fold is

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorx._ps.service.optim_load import RULE, LoadRound, Put
 from tensorx._ps.update import optim_check
@@ -31,6 +31,9 @@ from tensorx.endpoint import Endpoint
 from tensorx.errors import ProtocolError, TensorxError, UsageError, error_code
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.node import Node
+
+if TYPE_CHECKING:
+    from tensorx._ps.state.shard import ShardState
 
 __all__ = ["OptimService"]
 
@@ -49,7 +52,7 @@ class OptimService:
         self._round = LoadRound()
 
     # -- hyperparameters ------------------------------------------------------------------
-    def welcome(self, ep: Endpoint, state: Any) -> dict[str, Any]:
+    def welcome(self, ep: Endpoint, state: ShardState) -> dict[str, Any]:
         """The welcome's ``optim``: defaults and groups (hyperparameters and entry labels)."""
         opt = state.optimizer
         if opt is None:
@@ -60,7 +63,7 @@ class OptimService:
         return {"defaults": hyper.snapshot([opt.defaults])[0], "groups": groups,
                 "flat": state.param_labels() is None}
 
-    def pushed(self, rank: int, sent: Any, state: Any) -> None:
+    def pushed(self, rank: int, sent: Any, state: ShardState) -> None:
         """Keep ``rank``'s changes for the update its push takes part in: all of them, or,
         when one is refused (UsageError naming it), none."""
         if state.optimizer is None:
@@ -71,11 +74,11 @@ class OptimService:
             raise UsageError(f"rank {rank}'s step refused: {exc}") from None
         self.pending.pushed(rank, changes)
 
-    def before_update(self, ranks: list[int], state: Any) -> None:
+    def before_update(self, ranks: list[int], state: ShardState) -> None:
         if state.optimizer is not None:
             self.pending.apply(ranks, state.optimizer.param_groups)
 
-    def answer(self, ep: Endpoint, state: Any) -> list[dict[str, Any]]:
+    def answer(self, ep: Endpoint, state: ShardState) -> list[dict[str, Any]]:
         """The params answer's ``hyper``: the groups' values, if ``ep`` has not heard them."""
         if state.optimizer is None:
             return []
@@ -98,7 +101,7 @@ class OptimService:
                 f"optimizer state: {RULE}"), timeout)
 
     # -- state ----------------------------------------------------------------------------
-    def _labelled(self, state: Any) -> tuple[Any, dict[int, str]]:
+    def _labelled(self, state: ShardState) -> tuple[Any, dict[int, str]]:
         opt, label_of = state.optimizer, state.param_labels()
         if state.fast is not None:
             state.fast.expose()  # the flat update's state, per parameter
@@ -107,7 +110,7 @@ class OptimService:
                              "(its parameters span several tensors); run it with flat=False")
         return opt, label_of
 
-    async def lend(self, ep: Endpoint, state: Any, timeout: float | None) -> None:
+    async def lend(self, ep: Endpoint, state: ShardState, timeout: float | None) -> None:
         """Answer ``state_get``: pack the state into a region ``ep`` may read."""
         self._free(ep)
         manifest: dict[str, Any] = {"groups": [], "tensors": {}, "values": {}}
@@ -134,7 +137,7 @@ class OptimService:
             region.close()
 
     # -- loads: every rank, the same state, every shard or none (see _ps.service.optim_load) ------
-    def _precheck(self, msg: dict[str, Any], state: Any) -> None:
+    def _precheck(self, msg: dict[str, Any], state: ShardState) -> None:
         """A put's manifest against this shard's entries (ProtocolError: malformed)."""
         if state.optimizer is None:
             return
@@ -146,7 +149,7 @@ class OptimService:
                                 "entries can have")
         optim_state.check_manifest(msg["manifest"], numels, nbytes, len(opt.param_groups))
 
-    async def put(self, ep: Endpoint, rank: int, msg: dict[str, Any], state: Any,
+    async def put(self, ep: Endpoint, rank: int, msg: dict[str, Any], state: ShardState,
                   counted: set[int], stepping: list[int], timeout: float | None) -> None:
         """``state_put`` from ``rank``: once every ``counted`` rank has sent the same one
         (and none is ``stepping``: pushed, not answered), read, check and keep it."""
@@ -182,7 +185,7 @@ class OptimService:
             return
         await self._tell(round_.eps(), protocol.encode("state_checked"), timeout)
 
-    async def _read(self, put: Put, state: Any, timeout: float | None) -> Any:
+    async def _read(self, put: Put, state: ShardState, timeout: float | None) -> Any:
         """The state ``put`` describes, read from its region and checked; None for a
         shard without an optimizer."""
         if state.optimizer is None:
@@ -201,7 +204,7 @@ class OptimService:
         optim_check.check_state(opt, label_of, saved, loaded)
         return saved, loaded
 
-    async def commit(self, ep: Endpoint, rank: int, load: bool, state: Any,
+    async def commit(self, ep: Endpoint, rank: int, load: bool, state: ShardState,
                      timeout: float | None) -> None:
         """``state_commit``: once every rank that put has committed, load what was kept
         if all of them say so (every shard checked it), else drop it."""

@@ -28,9 +28,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tensorx.memregion import MemoryRegion
+
+if TYPE_CHECKING:
+    from tensorx._ps.state.shard import ShardState
 
 __all__ = ["Outbox"]
 
@@ -92,7 +95,7 @@ class Outbox:
         entry = self._readers.get(id(region))
         return entry is not None and bool(entry[1])
 
-    async def make_room(self, state: Any) -> None:
+    async def make_room(self, state: ShardState) -> None:
         """Before an update: if answers still read ``state``'s arena, move the parameters
         to a free arena (see the module docstring); else nothing."""
         current = state.params_region
@@ -126,7 +129,7 @@ class Outbox:
                         "nobody waits for it (said once; counted in stats['arena_moves'])",
                         self.shard, state.version + 1, state.layout.nbytes)
 
-    def _copy_s(self, state: Any) -> float:
+    def _copy_s(self, state: ShardState) -> float:
         """How long moving ``state``'s parameters takes, by the last move (first: a guess)."""
         return float(state.layout.nbytes) / self._copy_rate
 

@@ -17,11 +17,14 @@ nothing, says so once, and its workers copy (straight to and from its GPU memory
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorx._ps.service.answer import Peer
 from tensorx.errors import ProtocolError
 from tensorx.memregion import RegionDescriptor
+
+if TYPE_CHECKING:
+    from tensorx._ps.state.shard import ShardState
 
 __all__ = ["Sharing"]
 
@@ -47,7 +50,7 @@ class Sharing:
         """Put the arenas in /dev/shm, for workers to map?"""
         return self.enabled and self.mode == "sync" and self.device == "cpu"
 
-    def offer(self, state: Any, rank: int, asked: bool) -> bool:
+    def offer(self, state: ShardState, rank: int, asked: bool) -> bool:
         """Offer ``rank`` our arenas to map? Loud about why not when it asked (the GPU
         reason was said once, at construction)."""
         if asked and self.enabled and self.device != "cpu":
@@ -64,7 +67,7 @@ class Sharing:
                         self.shard, rank, why)
         return not why
 
-    def offer_message(self, state: Any, peer: Peer, node: Any,
+    def offer_message(self, state: ShardState, peer: Peer, node: Any,
                       slot: RegionDescriptor) -> dict[str, Any]:
         """The welcome's ``share`` field: {} or the descriptors to attach (``node.attach``):
         the parameter arena, exported read-only (once per arena), and the peer's ``slot``."""

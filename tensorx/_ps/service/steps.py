@@ -185,6 +185,7 @@ class Updates:
         """Hook and clip the averaged gradient, if asked; False (and the error to the
         workers) if a peer shard's norm is missing or the hook failed: no update then."""
         try:
+            assert self._state is not None  # act() checked it; the property reads anew
             await self._grads.run(self._state, ranks)
         except Exception as exc:
             logger.error("ps shard %d: update %d not applied: %s", self._options.shard,

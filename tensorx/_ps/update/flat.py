@@ -23,12 +23,15 @@ import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from tensorx._ps.update.optim import ParamSpec
+
+if TYPE_CHECKING:
+    from tensorx.memregion import MemoryRegion
 
 __all__ = ["ELEMENTWISE", "FlatUpdate", "Range", "elementwise", "ranges"]
 
@@ -137,7 +140,7 @@ class FlatUpdate:
     see the module docstring."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-                 specs: Sequence[ParamSpec], region: Any, part_bytes: int) -> None:
+                 specs: Sequence[ParamSpec], region: MemoryRegion, part_bytes: int) -> None:
         self.face = optimizer
         self.params = list(params)
         group_index = {id(p): g for g, group in enumerate(optimizer.param_groups)
@@ -171,7 +174,7 @@ class FlatUpdate:
         return (f"flat over {len(self.ranges)} range(s) ({type(self.face).__name__}, "
                 f"elementwise, {groups} group(s), {self.kernel}){sparse}")
 
-    def views(self, region: Any) -> list[torch.Tensor]:
+    def views(self, region: MemoryRegion) -> list[torch.Tensor]:
         """One flat tensor per range of ``region`` (a gradient slot, the accumulator)."""
         return [region.view(r.dtype, (r.numel,), r.start) for r in self.ranges]
 

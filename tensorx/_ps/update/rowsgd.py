@@ -19,7 +19,7 @@ kernel's one build (see :mod:`.rowkernel`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -34,6 +34,9 @@ from tensorx._ps.rows.tables import (
     take_rows,
 )
 from tensorx._ps.update import rowkernel
+
+if TYPE_CHECKING:
+    from tensorx.memregion import MemoryRegion
 
 __all__ = ["RowSGD", "why_not"]
 
@@ -94,7 +97,7 @@ class RowSGD:
         return all(g is not None and self._identical(rg, float(g["lr"]))
                    for rg, g in zip(self.rows.groups, self._groups, strict=True))
 
-    def step(self, ranks: Sequence[int], region: Any) -> dict[int, torch.Tensor]:
+    def step(self, ranks: Sequence[int], region: MemoryRegion) -> dict[int, torch.Tensor]:
         """Step every table with the mean of ``ranks``' rows, in ``region`` (the arena);
         the row ids it changed, per table."""
         changed: dict[int, torch.Tensor] = {}
@@ -113,7 +116,7 @@ class RowSGD:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers  # noqa: SLF001 (torch's LR schedulers read it)
         return changed
 
-    def _kernel_step(self, rg: RowGroup, k: int, ranks: Sequence[int], region: Any,
+    def _kernel_step(self, rg: RowGroup, k: int, ranks: Sequence[int], region: MemoryRegion,
                      lr: float) -> torch.Tensor | None:
         """Group ``k``'s step by the C kernel (:mod:`.rowkernel`): the row ids it changed;
         None (nothing done) where the kernel is missing, rounds unlike torch here, or
