@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ import torch
 from tensorx._ps.rows.tables import first_out_of_range, put_rows, take_rows
 from tensorx.errors import ProtocolError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
+
+if TYPE_CHECKING:
+    from tensorx.node import Node
 
 __all__ = ["ALIGN", "Layout", "RowInbox", "RowOutbox", "layout"]
 
@@ -206,7 +209,7 @@ class RowInbox:
         self.region: MemoryRegion | None = None
         self._runs: dict[Any, Any] = {}  # see _runs()
 
-    def announce(self, node: Any) -> bytes:
+    def announce(self, node: Node) -> bytes:
         """The descriptor to name in the next push: b"" when the shard has ours already."""
         if self.region is not None and self.region.nbytes >= self.want:
             return b""

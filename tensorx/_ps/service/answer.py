@@ -24,6 +24,7 @@ from tensorx.errors import OptimizerError, TensorxError, error_code
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
 if TYPE_CHECKING:
+    from tensorx._ps.rows.sparse import SparseReceiver
     from tensorx._ps.service.optim_service import OptimService
     from tensorx._ps.service.options import ShardOptions
     from tensorx._ps.service.plan import PlanHolder
@@ -60,11 +61,11 @@ class RowsAnswer:
 
     nbytes: int = 0
     want: int = 0
-    sparse: Any = None  # the shard's SparseReceiver
+    sparse: SparseReceiver | None = None
     changed: dict[int, Any] | None = None
 
     @classmethod
-    def plan(cls, sparse: Any, rank: int, state: ShardState,
+    def plan(cls, sparse: SparseReceiver | None, rank: int, state: ShardState,
              changed: dict[int, Any] | None) -> RowsAnswer:
         if sparse is None or changed is None:
             return cls()
@@ -74,11 +75,12 @@ class RowsAnswer:
     def op(self, rank: int, state: ShardState, region: MemoryRegion) -> tuple[Any, ...]:
         """Gather the rows of ``region`` (the arena answered from) and write them."""
         assert self.changed is not None
-        return self.sparse.rows_op(rank, state, region, self.changed)  # type: ignore[no-any-return]
+        assert self.sparse is not None  # plan() made an answer with rows only with one
+        return self.sparse.rows_op(rank, state, region, self.changed)
 
 
 async def apply_in_parts(applier: Applier, state: ShardState, ranks: list[int], copies: list[Peer],
-                         timeout: float | None, sparse: Any = None
+                         timeout: float | None, sparse: SparseReceiver | None = None
                          ) -> dict[int, list[asyncio.Future[None]]]:
     """Apply ``state``'s update part by part in ``applier``'s thread and start writing each
     finished part to ``copies``; all but the last part, which :func:`send_params` sends
@@ -110,7 +112,7 @@ async def apply_in_parts(applier: Applier, state: ShardState, ranks: list[int], 
 
 
 def _part_ops(state: ShardState, peer: Peer, group: list[int], tables: bool,
-              sparse: Any) -> list[tuple[Any, ...]]:
+              sparse: SparseReceiver | None) -> list[tuple[Any, ...]]:
     """The writes of the finished parts ``group`` (``tables``: the sparse tables) to
     ``peer``: whole parts, or of the tables the rows changed since the worker's version."""
     changed = state.changed.since(peer.held, state.version, current=True) if tables else None

@@ -20,13 +20,16 @@ import asyncio
 import contextlib
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorx._deadline import Deadline, wait_for
 from tensorx._ps.wire import protocol
 from tensorx.endpoint import Endpoint
 from tensorx.errors import BrokenError, ProtocolError, TensorxError
 from tensorx.errors import TimeoutError as TxTimeoutError
+
+if TYPE_CHECKING:
+    from tensorx.node import Node
 
 __all__ = ["NormExchange"]
 
@@ -38,7 +41,7 @@ AHEAD = 4  # versions a peer's message may be ahead of ours (it is at most one i
 class NormExchange:
     """One shard's side of the exchange: send our partial sum, gather the others'."""
 
-    def __init__(self, node: Any, shard: int, num_shards: int, timeout: float | None) -> None:
+    def __init__(self, node: Node, shard: int, num_shards: int, timeout: float | None) -> None:
         self.node = node
         self.shard = shard
         self.num_shards = num_shards

@@ -25,6 +25,7 @@ from tensorx.memregion import RegionDescriptor
 
 if TYPE_CHECKING:
     from tensorx._ps.state.shard import ShardState
+    from tensorx.node import Node
 
 __all__ = ["Sharing"]
 
@@ -67,7 +68,7 @@ class Sharing:
                         self.shard, rank, why)
         return not why
 
-    def offer_message(self, state: ShardState, peer: Peer, node: Any,
+    def offer_message(self, state: ShardState, peer: Peer, node: Node,
                       slot: RegionDescriptor) -> dict[str, Any]:
         """The welcome's ``share`` field: {} or the descriptors to attach (``node.attach``):
         the parameter arena, exported read-only (once per arena), and the peer's ``slot``."""
