@@ -35,7 +35,6 @@ __all__ = [
     "decode_op",
     "decode_prefix",
     "encode",
-    "notify_frame",
     "page",
     "read_frame",
     "reply_frame",
@@ -158,6 +157,8 @@ def encode(kind: Kind, header: dict[str, Any], payload_len: int = 0) -> bytes:
         if kind is Kind.WRITE and header.get("n", payload_len) != payload_len:
             raise ProtocolError(f"WRITE says {header['n']} B but carries {payload_len} B")
         raw = packed.pack(header)
+    elif not header:  # NOTIFY, READY, BYE: no msgpack for the empty map
+        raw = _EMPTY_MAP
     else:
         raw = msgpack.packb(header, use_bin_type=True)
     if len(raw) > MAX_HEADER:
@@ -180,11 +181,6 @@ def write_frame(req: int, rid: int, ck: int, off: int, n: int, last: bool,
                        n, req, rid, ck, off, _LAST | _IMM) + imm
 
 
-def notify_frame(n: int) -> bytes:
-    """A NOTIFY frame's prefix and header (an empty map); ``n`` bytes of payload follow."""
-    return PREFIX.pack(MAGIC, PROTOCOL_VERSION, Kind.NOTIFY, 1, n) + _EMPTY_MAP
-
-
 def read_frame(req: int, rid: int, ck: int, off: int, n: int) -> bytes:
     return _READ.pack(MAGIC, PROTOCOL_VERSION, Kind.READ, _READ.size - PREFIX.size, 0,
                       req, rid, ck, off, n)
@@ -202,7 +198,7 @@ _OPS = {int(k): (k, s, s.size - PREFIX.size, slice(5, None)) for k, s in (
     (Kind.WRITE, _WRITE), (Kind.READ, _READ), (Kind.WRITE_ACK, _REPLY),
     (Kind.READ_DATA, _REPLY))}
 _NO_PAYLOAD = (Kind.READ, Kind.WRITE_ACK)
-_EMPTY_MAP = b"\x80"  # msgpack's {}: the header of every NOTIFY we send
+_EMPTY_MAP = b"\x80"  # msgpack's {}: what encode() writes for an empty header
 _NOTIFY = int(Kind.NOTIFY)
 
 

@@ -252,9 +252,7 @@ class ControlChannel:
     async def notify(self, payload: bytes, timeout: float | None) -> None:
         if len(payload) > _wire.MAX_NOTIFY:
             raise UsageError(f"notification of {len(payload)} B exceeds {_wire.MAX_NOTIFY} B")
-        done: asyncio.Future[None] = self._loop.create_future()
-        self.out.enqueue([_wire.notify_frame(len(payload)), payload] if payload
-                         else [_wire.notify_frame(0)], done)
+        done = self.out.send(Kind.NOTIFY, {}, payload or None)
         if done.done():  # handed to the kernel at once: nothing was queued before it
             done.result()
             return
