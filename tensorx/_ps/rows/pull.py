@@ -32,12 +32,20 @@ from tensorx.errors import ProtocolError
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
 if TYPE_CHECKING:
+    from tensorx._analyzer.layout import DynamicEntry
     from tensorx.node import Node
 
 __all__ = ["ALIGN", "Layout", "RowInbox", "RowOutbox", "layout"]
 
 ALIGN = 64
 COUNT = 8  # bytes of one count in the header (u64)
+
+# a run of tables (see _spans): first table, end, the run's rows, each table's first row
+# in the run (None: a run of one)
+Span = tuple[int, int, int, "np.ndarray[Any, np.dtype[np.int64]] | None"]
+Spans = dict[tuple[int, ...], list[Span]]  # _runs()' memo: by where the tables lie
+# the write of a payload: (source buffer, inbox, source offset, inbox offset, bytes)
+RowsWrite = tuple[MemoryRegion, RegionDescriptor, int, int, int]
 
 
 def _up(n: int) -> int:
@@ -75,7 +83,7 @@ def _bytes_of(region: MemoryRegion) -> torch.Tensor:
     return region.view(torch.uint8)  # type: ignore[no-any-return]
 
 
-def _rows_view(u8: torch.Tensor, offset: int, count: int, spec: Any) -> torch.Tensor:
+def _rows_view(u8: torch.Tensor, offset: int, count: int, spec: TableSpec) -> torch.Tensor:
     """``count`` rows of table ``spec`` (dtype, row_shape, row_bytes) at ``offset``."""
     part = u8[offset:offset + count * spec.row_bytes]
     return part.view(spec.dtype).view(count, *spec.row_shape)
@@ -92,7 +100,7 @@ class TableSpec:
     row_bytes: int
 
     @classmethod
-    def of(cls, entry: Any) -> TableSpec:
+    def of(cls, entry: DynamicEntry) -> TableSpec:
         """From a plan's dynamic entry."""
         return cls(entry.name, entry.num_rows, tuple(entry.row_shape),
                    getattr(torch, entry.dtype), entry.row_bytes)
@@ -102,16 +110,16 @@ class RowOutbox:
     """Shard side: each worker's inbox, and the payload buffer its answers are written from
     (one per rank: answers to a rank are sent one at a time)."""
 
-    def __init__(self, entries: Sequence[Any], device: str = "cpu") -> None:
+    def __init__(self, entries: Sequence[DynamicEntry], device: str = "cpu") -> None:
         self.tables = [TableSpec.of(e) for e in entries]
         self.device = device
         self._inbox: dict[int, RegionDescriptor] = {}
         self._out: dict[int, MemoryRegion] = {}
         self._limit = limit([t.row_bytes for t in self.tables],
                             [t.num_rows for t in self.tables])
-        self._runs: dict[Any, Any] = {}  # see _runs()
+        self._runs: Spans = {}  # see _runs()
         # the last gathered answer: (rank, what stood for its rows, bytes); see op()
-        self._done: tuple[int, tuple[Any, ...], int] | None = None
+        self._done: tuple[int, tuple[object, ...], int] | None = None
 
     def announce(self, rank: int, raw: bytes) -> None:
         """``rank`` lends a new inbox (``raw``: its descriptor; b"": the one it lent)."""
@@ -145,7 +153,7 @@ class RowOutbox:
         return need, 0
 
     def op(self, rank: int, tables: Sequence[torch.Tensor],
-           ids: Sequence[torch.Tensor | None], same: Sequence[Any] = ()) -> tuple[Any, ...]:
+           ids: Sequence[torch.Tensor | None], same: Sequence[object] = ()) -> RowsWrite:
         """Gather the rows ``ids`` of ``tables`` (views of the arena the answer is of) into
         ``rank``'s payload buffer; the write of it into ``rank``'s inbox.
 
@@ -199,7 +207,7 @@ class RowOutbox:
 class RowInbox:
     """Worker side, one shard: the inbox region, and the scatter of what lands in it."""
 
-    def __init__(self, entries: Sequence[Any], device: str = "cpu") -> None:
+    def __init__(self, entries: Sequence[DynamicEntry], device: str = "cpu") -> None:
         self.tables = [TableSpec.of(e) for e in entries]
         self.device = device
         self.limit = limit([t.row_bytes for t in self.tables], [t.num_rows for t in self.tables])
@@ -207,7 +215,7 @@ class RowInbox:
         self.want = min(self.limit, layout([e.capacity_rows for e in entries],
                                            [t.row_bytes for t in self.tables]).nbytes)
         self.region: MemoryRegion | None = None
-        self._runs: dict[Any, Any] = {}  # see _runs()
+        self._runs: Spans = {}  # see _runs()
 
     def announce(self, node: Node) -> bytes:
         """The descriptor to name in the next push: b"" when the shard has ours already."""
@@ -266,8 +274,8 @@ def _cat_into(ids: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 def _runs(tables: Sequence[torch.Tensor], specs: Sequence[TableSpec], counts: Sequence[int],
-          flat: torch.Tensor, memo: dict[Any, Any]) -> Iterator[tuple[int, torch.Tensor,
-                                                                  torch.Tensor, int]]:
+          flat: torch.Tensor, memo: Spans) -> Iterator[tuple[int, torch.Tensor, torch.Tensor,
+                                                          int]]:
     """The copies of a payload's rows, a run of tables at a time: (first table, the run's
     tables as one tensor of rows, the payload's ids of them as its row numbers, how many).
 
@@ -294,10 +302,10 @@ def _runs(tables: Sequence[torch.Tensor], specs: Sequence[TableSpec], counts: Se
         at += rows
 
 
-def _spans(tables: Sequence[torch.Tensor], specs: Sequence[TableSpec]) -> list[Any]:
+def _spans(tables: Sequence[torch.Tensor], specs: Sequence[TableSpec]) -> list[Span]:
     """(first table, end, the run's rows, each table's first row in the run or None for a
     run of one) per run of :func:`_runs` (no tensor: a memo must not keep memory alive)."""
-    out: list[Any] = []
+    out: list[Span] = []
     k = 0
     while k < len(tables):
         end = k + 1

@@ -24,6 +24,8 @@ from tensorx.errors import OptimizerError, TensorxError, error_code
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
 if TYPE_CHECKING:
+    import torch
+
     from tensorx._ps.rows.sparse import SparseReceiver
     from tensorx._ps.service.optim_service import OptimService
     from tensorx._ps.service.options import ShardOptions
@@ -144,7 +146,7 @@ def last_part(state: ShardState) -> tuple[int, int]:
 
 
 def table_ops(state: ShardState, region: MemoryRegion, desc: RegionDescriptor, table: int,
-              ids: Any) -> list[tuple[Any, ...]]:
+              ids: torch.Tensor | None) -> list[tuple[Any, ...]]:
     """Writes of sparse table ``table``'s rows ``ids`` (sorted unique row ids; None: none
     changed), in runs (see :func:`tensorx._ps.rows.changed.runs`)."""
     if ids is None or not ids.numel():

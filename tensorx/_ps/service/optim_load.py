@@ -25,7 +25,11 @@ Two phases, so that a state one shard refuses is loaded by none::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorx._ps.wire.optim_state import State
+    from tensorx.endpoint import Endpoint
 
 __all__ = ["RULE", "LoadRound", "Put"]
 
@@ -37,7 +41,7 @@ RULE = ("every rank loads the same optimizer state_dict between the same two ste
 class Put:
     """One rank's ``state_put``: where it came from and what it describes."""
 
-    ep: Any
+    ep: Endpoint
     manifest: dict[str, Any]
     region: bytes
     digest: bytes
@@ -48,7 +52,9 @@ class LoadRound:
     """The load in progress on one shard (none while :attr:`puts` is empty)."""
 
     puts: dict[int, Put] = field(default_factory=dict)
-    staged: Any = None  # what to load, once read and checked (phase two)
+    # what to load, once read and checked (phase two): the groups' hyperparameters and the
+    # per-label state; None until then, and on a shard without an optimizer
+    staged: tuple[list[dict[str, Any]], State] | None = None
     commits: dict[int, bool] = field(default_factory=dict)
 
     @property
@@ -87,5 +93,5 @@ class LoadRound:
             return None
         return all(self.commits.values())
 
-    def eps(self) -> list[Any]:
+    def eps(self) -> list[Endpoint]:
         return [self.puts[r].ep for r in sorted(self.puts)]

@@ -23,6 +23,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from tensorx._ps.service.optim_load import RULE, LoadRound, Put
 from tensorx._ps.update import optim_check
 from tensorx._ps.wire import hyper, optim_state, protocol
@@ -101,8 +103,9 @@ class OptimService:
                 f"optimizer state: {RULE}"), timeout)
 
     # -- state ----------------------------------------------------------------------------
-    def _labelled(self, state: ShardState) -> tuple[Any, dict[int, str]]:
+    def _labelled(self, state: ShardState) -> tuple[torch.optim.Optimizer, dict[int, str]]:
         opt, label_of = state.optimizer, state.param_labels()
+        assert opt is not None  # (callers ask only of a shard with an optimizer)
         if state.fast is not None:
             state.fast.expose()  # the flat update's state, per parameter
         if label_of is None:
@@ -185,7 +188,8 @@ class OptimService:
             return
         await self._tell(round_.eps(), protocol.encode("state_checked"), timeout)
 
-    async def _read(self, put: Put, state: ShardState, timeout: float | None) -> Any:
+    async def _read(self, put: Put, state: ShardState, timeout: float | None
+                    ) -> tuple[list[dict[str, Any]], optim_state.State] | None:
         """The state ``put`` describes, read from its region and checked; None for a
         shard without an optimizer."""
         if state.optimizer is None:
@@ -255,7 +259,7 @@ class OptimService:
                              return_exceptions=True)
 
 
-def _checked(optimizer: Any, sent: Any) -> list[dict[str, Any]]:
+def _checked(optimizer: torch.optim.Optimizer, sent: Any) -> list[dict[str, Any]]:
     """A peer's hyperparameters for ``optimizer``'s groups, checked (see
     :mod:`tensorx._ps.update.optim_check`)."""
     changes = hyper.check(sent, [{k: v for k, v in g.items() if k not in hyper.SKIP}
@@ -264,7 +268,7 @@ def _checked(optimizer: Any, sent: Any) -> list[dict[str, Any]]:
     return changes
 
 
-def _replace(optimizer: Any, label_of: dict[int, str], hps: list[dict[str, Any]],
+def _replace(optimizer: torch.optim.Optimizer, label_of: dict[int, str], hps: list[dict[str, Any]],
              loaded: optim_state.State) -> None:
     """Load checked state; if the optimizer fails on it all the same, put back what it
     had (UsageError: nothing was loaded)."""

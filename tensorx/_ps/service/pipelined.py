@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from tensorx._ps.state.shard import ShardState
     from tensorx.endpoint import Endpoint
     from tensorx.errors import TensorxError
+
+T = TypeVar("T")
 
 logger = logging.getLogger("tensorx.ps")  # one logger name for the whole server
 
@@ -201,7 +203,7 @@ class PipelinedRounds:
         elif rnd.complete():
             await self._finish_round(updated=True)
 
-    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` in the shard's apply thread; if we are cancelled meanwhile (the server
         closes), the thread still finishes what it does (see :meth:`abandon`)."""
         return await self._applier.run(fn, *args)

@@ -170,7 +170,7 @@ class PartBackups:
             del current[name]
 
 
-def _save(value: Any, into: Any) -> Any:
+def _save(value: object, into: object) -> object:
     if not isinstance(value, torch.Tensor):
         return value
     if isinstance(into, torch.Tensor) and into.shape == value.shape \

@@ -157,7 +157,7 @@ def check_params(optimizer: torch.optim.Optimizer,
         "model.named_parameters() gives them")
 
 
-def step_failure(optimizer: Any, named: list[tuple[str, torch.nn.Parameter]],
+def step_failure(optimizer: object, named: list[tuple[str, torch.nn.Parameter]],
                  exc: Exception) -> str:
     """Why a step of ``optimizer`` over ``named`` failed, naming the tensors whose kind of
     gradient (sparse or dense) torch's message refuses, else every tensor that had one."""

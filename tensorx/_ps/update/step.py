@@ -95,7 +95,7 @@ class Update(Protocol):
     def labels(self) -> dict[int, str] | None:
         """``id(param)`` -> label of the optimizer's parameters; None when flat."""
 
-    def same_params(self, names: Any) -> bool:
+    def same_params(self, names: object) -> bool:
         """Were a checkpoint's optimizer parameters (``names``) this optimizer's?"""
 
     def saved_state(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -251,7 +251,7 @@ class PerTensor:
     def labels(self) -> dict[int, str] | None:
         return {id(p): s.label for p, s in zip(self.step.params, self.specs, strict=True)}
 
-    def same_params(self, names: Any) -> bool:
+    def same_params(self, names: object) -> bool:
         return bool(names == self.names)
 
     def saved_state(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -279,7 +279,7 @@ class FlatParams(PerTensor):
     def labels(self) -> dict[int, str] | None:
         return None  # a parameter covers several tensors
 
-    def same_params(self, names: Any) -> bool:
+    def same_params(self, names: object) -> bool:
         return True  # the names count parts, whose size may have changed
 
     def saved_state(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -91,7 +91,7 @@ def bound(numels: Mapping[str, int]) -> int:
     return sum(MAX_KEYS * (-(-max(n, 1) * 16 // ALIGN) * ALIGN) for n in numels.values())
 
 
-def check_manifest(manifest: Any, numels: Mapping[str, int], nbytes: int,
+def check_manifest(manifest: object, numels: Mapping[str, int], nbytes: int,
                    num_groups: int | None = None) -> None:
     """``manifest`` describes state for (some of) the entries of ``numels`` inside a region
     of ``nbytes``; ProtocolError naming what is wrong otherwise."""
@@ -122,8 +122,12 @@ def check_manifest(manifest: Any, numels: Mapping[str, int], nbytes: int,
             _check_tensor(label, spec, numels[label], nbytes)
 
 
-def _check_tensor(label: str, spec: Any, numel: int, nbytes: int) -> None:
-    if not (isinstance(spec, list) and len(spec) == 3 and spec[0] in DTYPES
+def _check_tensor(label: str, spec: object, numel: int, nbytes: int) -> None:
+    """``spec`` (a peer's ``[dtype, shape, offset]``) is a tensor of at most ``numel``
+    elements inside a region of ``nbytes``; ProtocolError otherwise."""
+    if not isinstance(spec, list):
+        raise ProtocolError(f"optimizer state for {label!r}: malformed tensor")
+    if not (len(spec) == 3 and spec[0] in DTYPES
             and isinstance(spec[1], list) and len(spec[1]) <= 8
             and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40
                     for d in spec[1])
@@ -193,7 +197,7 @@ def load_into(optimizer: torch.optim.Optimizer, label_of: Mapping[int, str],
     optimizer.load_state_dict({"state": by_index, "param_groups": groups})
 
 
-def _shaped(value: Any, p: torch.Tensor) -> Any:
+def _shaped(value: object, p: torch.Tensor) -> object:
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == p.numel():
         return value.reshape(p.shape)
     return value
