@@ -13,16 +13,55 @@ averaged.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from tensorx.errors import TensorxError, UsageError
 from tensorx.pipelining._stage import PipelineStage
 
+if TYPE_CHECKING:
+    from tensorx.pipelining._boundary import Edge
+
 __all__ = ["PipelineScheduleSingle", "Schedule1F1B", "ScheduleGPipe"]
+
+T = TypeVar("T")
+TransferIds = list[tuple["Edge", int]]  # (boundary, transfer number) of each transfer
+
+
+class StageSteps(Protocol):
+    """What a schedule uses of its :class:`PipelineStage` (internal: the stage's methods
+    for the schedules, documented there; not user API). A step runs on the stage's loop."""
+
+    @property
+    def submod(self) -> nn.Module: ...
+    @property
+    def stage_index(self) -> int: ...
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def is_first(self) -> bool: ...
+    @property
+    def is_last(self) -> bool: ...
+
+    def attach_schedule(self, name: str, n_microbatches: int) -> None: ...
+    def run_step(self, coro: Coroutine[Any, Any, T]) -> T: ...
+    async def arun_step(self, coro: Coroutine[Any, Any, T]) -> T: ...
+    async def prepare_step(self) -> None: ...
+    async def forward_inputs(self, mb: int, step: int, args: tuple[Any, ...]
+                             ) -> tuple[list[Any], list[bool], TransferIds]: ...
+    async def send_outputs(self, mb: int, outputs: Sequence[torch.Tensor], train: bool
+                           ) -> TransferIds: ...
+    async def grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[Edge, int]],
+                               outputs: Sequence[torch.Tensor]
+                               ) -> tuple[list[torch.Tensor | None], TransferIds]: ...
+    async def send_grads(self, mb: int, received: Sequence[tuple[Edge, int]],
+                         inputs: Sequence[Any]) -> None: ...
+    def release(self, transfers: Sequence[tuple[Edge, int]]) -> None: ...
+    async def finish_step(self) -> None: ...
+    async def fail_step(self, exc: BaseException) -> None: ...
 
 
 class PipelineScheduleSingle:
@@ -39,11 +78,12 @@ class PipelineScheduleSingle:
         if stage.is_last and loss_fn is None:
             raise UsageError("the last stage's schedule needs loss_fn (loss_fn(output, target))")
         self._stage = stage
+        self._stage_steps: StageSteps = stage  # all the schedule uses of it
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
         self.scale_grads = scale_grads
         self._steps = 0
-        stage._attach_schedule(type(self).__name__, n_microbatches)
+        self._stage_steps.attach_schedule(type(self).__name__, n_microbatches)
 
     # -- torch's API ------------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
@@ -77,20 +117,17 @@ class PipelineScheduleSingle:
              losses: list[Any] | None, train: bool) -> Any:
         """A step, from a caller's thread: it runs on the stage's loop (where its node
         is), computing there too: one hand-over per step, none per micro-batch."""
-        return self._stage._call(self._arun(args, kwargs, target, losses, train,
-                                            torch.get_num_threads()))
+        return self._stage_steps.run_step(self._arun(args, kwargs, target, losses, train,
+                                                  torch.get_num_threads()))
 
     async def _arun_there(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
                           losses: list[Any] | None, train: bool) -> Any:
-        self._stage._check_open()
-        future = asyncio.run_coroutine_threadsafe(
-            self._arun(args, kwargs, target, losses, train, torch.get_num_threads()),
-            self._stage._loop)
-        return await asyncio.wrap_future(future)
+        return await self._stage_steps.arun_step(
+            self._arun(args, kwargs, target, losses, train, torch.get_num_threads()))
 
     async def _arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
                     losses: list[Any] | None, train: bool, threads: int) -> Any:
-        stage = self._stage
+        stage = self._stage_steps
         if torch.get_num_threads() != threads:
             # the caller's torch.set_num_threads holds for its own thread (OpenMP's count is
             # per thread): the stage's loop computes with the caller's, not the default
@@ -110,7 +147,7 @@ class PipelineScheduleSingle:
         target_mbs = _split(target, m, "target") if target is not None else None
         step = self._steps
         self._steps += 1
-        await stage._prepare()
+        await stage.prepare_step()
         saved: dict[int, Any] = {}
         outputs: list[Any] = []
         try:
@@ -124,21 +161,20 @@ class PipelineScheduleSingle:
                         outputs.append(out)
                 else:
                     await self._backward(stage, mb, step, saved)
-            await stage._flush()
+            await stage.finish_step()
         except BaseException as exc:
-            await stage._fail(exc)
+            await stage.fail_step(exc)
             raise
-        stage._stats["steps"] += 1
         if train and self.scale_grads and m > 1:
             for p in stage.submod.parameters():
                 if p.grad is not None:
                     p.grad.div_(m)
         return _merge(outputs) if stage.is_last else None
 
-    async def _forward(self, stage: PipelineStage, mb: int, step: int, args: tuple[Any, ...],
+    async def _forward(self, stage: StageSteps, mb: int, step: int, args: tuple[Any, ...],
                  target_mbs: list[Any] | None, losses: list[Any] | None,
                  saved: dict[int, Any], train: bool) -> Any:
-        inputs, wants, received = await stage._forward_inputs(mb, step, args)
+        inputs, wants, received = await stage.forward_inputs(mb, step, args)
         for i, x in enumerate(inputs):
             if x is None:
                 raise UsageError(f"stage {stage.stage_index} got no input {i} for micro-batch "
@@ -157,27 +193,27 @@ class PipelineScheduleSingle:
                     losses.append(loss.detach())
             sent: list[Any] = []
         else:
-            sent = await stage._send_outputs(mb, outputs, train)
+            sent = await stage.send_outputs(mb, outputs, train)
         if train:
             saved[mb] = (inputs, received, outputs, sent, loss)
         else:
-            stage._release(received)
+            stage.release(received)
         return out.detach() if isinstance(out, torch.Tensor) else out
 
-    async def _backward(self, stage: PipelineStage, mb: int, step: int,
+    async def _backward(self, stage: StageSteps, mb: int, step: int,
                         saved: dict[int, Any]) -> None:
         inputs, received, outputs, sent, loss = saved.pop(mb)
         if stage.is_last:
             if loss is not None and loss.requires_grad:
                 torch.autograd.backward(loss)
         else:
-            grads, got = await stage._grads_of_outputs(mb, step, sent, outputs)
+            grads, got = await stage.grads_of_outputs(mb, step, sent, outputs)
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            stage._release(got)
-        await stage._send_grads(mb, received, inputs)
+            stage.release(got)
+        await stage.send_grads(mb, received, inputs)
 
     @property
     def stage(self) -> PipelineStage:

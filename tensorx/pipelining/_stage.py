@@ -250,7 +250,9 @@ class PipelineStage:
             raise ClosedError(f"stage {self.stage_index} is closed")
 
     # -- planning a boundary (first step) ----------------------------------------------------
-    def _attach_schedule(self, name: str, n_microbatches: int) -> None:
+    def attach_schedule(self, name: str, n_microbatches: int) -> None:
+        """(For the schedules only.) The schedule that drives this stage (one per stage:
+        its receive slots are sized for it)."""
         if self._schedule is not None and self._schedule != (name, n_microbatches):
             raise UsageError(f"stage {self.stage_index} already runs {self._schedule[0]} with "
                              f"{self._schedule[1]} micro-batches: one schedule per stage (its "
@@ -339,12 +341,27 @@ class PipelineStage:
         return self._failed.wait()
 
     # -- what a schedule runs (a step is a coroutine on the stage's loop) ------------------
-    async def _prepare(self) -> None:
+    # For the schedules only (``StageSteps`` in _schedules.py names them), not user API: not
+    # in docs/reference.md, and free to change with the schedules.
+    def run_step(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a step on the stage's loop, from the caller's thread; its result."""
+        return self._call(coro)
+
+    async def arun_step(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a step on the stage's loop from another loop, which keeps running."""
+        try:
+            self._check_open()
+        except ClosedError:
+            coro.close()
+            raise
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def prepare_step(self) -> None:
         """Link this stage to the others (once)."""
         self._check_failed()
         await self._meeting.connect()
 
-    async def _forward_inputs(self, mb: int, step: int, args: tuple[Any, ...]
+    async def forward_inputs(self, mb: int, step: int, args: tuple[Any, ...]
                               ) -> tuple[list[Any], list[bool], list[tuple[Edge, int]]]:
         """This micro-batch's positional inputs: the user's (first stage) and each
         incoming boundary's, in place; whether the sender wants each one's gradient; and
@@ -379,8 +396,9 @@ class PipelineStage:
     def _outgoing(self) -> list[Edge]:
         return sorted((e for e in self._edges.values() if e.sending), key=lambda e: e.dst)
 
-    async def _send_outputs(self, mb: int, outputs: Sequence[torch.Tensor], train: bool
+    async def send_outputs(self, mb: int, outputs: Sequence[torch.Tensor], train: bool
                             ) -> list[tuple[Edge, int]]:
+        """Send this micro-batch's outputs over each outgoing boundary; the transfers."""
         sent = []
         for edge in self._outgoing():
             picked = self._routes.outputs_to(edge.dst, len(outputs))
@@ -406,8 +424,10 @@ class PipelineStage:
             sent.append((edge, n))
         return sent
 
-    async def _send_grads(self, mb: int, received: Sequence[tuple[Edge, int]],
+    async def send_grads(self, mb: int, received: Sequence[tuple[Edge, int]],
                           inputs: Sequence[Any]) -> None:
+        """Send the gradients of the inputs that came in ``received`` back to their
+        senders (and hand those slots back)."""
         for edge, n in received:
             positions = self._routes.inputs_from(edge.src, len(edge.layout.metas)
                                                  if edge.layout else 0)
@@ -428,9 +448,11 @@ class PipelineStage:
             edge.sent = max(edge.sent, n + 1)
             await self._transfers.dispatch(edge, "B", n, ops, header)
 
-    async def _grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[Edge, int]],
+    async def grads_of_outputs(self, mb: int, step: int, sent: Sequence[tuple[Edge, int]],
                                 outputs: Sequence[torch.Tensor]
                                 ) -> tuple[list[torch.Tensor | None], list[tuple[Edge, int]]]:
+        """The gradients of the outputs ``sent`` (summed where one went to several
+        stages), and the transfers they came in."""
         grads: list[torch.Tensor | None] = [None] * len(outputs)
         got = []
         for edge, n in sent:
@@ -444,15 +466,17 @@ class PipelineStage:
             got.append((edge, n))
         return grads, got
 
-    def _release(self, transfers: Sequence[tuple[Edge, int]]) -> None:
+    def release(self, transfers: Sequence[tuple[Edge, int]]) -> None:
+        """Hand the slots of ``transfers`` back to their senders: done with them."""
         for edge, n in transfers:
             self._transfers.hand_back(edge, n)
 
-    async def _flush(self) -> None:
-        """Every send of this step has landed (or raised)."""
+    async def finish_step(self) -> None:
+        """Every send of this step has landed (or raised); one more step in :meth:`stats`."""
         await self._transfers.flush(self._edges.values())
+        self._stats["steps"] += 1
 
-    async def _fail(self, exc: BaseException) -> None:
+    async def fail_step(self, exc: BaseException) -> None:
         """A step failed here: tell every other stage, once."""
         if self._failure is None:
             message = f"{type(exc).__name__}: {exc}"
