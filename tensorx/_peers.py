@@ -156,7 +156,7 @@ class Peers:
         revocation (see ``Node.unexport``)."""
         holders = set()
         for ep in list(self.endpoints):  # a peer found gone as it is told leaves the dict
-            ep._unexported(export)  # noqa: SLF001 (the peer table tells each endpoint (its hook))
+            ep.tell_unexported(export)
             if ep.bypassed and not ep.closed:
                 holders.add(ep)
         if not holders:

@@ -214,8 +214,10 @@ class Endpoint:
         """Whether the connection ended and the endpoint is connecting again now."""
         return self._rejoin is not None
 
-    def _unexported(self, desc: RegionDescriptor) -> None:
-        """The node stopped serving an export: tell the peer (best effort, no wait)."""
+    def tell_unexported(self, desc: RegionDescriptor) -> None:
+        """Tell the peer that this node stopped serving the export ``desc`` (best effort,
+        no wait): the node's side of revocation (``Node.unexport``, a closed region), called
+        by its peer table for every endpoint; not for users."""
         self._channel.revoke(desc.region_id, desc.cookie)
 
     def __repr__(self) -> str:
