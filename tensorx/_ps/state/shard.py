@@ -219,12 +219,14 @@ class ShardState:
         """(offset, nbytes) of part ``k`` in the arena."""
         return self._update.part_bytes(k)
 
-    def fold(self, ranks: list[int], parts: list[int] | None = None) -> None:
+    def fold(self, ranks: list[int], parts: list[int] | None = None, *,
+             check: bool = True) -> None:
         """Fold ``ranks``' dense gradients (of ``parts``; default all) out of their slots
         into the gradient memory, afresh: what :meth:`apply` and :meth:`apply_part` step
         with, in memory no peer can write (see :mod:`tensorx._ps.update.fold`), checked as
-        it is folded (:meth:`folded_finite` says)."""
-        self._fold.fold(ranks, self._units(parts), check=True)
+        it is folded (:meth:`folded_finite` says; ``check=False``: not, and
+        :meth:`folded_finite` sums the fold afresh: the fold alone, as a benchmark times it)."""
+        self._fold.fold(ranks, self._units(parts), check=check)
 
     def folded_finite(self, parts: list[int] | None = None) -> bool:
         """Is the folded dense gradient (of ``parts``; default all) finite?"""
