@@ -201,6 +201,15 @@ def _client(conn: Connection, owner: Connection, tls: str, size: int, error_hand
     conn.send(asyncio.run(_measure(address, desc, tls, size, error_handling, iters, spin)))
 
 
+WINDOW = 16  # ops in one write_many: a window in flight, as perftest keeps one
+
+
+def iters_for(size: int, iters: int) -> int:
+    """At least ``iters``, and enough ops of ``size`` bytes to move 256 MiB (at most
+    20,000): ten 64 KiB ops are over in a millisecond, too short to time."""
+    return max(iters, min(20_000, (256 << 20) // max(size, 1)))
+
+
 async def _measure(address: str, desc: bytes, tls: str, size: int, error_handling: bool,
                    iters: int, spin: float | None) -> dict[str, Any]:
     import tensorx as tx
@@ -208,22 +217,61 @@ async def _measure(address: str, desc: bytes, tls: str, size: int, error_handlin
     async with tx.Node(None, transport="ucx",
                        ucx_options=_options(tls, error_handling, spin)) as node:
         ep = await node.connect(address)
+        remote = tx.RegionDescriptor.from_bytes(desc)
         local = tx.MemoryRegion.allocate(size)
         out: dict[str, Any] = {}
-        for name, fn in (("put", ep.write), ("get", ep.read)):
-            await fn(local, desc, timeout=60)  # warm-up
+        n = iters_for(size, iters)
+
+        async def many() -> None:
+            await ep.write_many([(local, remote)] * WINDOW, timeout=60)
+
+        for name, fn, per in (("put", lambda: ep.write(local, remote, timeout=60), 1),
+                              ("get", lambda: ep.read(local, remote, timeout=60), 1),
+                              ("put window", many, WINDOW)):
+            for _ in range(max(1, n // (10 * per))):
+                await fn()  # warm-up
             t0 = time.perf_counter()
-            for _ in range(iters):
-                await fn(local, desc, timeout=60)
-            out[name] = size * iters / (time.perf_counter() - t0) / 1e9
+            for _ in range(max(1, n // per)):
+                await fn()
+            out[name] = size * per * max(1, n // per) / (time.perf_counter() - t0) / 1e9
         times = []
-        for _ in range(1000):
+        for _ in range(2000):
             t0 = time.perf_counter()
-            await ep.write(local, desc, nbytes=8, timeout=10)
+            await ep.write(local, remote, nbytes=8, timeout=10)
             times.append(time.perf_counter() - t0)
         out["put8_us"] = sorted(times)[len(times) // 2] * 1e6
+        out["raw put8_us"], out["raw put"] = _raw_floor(ep, local, remote, size, n)
         out["lanes"] = ep.info["lanes"]
         return out
+
+
+def _raw_floor(ep: Any, local: Any, remote: Any, size: int, n: int) -> tuple[float, float]:
+    """The floor with no tensorx in it: the same put + flush issued by direct calls into
+    the UCP binding on the same endpoint, progressing until done (no event loop, no checks,
+    no lane). Median 8-byte round trip in microseconds, and GB/s of ``size``-byte puts."""
+    lane = next(x for x in ep._lane.lanes if x.name == "ucx")  # noqa: SLF001 (the floor reaches under the API on purpose)
+    rt, lib = lane._rt, lane._lib  # noqa: SLF001 (same)
+    uep, rkey = lane._ep, lane._rkey(remote)  # noqa: SLF001 (same)
+    raddr, memh = int(remote.keys["ucx"]["addr"]), rt.memh(local)
+
+    def put(nbytes: int) -> None:
+        w = rt.new_wait()
+        lib.tx_put(uep, local.address, nbytes, raddr, rkey, memh, w)
+        lib.tx_flush(uep, w)
+        lib.tx_wait_release(w)
+        while w.pending:
+            lib.tx_progress(rt.worker, 64, w)
+
+    times = []
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        put(8)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        put(size)
+    gbps = size * n / (time.perf_counter() - t0) / 1e9
+    return sorted(times)[len(times) // 2] * 1e6, gbps
 
 
 def compare(size: int, *, rounds: int = 3, iters: int = 20, spins: tuple[float | None, ...]
@@ -231,18 +279,19 @@ def compare(size: int, *, rounds: int = 3, iters: int = 20, spins: tuple[float |
             defaults: bool = True) -> list[dict[str, Any]]:
     """Interleaved rounds of ucx_perftest (tensorx's UCX settings, and UCX's defaults) and
     tensorx (one sample per progress ``spins`` setting) on each config; medians."""
-    rows, same = [], tensorx_settings()
+    rows, same, n = [], tensorx_settings(), iters_for(size, iters)
     for tls, eh in configs:
         samples: dict[str, list[float]] = {}
         lanes: Any = None
         for _ in range(rounds):
             for test, key in (("ucp_put_bw", "put"), ("ucp_get", "get")):
                 samples.setdefault(f"perftest {key}", []).append(
-                    perftest_gbps(tls, test, size, error_handling=eh, iters=iters,
+                    perftest_gbps(tls, test, size, error_handling=eh, iters=n, warmup=n // 10,
                                   settings=same))
                 if defaults:
                     samples.setdefault(f"perftest-default {key}", []).append(
-                        perftest_gbps(tls, test, size, error_handling=eh, iters=iters))
+                        perftest_gbps(tls, test, size, error_handling=eh, iters=n,
+                                      warmup=n // 10))
             for spin in spins:
                 res = tensorx_gbps(tls, size, error_handling=eh, iters=iters, spin=spin)
                 lanes = res.pop("lanes")
@@ -284,22 +333,30 @@ def main() -> None:
 
 
 def report(rows: list[dict[str, Any]], spins: tuple[float | None, ...] = (50.0,)) -> str:
-    """The markdown table of :func:`compare`'s rows: tensorx against perftest, same lanes."""
+    """The markdown table of :func:`compare`'s rows: tensorx against perftest on the same
+    lanes, and against the floor with no tensorx in it (the same UCP calls from Python)."""
     lines = ["| UCX_TLS | error handling | lanes | tensorx | put: tensorx / perftest | "
-             "get: tensorx / perftest | perftest, UCX defaults: put / get | 8 B put+flush |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"put, {WINDOW} per write_many / perftest | get: tensorx / perftest | "
+             "put: floor (UCP from Python) | perftest, UCX defaults: put / get | "
+             "8 B put+flush: tensorx / floor |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for spin in spins:
             tag = _spin_label(spin)
-            put, get = r[f"tensorx put{tag}"], r[f"tensorx get{tag}"]
+            put, get, win = r[f"tensorx put{tag}"], r[f"tensorx get{tag}"], \
+                r[f"tensorx put window{tag}"]
+            floor, rt8 = r[f"tensorx raw put{tag}"], r[f"tensorx put8_us{tag}"]
+            raw8 = r[f"tensorx raw put8_us{tag}"]
             defaults = (f"{r['perftest-default put']:.2f} / {r['perftest-default get']:.2f} "
                         "GB/s" if "perftest-default put" in r else "-")
             lines.append(
                 f"| {r['tls']} | {r['error_handling']} | {', '.join(r['lanes'])} | "
                 f"{tag.strip(' ()') or 'default'} | "
                 f"{put:.2f} / {r['perftest put']:.2f} GB/s ({put / r['perftest put']:.0%}) | "
+                f"{win:.2f} / {r['perftest put']:.2f} GB/s ({win / r['perftest put']:.0%}) | "
                 f"{get:.2f} / {r['perftest get']:.2f} GB/s ({get / r['perftest get']:.0%}) | "
-                f"{defaults} | {r[f'tensorx put8_us{tag}']:.1f} us |")
+                f"{floor:.2f} GB/s (tensorx {floor / put:.2f}x its time) | {defaults} | "
+                f"{rt8:.1f} / {raw8:.1f} us ({rt8 / raw8:.2f}x) |")
     return "\n".join(lines)
 
 

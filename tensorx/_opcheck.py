@@ -4,6 +4,7 @@ is no longer good. Pure: no I/O."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,8 +61,15 @@ def descriptor(remote: RegionDescriptor | bytes) -> RegionDescriptor:
     if isinstance(remote, RegionDescriptor):
         return remote
     if isinstance(remote, bytes | bytearray):
-        return RegionDescriptor.from_bytes(bytes(remote))
+        return _decoded(bytes(remote))
     raise UsageError(f"expected a RegionDescriptor (or its bytes), got {type(remote).__name__}")
+
+
+@functools.lru_cache(maxsize=256)
+def _decoded(raw: bytes) -> RegionDescriptor:
+    """A descriptor's bytes decoded and checked once: callers pass the same bytes on every
+    op (decoding took a fifth of an 8-byte write). Bounded; a refusal is not kept."""
+    return RegionDescriptor.from_bytes(raw)
 
 
 def check_local(region: MemoryRegion, offset: int, nbytes: int | None, need: str) -> None:

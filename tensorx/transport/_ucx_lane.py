@@ -237,15 +237,21 @@ class UcxLane(DataLane):
                 break
             except _Superseded:  # the endpoint was force-closed under it: issue again
                 continue
-        self.stats["ops"] += len(ops)
-        self.stats["bytes"] += sum(op.nbytes for op in ops)
+        stats = self.stats
+        stats["ops"] += len(ops)
+        stats["bytes"] += ops[0].nbytes if len(ops) == 1 else sum(op.nbytes for op in ops)
 
     async def _run_once(self, ops: list[Op], put: bool, deadline: Deadline,
                         retry: bool) -> None:
         self._check_usable()
-        await self._reconnect(deadline.left())
-        plan = [self._plan(op) for op in ops if op.nbytes]
-        regions = [op.local for op in ops if op.nbytes]
+        if self._reopen:
+            await self._reconnect(deadline.left())
+        plan, regions, total = [], [], 0
+        for op in ops:
+            if op.nbytes:
+                plan.append(self._plan(op))
+                regions.append(op.local)
+                total += op.nbytes
         w, epoch = self._rt.new_wait(), self._epoch
         for region in regions:
             region.backing.pin()  # closed meanwhile, its memory stays until UCX is done with it
@@ -255,10 +261,11 @@ class UcxLane(DataLane):
             except BaseException:
                 self._rt.forget(w)
                 raise
-            small = sum(p[1] for p in plan) < self._s.inline_bytes
             try:
-                await self._finish(w, st, deadline.left(), inline=small, epoch=epoch,
-                                   retry=retry)
+                # a small op is most often done after a few progress passes: no wait then
+                if not self._rt.done_inline(w, total < self._s.inline_bytes):
+                    await self._wait(w, deadline.left())
+                self._check_status(w, st, epoch, retry)
             except _Superseded:
                 raise
             except BaseException:  # timed out, cancelled, broken: UCX may still own the get
@@ -337,13 +344,22 @@ class UcxLane(DataLane):
                     return int(st)
         return int(self._lib.tx_flush(ep, w))
 
-    async def _finish(self, w: Any, st: int, timeout: float | None, *, inline: bool = True,
-                      epoch: int = -1, retry: bool = False) -> None:
+    async def _finish(self, w: Any, st: int, timeout: float | None, *, epoch: int = -1,
+                      retry: bool = False) -> None:
+        """Wait for every op on ``w`` (issued with first status ``st``), then raise what
+        went wrong with them."""
+        if not self._rt.done_inline(w, True):
+            await self._wait(w, timeout)
+        self._check_status(w, st, epoch, retry)
+
+    async def _wait(self, w: Any, timeout: float | None) -> None:
         try:
-            await self._rt.complete(w, timeout, inline=inline, watch=self._watch)
+            await self._rt.wait(w, timeout, watch=self._watch)
         except TimeoutError:
             self._check_usable()
             raise
+
+    def _check_status(self, w: Any, st: int, epoch: int, retry: bool) -> None:
         status = int(w.status) or (st if st < 0 else 0)
         if status == _ucp.UCS_ERR_CANCELED and epoch != self._epoch and not self._closed \
                 and self._broken is None:

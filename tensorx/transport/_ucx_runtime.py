@@ -271,12 +271,23 @@ class UcxRuntime:
                        watch: PeerWatch | None = None) -> None:
         """Release the issuer's guard on ``w`` and wait until every op on it finished.
         TimeoutError after ``timeout``; BrokenError as soon as ``watch``'s peer fails."""
+        if not self.done_inline(w, inline):
+            await self.wait(w, timeout, watch=watch)
+
+    def done_inline(self, w: Any, inline: bool) -> bool:
+        """Release the issuer's guard on ``w``; whether every op on it has finished, after
+        a few progress passes made here when ``inline`` (a small op: no wait then)."""
         if self.lib.tx_wait_release(w):
-            return
+            return True
         if inline and self.inline_progress:
             self.lib.tx_progress(self.worker, self.inline_progress, w)
-            if w.pending == 0:
-                return
+            return w.pending == 0  # type: ignore[no-any-return]
+        return False
+
+    async def wait(self, w: Any, timeout: float | None, *,
+                   watch: PeerWatch | None = None) -> None:
+        """Wait until every op on ``w`` (its guard released) finished; the second half of
+        :meth:`complete`."""
         assert self._loop is not None
         fut: asyncio.Future[None] = self._loop.create_future()
         key = id(w)

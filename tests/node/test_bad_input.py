@@ -107,6 +107,25 @@ async def test_forged_region_id_and_cookie_are_refused(owner: OwnerProcess) -> N
     await _still_serving(owner)
 
 
+async def test_descriptor_bytes_are_checked_on_every_op(owner: OwnerProcess) -> None:
+    """Descriptor bytes are decoded once and kept (callers pass the same bytes on every
+    op): the genuine bytes keep working, forged bytes are refused every time after them,
+    and malformed bytes are a ProtocolError every time (a refusal is not kept)."""
+    node, ep = await _connect(owner)
+    async with node:
+        desc = await owner.export(4096, seed=9)
+        raw, forged = desc.to_bytes(), dataclasses.replace(desc, cookie=desc.cookie ^ 1)
+        src = tx.MemoryRegion.register(pattern(4096, seed=10))
+        for _ in range(3):
+            await ep.write(src, raw)
+            with pytest.raises(tx.RegionError, match="not exported"):
+                await ep.write(src, forged.to_bytes())
+            with pytest.raises(tx.ProtocolError, match="not a region descriptor"):
+                await ep.write(src, raw[:-3])
+        assert await owner.call("digest", desc.region_id) == digest(pattern(4096, 10))
+    await _still_serving(owner)
+
+
 async def test_wrong_token_is_refused(owner: OwnerProcess) -> None:
     async with tx.Node(listen=None, transport="tcp", token="wrong") as node:
         with pytest.raises(tx.AuthError, match="token"):
