@@ -53,7 +53,7 @@ class LoadRound:
 
     puts: dict[int, Put] = field(default_factory=dict)
     # what to load, once read and checked (phase two): the groups' hyperparameters and the
-    # per-label state; None until then, and on a shard without an optimizer
+    # per-label state (both empty on a shard without an optimizer); None until then
     staged: tuple[list[dict[str, Any]], State] | None = None
     commits: dict[int, bool] = field(default_factory=dict)
 

@@ -141,16 +141,26 @@ class OptimService:
 
     # -- loads: every rank, the same state, every shard or none (see _ps.service.optim_load) ------
     def _precheck(self, msg: dict[str, Any], state: ShardState) -> None:
-        """A put's manifest against this shard's entries (ProtocolError: malformed)."""
-        if state.optimizer is None:
-            return
-        opt, _ = self._labelled(state)
-        numels = state.param_numels()
+        """A put's manifest against this shard's entries (ProtocolError: malformed). A
+        shard without an optimizer (the plan left it no parameters) has no state: a put
+        for it carries no groups and no entries, as a torch optimizer over no parameters
+        has none."""
+        numels: dict[str, int] = {}
+        groups = 0
+        if state.optimizer is not None:
+            opt, _ = self._labelled(state)
+            numels, groups = state.param_numels(), len(opt.param_groups)
         nbytes = RegionDescriptor.from_bytes(msg["region"]).nbytes
-        if nbytes > optim_state.bound(numels) + optim_state.ALIGN:
-            raise ProtocolError(f"optimizer state of {nbytes} B is more than this shard's "
-                                "entries can have")
-        optim_state.check_manifest(msg["manifest"], numels, nbytes, len(opt.param_groups))
+        try:  # the manifest first: it names an entry this shard does not hold
+            optim_state.check_manifest(msg["manifest"], numels, nbytes, groups)
+            if nbytes > optim_state.bound(numels) + optim_state.ALIGN:
+                raise ProtocolError(f"optimizer state of {nbytes} B is more than this "
+                                    "shard's entries can have")
+        except ProtocolError as exc:
+            if state.optimizer is not None:
+                raise
+            raise ProtocolError(f"{exc} (this shard has no optimizer: the plan left it no "
+                                "parameters, so it has no optimizer state to load)") from None
 
     async def put(self, ep: Endpoint, rank: int, msg: dict[str, Any], state: ShardState,
                   counted: set[int], stepping: list[int], timeout: float | None) -> None:
@@ -189,11 +199,12 @@ class OptimService:
         await self._tell(round_.eps(), protocol.encode("state_checked"), timeout)
 
     async def _read(self, put: Put, state: ShardState, timeout: float | None
-                    ) -> tuple[list[dict[str, Any]], optim_state.State] | None:
-        """The state ``put`` describes, read from its region and checked; None for a
-        shard without an optimizer."""
+                    ) -> tuple[list[dict[str, Any]], optim_state.State]:
+        """The state ``put`` describes, read from its region and checked; nothing (no
+        groups, no entries: what :meth:`_precheck` let through) for a shard without an
+        optimizer."""
         if state.optimizer is None:
-            return None
+            return [], {}
         opt, label_of = self._labelled(state)
         desc = RegionDescriptor.from_bytes(put.region)
         region = MemoryRegion.allocate(desc.nbytes)
