@@ -385,7 +385,7 @@ class Worker:
         if self._sparse is not None and link.header:
             staging = self._sparse.stage(shard)
             inbox = b"" if self._mapped(shard) else self._sparse.inbox(shard)
-            ops.append((self._region(shard, "headers"), link.header))
+            ops.append((self._sparse.headers(shard), link.header))
         by_part = split_ops(ops, link.parts) if link.parts else None
         msg = protocol.encode("push", step=self.steps, version=link.version,
                               staging=staging, mapped=self._mapped(shard),

@@ -33,7 +33,7 @@ LAYERS: dict[str, float] = {
     # planning, pure, in this order: data, codec, torch views, the plan users get, planners
     "tensorx._analyzer.layout": 2.1, "tensorx._analyzer.wire": 2.2,
     "tensorx._analyzer.balance": 2.2, "tensorx._analyzer.sample": 2.2,
-    "tensorx._analyzer.sparse": 2.3, "tensorx._analyzer.binding": 2.4,
+    "tensorx._analyzer.binding": 2.4,
     "tensorx._analyzer.plan": 2.5, "tensorx._analyzer.planner": 2.6,
     "tensorx._analyzer.boundary": 2.6, "tensorx._analyzer": 2.7,
     "tensorx.graph_analyzer": 2.8,
@@ -66,7 +66,8 @@ PURE = ["tensorx.errors", "tensorx._text", "tensorx._counters", "tensorx._schema
         "tensorx._wire", "tensorx.memregion", "tensorx._analyzer", "tensorx.graph_analyzer",
         "tensorx._opcheck", "tensorx._rows", "tensorx._backoff",
         "tensorx._ps.wire", "tensorx._ps.update", "tensorx._ps.state", "tensorx._ps.rows.tables",
-        "tensorx._ps.rows.changed", "tensorx._ps.rows.pull", "tensorx._ps.common.abtimer",
+        "tensorx._ps.rows.header", "tensorx._ps.rows.staging", "tensorx._ps.rows.changed",
+        "tensorx._ps.rows.pull", "tensorx._ps.common.abtimer",
         "tensorx._ps.common.stats", "tensorx._ps.service.schedule", "tensorx._ps.service.round",
         "tensorx._ps.service.admission", "tensorx._ps.service.optim_load"]
 IO = {"asyncio", "socket", "selectors"}

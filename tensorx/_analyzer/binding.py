@@ -14,11 +14,12 @@ What is zero-copy, exactly:
   parameter that got no gradient in a step keeps ``.grad = None``: call
   :meth:`Binding.ensure_bound` before pushing (it zeroes such slots, and copies, reporting
   the name, only if someone replaced ``.grad`` or ``.data`` with a private tensor).
-* Sparse (dynamic) gradients cannot be views: :meth:`Binding.stage_sparse` copies the rows
-  into the staging region, once per step. Their dense *values* are bound like any other.
-  Until a receiver reads the dynamic path, ``ensure_bound`` (with ``densify_sparse=True``,
-  the default) also scatters the rows into the tensor's slot in the ``grads`` arena, so a
-  dense-only parameter server still trains correctly (a copy, reported by name).
+* Sparse (dynamic) gradients cannot be views: the parameter server's worker copies their
+  rows into staging memory of its own, once per step (a binding allocates none). Their
+  dense *values* are bound like any other. Until a receiver reads the dynamic path,
+  ``ensure_bound`` (with ``densify_sparse=True``, the default) also scatters the rows into
+  the tensor's slot in the ``grads`` arena, so a dense-only parameter server still trains
+  correctly (a copy, reported by name).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import torch
 from torch import nn
 
 from tensorx._analyzer.layout import Layout, PlanEntry
-from tensorx._analyzer.sparse import SparseStaging, StagedSparse
 from tensorx.errors import PlanMismatchError, UsageError
 from tensorx.memregion import MemoryRegion
 
@@ -103,9 +103,6 @@ class Binding:
         self._chunks = plan.tensors()
         self._views: dict[tuple[str, str], torch.Tensor] = {}
         self._hooks: list[RemovableHandle] = []
-        self.staging = SparseStaging(plan, device) if plan.dynamic_entries else None
-        if self.staging is not None:
-            self.regions.update(self.staging.header_regions())
         self.bound = False
         # what ensure_bound() last left in place: (tensor, data pointer, .grad object)
         self._settled: list[tuple[torch.Tensor, int, Any]] | None = None
@@ -245,31 +242,11 @@ class Binding:
                 copied.append(name)
         return copied
 
-    def stage_sparse(self, shard: int) -> StagedSparse:
-        """Copy the sparse gradient rows of ``shard``'s tables into its staging region (one
-        payload after another); write their headers."""
-        if self.staging is None:
-            raise UsageError("this plan has no dynamic (sparse) tensors")
-        grads = {}
-        for d in self.plan.dynamic_entries:
-            if d.shard != shard:
-                continue
-            grad = self._tensors[d.name].grad
-            if grad is None or not grad.is_sparse:
-                raise UsageError(f"{d.name} has no sparse gradient to stage")
-            grads[d.name] = grad
-        return self.staging.stage(shard, grads)
-
-    def staging_region(self, shard: int) -> MemoryRegion:
-        if self.staging is None:
-            raise UsageError("this plan has no dynamic (sparse) tensors")
-        return self.staging.region(shard)
-
     def unbind(self, close_regions: bool | None = None) -> None:
         """Give every tensor private storage again (a copy) and drop the hooks. Idempotent.
 
         The ``params``/``grads`` regions are closed if the binding allocated them (or if
-        ``close_regions=True``); the staging and header regions, always its own, are closed.
+        ``close_regions=True``).
         """
         if not self.bound:
             return
@@ -283,8 +260,6 @@ class Binding:
         if close_regions if close_regions is not None else self._owns_regions:
             for key in self._arena_keys():
                 self.regions[key].close()
-        if self.staging is not None:
-            self.staging.close()
 
     def __enter__(self) -> Binding:
         return self

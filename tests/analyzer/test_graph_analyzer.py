@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from tensorx import graph_analyzer
 from tensorx.errors import PlanMismatchError, ProtocolError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer, PlanEntry, TransferPlan
 from tests.support import models
@@ -289,3 +290,22 @@ def test_views_give_the_ps_one_tensor_per_entry() -> None:
                 v = views[entry.key]
                 assert v.numel() == entry.numel and v.dtype == torch.float32
                 assert v.data_ptr() == region.address + entry.offset
+
+
+
+@pytest.mark.parametrize("name", ["SparseHeader", "SparseStaging", "StagedSparse",
+                                  "payload_views", "read_header"])
+def test_the_sparse_paths_runtime_is_no_longer_served_here(name: str) -> None:
+    """The worker stages sparse rows itself: the pieces of it this module once served
+    say so, by name, where code still asks for them."""
+    with pytest.raises(ImportError, match=rf"graph_analyzer\.{name} is gone: .*internal "
+                       r"runtime piece of the parameter server's sparse path.*no longer "
+                       r"public.*tensorx\.Worker stages sparse gradients itself"):
+        getattr(graph_analyzer, name)
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        graph_analyzer.nothing  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_an_old_import_of_the_sparse_staging_says_why_it_fails() -> None:
+    with pytest.raises(ImportError, match=r"SparseStaging is gone.*plan\.bind"):
+        from tensorx.graph_analyzer import SparseStaging  # type: ignore[attr-defined]  # noqa: F401

@@ -9,14 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from tensorx.errors import PlanMismatchError, RegionError, UsageError
-from tensorx.graph_analyzer import (
-    Binding,
-    GraphAnalyzer,
-    TransferPlan,
-    payload_views,
-    read_header,
-)
+from tensorx.errors import PlanMismatchError, UsageError
+from tensorx.graph_analyzer import Binding, GraphAnalyzer, TransferPlan
 from tensorx.memregion import MemoryRegion
 from tests.support import models
 
@@ -260,74 +254,16 @@ def test_buffers_are_bound_and_updated_in_place() -> None:
         assert int(binding.tensor_view("1.num_batches_tracked", "params")) == 1
 
 
-# -- the dynamic path ----------------------------------------------------------------------
-def test_sparse_rows_are_staged_with_a_header() -> None:
-    model = models.sparse_embedding()
-    plan = GraphAnalyzer(model, num_shards=2).plan()
-    binding = plan.bind(model)
-    ids = torch.tensor([[1, 5, 5], [7, 1, 999]])
-    model(ids).sum().backward()
-    entry = plan.dynamic("emb.weight")
-    staged = binding.stage_sparse(entry.shard)
-    header = read_header(binding.regions[(entry.shard, "headers")], entry)
-    assert header == staged.headers["emb.weight"]
-    assert (header.rows, header.version) == (4, 1)
-    indices, values = payload_views(staged.region, entry, header.rows, header.offset)
-    assert indices.tolist() == [1, 5, 7, 999]
-    dense = model.emb.weight.grad.to_dense()  # type: ignore[union-attr]
-    assert torch.equal(values, dense[indices])
-    assert binding.stage_sparse(entry.shard).headers["emb.weight"].version == 2
+@pytest.mark.parametrize("make", [models.mlp, models.sparse_embedding],
+                         ids=["dense", "sparse"])
+def test_a_binding_holds_the_arenas_only(make: Callable[[], nn.Module]) -> None:
+    """Sparse rows are staged by the worker, not the binding: a binding of a model with
+    sparse tables, as of a dense one, holds its shards' params and grads regions only."""
+    model = make()
+    binding = GraphAnalyzer(model, num_shards=2).plan().bind(model)
+    assert set(binding.regions) == {(s, a) for s in range(2) for a in ("params", "grads")}
+    assert not hasattr(binding, "stage_sparse")
     binding.unbind()
-    assert staged.region.closed and binding.regions[(0, "headers")].closed
-
-
-def test_a_shards_tables_are_packed_in_one_staging_region() -> None:
-    """Each table's payload follows the previous one's in the shard's staging region, so
-    the receiver reads them all at once; each is its gradient coalesced."""
-    model = models.sparse_embedding()  # two tables, rows of 16 and of 8 floats
-    plan = GraphAnalyzer(model).plan()
-    binding = plan.bind(model)
-    model(torch.tensor([[3, 3, 509], [7, 1, 3]])).sum().backward()
-    staged = binding.stage_sparse(0)
-    spans = []
-    for entry in plan.dynamic_entries:
-        header = staged.headers[entry.name]
-        indices, values = payload_views(staged.region, entry, header.rows, header.offset)
-        grad = model.get_parameter(entry.name).grad.coalesce()  # type: ignore[union-attr]
-        assert torch.equal(indices, grad.indices()[0])
-        torch.testing.assert_close(values, grad.values())
-        spans.append((header.offset, header.offset + header.nbytes))
-    (a0, a1), (b0, b1) = sorted(spans)
-    assert a0 == 0 and a1 <= b0 < a1 + 64 and b1 <= staged.region.nbytes
-
-
-def test_sparse_staging_grows_then_fails_clearly_past_its_budget() -> None:
-    model = models.sparse_embedding()
-    plan = GraphAnalyzer(model, sparse_budget_bytes=300 * (8 + 64)).plan()
-    binding = plan.bind(model)
-    model(torch.arange(270).reshape(90, 3)).sum().backward()
-    staged = binding.stage_sparse(0)
-    assert staged.grown and staged.headers["emb.weight"].rows == 270
-    model.zero_grad(set_to_none=True)
-    model(torch.arange(330).reshape(110, 3)).sum().backward()
-    with pytest.raises(RegionError, match="at most 300"):
-        binding.stage_sparse(0)
-
-
-def test_declared_max_rows_is_a_hard_limit() -> None:
-    model = models.sparse_embedding()
-    binding = GraphAnalyzer(model, sparse_max_rows=4).plan().bind(model)
-    model(torch.arange(6).reshape(2, 3)).sum().backward()
-    with pytest.raises(RegionError, match="sparse_max_rows"):
-        binding.stage_sparse(0)
-
-
-def test_dense_models_have_no_staging() -> None:
-    model = models.mlp()
-    binding = GraphAnalyzer(model).plan().bind(model)
-    with pytest.raises(UsageError):
-        binding.stage_sparse(0)
-    assert set(binding.regions) == {(0, "params"), (0, "grads")}
 
 
 def test_deepcopy_of_a_plan_binds_a_second_model() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorx._analyzer.sparse import SparseStaging
 from tensorx._ps.rows.sparse import SparseReceiver
+from tensorx._ps.rows.staging import SparseStaging
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 
@@ -61,5 +61,5 @@ def setup(seed: int, skip: str = "") -> tuple[Any, SparseStaging, SparseReceiver
     staging, receiver = SparseStaging(plan), SparseReceiver(plan, 0, 1)
     staged = grads(seed, skip)
     staging.stage(0, staged)
-    receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+    receiver.headers[0].buffer()[:] = staging.headers(0).buffer()
     return plan, staging, receiver, staged

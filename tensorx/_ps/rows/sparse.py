@@ -1,12 +1,14 @@
 """The dynamic path between a worker and a shard: sparse gradients as rows, not tables.
 
-Worker: stages each sparse gradient (indices, then rows) in a registered staging region,
-exports it read-only, writes the header slots into its header region on the shard, and
-names any new staging region in the push message. Shard: for each dynamic entry, decodes
-the header, reads ``nbytes`` straight out of the worker's staging region (one-sided), checks
-the indices and keeps a copy of the rows; the rows of a push are handed over only once all
-of them arrived (:mod:`tensorx._ps.rows.tables` makes the optimizer's sparse gradient of them).
-Only the touched rows cross the network, and the shard's work scales with them.
+Worker: its :class:`SparseSender` owns the staging (:mod:`tensorx._ps.rows.staging`): it
+stages each sparse gradient (indices, then rows) in a registered staging region, exports it
+read-only, writes the header slots (:mod:`tensorx._ps.rows.header`) into its header region
+on the shard, and names any new staging region in the push message. Shard: for each
+dynamic entry, decodes the header, reads ``nbytes`` straight out of the worker's staging
+region (one-sided), checks the indices and keeps a copy of the rows; the rows of a push
+are handed over only once all of them arrived (:mod:`tensorx._ps.rows.tables` makes the
+optimizer's sparse gradient of them). Only the touched rows cross the network, and the
+shard's work scales with them.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from tensorx._analyzer.sparse import ALIGN, HeaderSlots, budget_bytes, values_offsets
 from tensorx._ps.common.device import fence
+from tensorx._ps.rows.header import ALIGN, HeaderSlots, budget_bytes, values_offsets
 from tensorx._ps.rows.pull import RowInbox, RowOutbox
+from tensorx._ps.rows.staging import SparseStaging
 from tensorx._ps.rows.tables import PushedRows, RowBatch, SparseRows, first_out_of_range
 from tensorx._text import printable
 from tensorx.errors import ProtocolError, RegionError
@@ -46,13 +49,16 @@ class HasRows(Protocol):
 
 
 class SparseSender:
-    """Worker side: stage, export, and say which staging regions are new."""
+    """Worker side: stage, export, and say which staging regions are new. It owns the
+    staging and header regions (on the model's device, and host memory), from its
+    construction to :meth:`close`, whatever arenas the model is bound to meanwhile."""
 
     def __init__(self, binding: Binding, model: torch.nn.Module, node: Node) -> None:
         self.binding = binding
         self.node = node
         self.entries = list(binding.plan.dynamic_entries)
         self._params = dict(model.named_parameters())
+        self.staging = SparseStaging(binding.plan, _model_device(self._params))
         self._exported: dict[int, int] = {}  # shard -> staging region id we last announced
         self._tables: dict[int, list[torch.Tensor]] = {}  # shard -> its tables' views
         device = str(next(iter(binding.regions.values())).device) if binding.regions else "cpu"
@@ -60,10 +66,9 @@ class SparseSender:
                         for s in {e.shard for e in self.entries}}
 
     def rebind(self, binding: Binding) -> None:
-        """The model was bound anew (arenas mapped or unmapped): stage into the new
-        binding's regions, and announce them."""
+        """The model was bound anew (arenas mapped or unmapped): its tables are views of
+        the new binding's arenas. The staging is ours and stays, and so do its exports."""
         self.binding = binding
-        self._exported.clear()
         self._tables.clear()
 
     def forget_exports(self) -> None:
@@ -71,6 +76,11 @@ class SparseSender:
         self._exported.clear()
         for inbox in self.inboxes.values():
             inbox.forget()
+
+    def headers(self, shard: int) -> MemoryRegion:
+        """Our header slots for ``shard`` (what :meth:`stage` last wrote), to write to its
+        ``headers`` arena with the push."""
+        return self.staging.headers(shard)
 
     def inbox(self, shard: int) -> bytes:
         """The descriptor of our inbox for ``shard``'s rows to name in the push (b"": the
@@ -92,6 +102,7 @@ class SparseSender:
         self._tables.clear()
         for inbox in self.inboxes.values():
             inbox.close()
+        self.staging.close()
 
     def stage(self, shard: int) -> dict[str, bytes]:
         """Stage this shard's sparse gradients; descriptors of staging regions to announce
@@ -103,12 +114,17 @@ class SparseSender:
             param = self._params[entry.name]
             if param.grad is None or not param.grad.is_sparse:
                 param.grad = _empty_sparse(param, entry)
-        staged = self.binding.stage_sparse(shard)
+        staged = self.staging.stage_params(shard, self._params)
         if self._exported.get(shard) == staged.region.region_id:
             return {}
         raw = self.node.export(staged.region, access="r").to_bytes()
         self._exported[shard] = staged.region.region_id
         return {entry.name: raw for entry in entries}
+
+
+def _model_device(params: Mapping[str, torch.Tensor]) -> str:
+    """Where the staging goes: the model's device (its first parameter's)."""
+    return next((str(p.device) for p in params.values()), "cpu")
 
 
 def _empty_sparse(param: torch.Tensor, entry: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tensorx._ps.rows.header import read_header
 from tensorx.errors import OptimizerError
 from tests.support.clusters import servers, workers
 from tests.support.lanes import assert_link, lanes, node_transport
@@ -288,3 +289,28 @@ async def test_tables_back_to_back_train_as_one_process_over_each_lane(opt: OptF
     for got in models:
         for g, w in zip(got.parameters(), want, strict=True):
             torch.testing.assert_close(g.detach(), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("share_memory", [True, False], ids=["mapped", "copied"])
+async def test_the_worker_stages_its_sparse_rows_itself_until_it_closes(
+        share_memory: bool) -> None:
+    """The worker's sparse sender owns the staging and header regions (its binding holds
+    the arenas only): the same regions step after step, whether the model is bound to the
+    shard's memory or its own, closed when the worker closes."""
+    model = sparse_embedding()
+    async with servers(1, 1, mode="sync", optimizer=SGD) as (ps,):
+        async with workers([model], [ps.address], share_memory=share_memory,
+                           timeout=60) as (w,):
+            assert w.mapped == [share_memory]
+            assert set(w.binding.regions) == {(0, "params"), (0, "grads")}
+            assert w._sparse is not None
+            staging = w._sparse.staging
+            headers, region = staging.headers(0), staging.region(0)
+            for step in range(2):
+                w.zero_grad()
+                model(torch.randint(0, 500, (4, 3), generator=torch.Generator()
+                                    .manual_seed(step))).sum().backward()
+                await w.step()
+            assert w._sparse.headers(0) is headers and staging.region(0) is region
+            assert read_header(headers, w.plan.dynamic("emb.weight")).version == 2
+        assert headers.closed and region.closed

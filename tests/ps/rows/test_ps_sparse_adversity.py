@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import tensorx as tx
-from tensorx._analyzer.sparse import SparseStaging, payload_views
+from tensorx._ps.rows.header import payload_views
 from tensorx._ps.rows.sparse import SparseReceiver
+from tensorx._ps.rows.staging import SparseStaging
 from tensorx._ps.state.shard import ShardLayout, ShardState
 from tensorx.errors import ProtocolError, RegionError, UsageError
 from tensorx.graph_analyzer import GraphAnalyzer
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def poison_ids(worker: Any) -> None:
     """``worker`` stages a row id past its table from now on."""
-    staging = worker.binding.staging
+    staging = worker._sparse.staging  # the worker's sparse sender owns it
     stage = staging.stage
 
     def bad_stage(shard: int, grads: Any) -> Any:
@@ -137,7 +138,7 @@ async def test_a_staging_region_smaller_than_its_headers_say_is_refused_naming_t
     headers are right): RegionError naming that table, before anything is read."""
     plan, staging, receiver, staged = setup(6)
     headers = staging.stage(0, staged).headers
-    receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+    receiver.headers[0].buffer()[:] = staging.headers(0).buffer()
     last = max(headers, key=lambda n: headers[n].offset)
     end = headers[last].offset + headers[last].nbytes
     short = MemoryRegion.allocate(end - 64)
@@ -190,7 +191,7 @@ async def test_row_ids_out_of_order_and_repeated_are_summed_as_torch_sums_them(
             ids.copy_(ids.flip(0))
             ids[1::2] = ids[0::2][:ids[1::2].numel()]
             given[name] = (ids.clone(), values.clone())
-        receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+        receiver.headers[0].buffer()[:] = staging.headers(0).buffer()
         receiver.announce(0, dict.fromkeys(staged, staging.region(0).descriptor().to_bytes()))
         state.put_rows(0, await receiver.receive(Copying([staging.region(0)]), 0, None))
         if len(ranks) == 2:

@@ -74,7 +74,7 @@ async def test_an_id_outside_its_table_is_refused_naming_it(bad: int) -> None:
         header = staging.stage(0, staged).headers["c.weight"]
         at = header.offset // 8 + header.rows - 1  # c's last id
         staging.region(0).view(torch.int64)[at] = bad  # c has 100 rows
-        receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+        receiver.headers[0].buffer()[:] = staging.headers(0).buffer()
         receiver.announce(0, dict.fromkeys(staged, staging.region(0).descriptor().to_bytes()))
         with pytest.raises(RegionError, match=r"rank 0: c\.weight row index out of range"):
             await receiver.receive(Copying([staging.region(0)]), 0, None)

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from tensorx._analyzer.sparse import SparseStaging, read_header, read_headers
+from tensorx._ps.rows.header import read_header, read_headers
 from tensorx._ps.rows.sparse import SparseReceiver
+from tensorx._ps.rows.staging import SparseStaging
 from tensorx._ps.state.shard import ShardLayout, ShardState
 from tensorx._ps.update.optim_check import check_state
 from tensorx._ps.wire import optim_state
@@ -209,7 +210,7 @@ async def test_a_push_that_breaks_half_way_hands_over_no_rows() -> None:
                                                    check_invariants=True)
                      for name, (ids, values) in rows_of(seed).items()}
             staging.stage(0, grads)
-            receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+            receiver.headers[0].buffer()[:] = staging.headers(0).buffer()
             desc = staging.region(0).descriptor().to_bytes()
             receiver.announce(0, dict.fromkeys(TABLES, desc))
             ep = BreakingEndpoint([staging.region(0)], fail_at)
@@ -243,7 +244,7 @@ async def test_staged_rows_spread_past_what_the_tables_take_are_refused_unread()
                                                check_invariants=True)
                  for name, (ids, values) in rows_of(1).items()}
         staged = staging.stage(0, grads)
-        receiver.headers[0].buffer()[:] = staging.header_regions()[(0, "headers")].buffer()
+        receiver.headers[0].buffer()[:] = staging.headers(0).buffer()
         entry = plan.dynamic("bag.weight")
         far = dataclasses.replace(staged.headers[entry.name], offset=1 << 40)
         slot = entry.header_offset
@@ -270,7 +271,7 @@ def test_a_header_that_does_not_fit_its_table_is_refused_naming_it(field: str) -
                                                check_invariants=True)
                  for name, (ids, values) in rows_of(1).items()}
         staged = staging.stage(0, grads)
-        headers = staging.header_regions()[(0, "headers")]
+        headers = staging.headers(0)
         entries = list(plan.dynamic_entries)
         assert read_headers(headers, entries) == [read_header(headers, e) for e in entries]
         entry = plan.dynamic("bag.weight")

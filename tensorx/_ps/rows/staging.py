@@ -1,25 +1,16 @@
-"""The dynamic path: sparse gradient rows staged in registered memory, announced by a header.
+"""The worker's side of the dynamic path: sparse gradient rows staged in registered memory.
 
-Sender (worker): :meth:`SparseStaging.stage` coalesces the gradients of one shard's tables,
-packs each table's indices then values into the shard's staging region, one table after
-another, and fills each table's header slot in
-its local ``headers`` region; the worker writes those slots to the same offsets of the
-receiver's ``headers`` arena. Receiver (PS): :func:`read_header` tells where in the sender's
-staging region a table's payload lies and how long it is, so one read brings every table of
-the shard; :func:`payload_views` splits a payload into indices and values.
-
-Header slot (``HEADER_BYTES``): five little-endian u64 - rows, nbytes, version, capacity,
-offset (of the payload in the staging region; a sender that leaves it 0 stages each table
-in a region of its own). ``version`` grows by one per staging; ``capacity`` (bytes of the
-staging region) changes when staging grew, and then the sender must re-send its staging
-descriptor.
+:meth:`SparseStaging.stage` coalesces the gradients of one shard's tables, packs each
+table's indices then values into the shard's staging region, one table after another, and
+fills each table's header slot (:mod:`tensorx._ps.rows.header`) in its local ``headers``
+region; the worker writes those slots to the same offsets of the shard's ``headers`` arena,
+and the shard reads every table's payload out of the staging region in one op.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,28 +18,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorx._analyzer.layout import HEADER_BYTES, INDEX_BYTES, DynamicEntry, Layout, align_up
+from tensorx._analyzer.layout import INDEX_BYTES, DynamicEntry, Layout, align_up
+from tensorx._ps.rows.header import (
+    ALIGN,
+    HeaderSlots,
+    SparseHeader,
+    aligned,
+    budget_bytes,
+    values_offsets,
+)
+from tensorx._ps.rows.tables import sum_by_key
 from tensorx.errors import RegionError, UsageError
 from tensorx.memregion import MemoryRegion
 
-__all__ = ["SparseHeader", "SparseStaging", "StagedSparse", "payload_views", "read_header",
-           "read_headers"]
-
-_HEADER = struct.Struct("<QQQQQ")
-ALIGN = 64  # each table's payload starts at a multiple of it
-
-
-@dataclass(frozen=True)
-class SparseHeader:
-    rows: int
-    nbytes: int
-    version: int
-    capacity: int
-    offset: int = 0
-
-    def pack(self) -> bytes:
-        raw = _HEADER.pack(self.rows, self.nbytes, self.version, self.capacity, self.offset)
-        return raw.ljust(HEADER_BYTES, b"\0")
+__all__ = ["SparseStaging", "StagedSparse"]
 
 
 @dataclass(frozen=True)
@@ -70,79 +53,9 @@ class StagedSparse:
                 for name, values in zip(self.names, self.fields.T.tolist(), strict=True)}
 
 
-def read_header(region: MemoryRegion, entry: DynamicEntry) -> SparseHeader:
-    """Decode ``entry``'s header slot in a ``headers`` region; RegionError if it is absurd."""
-    raw = bytes(region.buffer()[entry.header_offset:entry.header_offset + _HEADER.size])
-    header = SparseHeader(*_HEADER.unpack(raw))
-    if header.rows > entry.budget_rows or header.nbytes != entry.payload_bytes(header.rows) \
-            or header.offset % ALIGN or header.offset >= 1 << 62:
-        raise RegionError(f"{entry.name}: header {header} does not fit its plan entry")
-    return header
-
-
-def read_headers(region: MemoryRegion, entries: Sequence[DynamicEntry]) -> list[SparseHeader]:
-    """:func:`read_header` of every entry of ``entries``: the fields decoded and checked
-    for all of them at once (a DLRM-shaped shard decoded 26 slots one by one per push)."""
-    rows, nbytes, version, capacity, offset = HeaderSlots(entries).fields(region)
-    return [SparseHeader(*fields) for fields in
-            zip(rows.tolist(), nbytes.tolist(), version.tolist(), capacity.tolist(),
-                offset.tolist(), strict=True)]
-
-
-def values_offsets(rows: Any) -> Any:
-    """:meth:`DynamicEntry.values_offset` of an array of row counts."""
-    return _align(rows * INDEX_BYTES)
-
-
-class HeaderSlots:
-    """Some entries' header slots (as u64 indices), row budgets and row bytes as arrays,
-    made once: their headers are decoded and checked together (a receiver, at every push)
-    and their payloads sized together (a sender)."""
-
-    def __init__(self, entries: Sequence[DynamicEntry]) -> None:
-        self.entries = list(entries)
-        self.slots = np.array([e.header_offset // 8 for e in entries], dtype=np.int64)
-        self.budget = np.array([e.budget_rows for e in entries], dtype=np.int64)
-        self.row = np.array([e.row_bytes for e in entries], dtype=np.int64)
-
-    def payload_bytes(self, rows: Any) -> Any:
-        """:meth:`DynamicEntry.payload_bytes` of each entry for ``rows`` (int64) rows."""
-        return values_offsets(rows) + rows * self.row
-
-    def fields(self, region: MemoryRegion) -> Any:
-        """uint64 ``[5, entries]``: rows, nbytes, version, capacity, offset (a copy: the
-        peer may write the slots meanwhile); RegionError naming the first bad slot."""
-        if not self.entries:
-            return np.zeros((5, 0), dtype=np.uint64)
-        fields = np.frombuffer(region.buffer(), dtype="<u8")[self.slots + np.arange(5)[:, None]]
-        rows, nbytes, _, _, offset = fields
-        small = rows <= self.budget.astype(np.uint64)  # and so the sizes below fit an int64
-        want = self.payload_bytes(np.where(small, rows, 0).astype(np.int64)).astype(np.uint64)
-        bad = ~small | (nbytes != want) | (offset % ALIGN != 0) | (offset >= 1 << 62)
-        if bad.any():
-            entry = self.entries[int(np.flatnonzero(bad)[0])]
-            read_header(region, entry)  # raises, naming the entry and its header
-            raise RegionError(f"{entry.name}: header does not fit its plan entry")
-        return fields
-
-
-def payload_views(region: MemoryRegion, entry: DynamicEntry, rows: int,
-                  offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices int64 [rows], values [rows, *row_shape]) of a payload at ``offset`` of a
-    staged region; no copy."""
-    indices = region.view(torch.int64, (rows,), offset)
-    values = region.view(getattr(torch, entry.dtype), (rows, *entry.row_shape),
-                         offset + entry.values_offset(rows))
-    return indices, values
-
-
-def budget_bytes(entries: Sequence[DynamicEntry]) -> int:
-    """The most a packed staging of ``entries`` can take: each at its row budget."""
-    return sum(align_up(e.payload_bytes(e.budget_rows), ALIGN) for e in entries)
-
-
 class SparseStaging:
-    """The sender's staging region and local header slots, per shard."""
+    """The sender's staging region and local header slots, per shard (a worker's
+    :class:`~tensorx._ps.rows.sparse.SparseSender` owns one for its whole life)."""
 
     def __init__(self, plan: Layout, device: str = "cpu") -> None:
         self.plan = plan
@@ -162,13 +75,25 @@ class SparseStaging:
         return sum(align_up(e.payload_bytes(e.capacity_rows), ALIGN)
                    for e in self._entries[shard])
 
-    def header_regions(self) -> dict[tuple[int, str], MemoryRegion]:
-        return {(s, "headers"): r for s, r in self._headers.items()}
+    def headers(self, shard: int) -> MemoryRegion:
+        """Our ``headers`` region for ``shard``: its slots, written to the shard's at a push."""
+        return self._headers[shard]
 
     def region(self, shard: int) -> MemoryRegion:
         if shard not in self._regions:
             raise UsageError(f"shard {shard} has no dynamic entry in this plan")
         return self._regions[shard]
+
+    def stage_params(self, shard: int, params: Mapping[str, torch.Tensor]) -> StagedSparse:
+        """:meth:`stage` the ``.grad`` of each of ``shard``'s tables among ``params`` (name
+        -> parameter); UsageError naming the first whose gradient is not sparse."""
+        grads = {}
+        for entry in self._entries.get(shard) or []:
+            grad = params[entry.name].grad
+            if grad is None or not grad.is_sparse:
+                raise UsageError(f"{entry.name} has no sparse gradient to stage")
+            grads[entry.name] = grad
+        return self.stage(shard, grads)
 
     def stage(self, shard: int, grads: Mapping[str, torch.Tensor]) -> StagedSparse:
         """Stage the sparse gradients ``grads`` (by name; every table of ``shard``) packed
@@ -238,12 +163,8 @@ class _Limits(HeaderSlots):
                 f"{entry.budget_rows} ({entry.payload_bytes(entry.budget_rows)} B); raise "
                 "sparse_max_rows or sparse_budget_bytes when planning")
         nbytes = self.payload_bytes(rows)
-        ends = np.cumsum(_align(nbytes))
-        return ends - _align(nbytes), nbytes, int(ends[-1])
-
-
-def _align(n: Any) -> Any:
-    return (n + (ALIGN - 1)) // ALIGN * ALIGN
+        ends = np.cumsum(aligned(nbytes))
+        return ends - aligned(nbytes), nbytes, int(ends[-1])
 
 
 class _PerTable:
@@ -277,23 +198,6 @@ class _PerTable:
                 view = typed[v.dtype] = region.view(v.dtype)
             start = at // v.element_size()
             view[start:start + v.numel()].view_as(v).copy_(v)
-
-
-def sum_by_key(keys: Any, values: torch.Tensor) -> tuple[Any, torch.Tensor]:
-    """The rows of ``values`` summed by ``keys`` (int64, one per row): (sorted unique keys,
-    their sums). One stable numpy sort and one ``embedding_bag`` over the rows in that
-    order: each key's rows are added one after the other from +0.0, in the order given
-    (worker staging and a shard's sum of the ranks' rows both sum this way)."""
-    order = np.argsort(keys, kind="stable")
-    ordered = keys[order]
-    first = np.empty(ordered.size, dtype=bool)
-    first[:1] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    starts = np.flatnonzero(first)  # of each run of equal keys
-    summed = torch.nn.functional.embedding_bag(
-        torch.from_numpy(order), values.reshape(len(order), math.prod(values.shape[1:])),
-        torch.from_numpy(starts), mode="sum")
-    return ordered[starts], summed.view(-1, *values.shape[1:])
 
 
 class _Packed:
