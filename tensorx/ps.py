@@ -131,7 +131,9 @@ class ParameterServer:
     optimizer's state with its hyperparameters, as torch's ``load_state_dict`` does: the
     checkpoint's ``lr`` wins over the factory's (one WARNING per value the factory gives
     differently), and an optimizer of another class, or one the state does not fit, is
-    refused (UsageError) before anything is replaced. ``resume_optimizer=False`` resumes
+    refused (UsageError) before anything is replaced; so is the LR scheduler's state (an
+    uninterrupted run's lr; another scheduler class refused, one missing on either side
+    named in a WARNING: docs/faults.md). ``resume_optimizer=False`` resumes
     the parameters (and version) alone, with a fresh optimizer and LR schedule from the
     factories. See :mod:`tensorx._ps.state.resume`.
     ``token`` (default ``$TENSORX_TOKEN``) is required to listen beyond loopback, unless

@@ -18,10 +18,20 @@ optimizer keeps, finite values) and hyperparameters the optimizer's own construc
 (:func:`tensorx._ps.update.optim_check.check_hyper`). Each names the way out: the optimizer the
 checkpoint was written with, or the parameters alone with a fresh optimizer
 (``resume_optimizer=False``, ``tensorx ps --no-resume-optimizer``).
+
+An LR scheduler's state goes with the optimizer's, as torch's ``scheduler.load_state_dict``
+after ``optimizer.load_state_dict``: the schedule resumes at the step it had reached, with
+the checkpoint's settings (:func:`check_scheduler`). Another scheduler class than the
+checkpoint's (or, in a checkpoint that did not record it, other settings in its state) is
+refused like another optimizer. A schedule the checkpoint has and the server lacks (the lr
+stays where it left it), one the server has and the checkpoint lacks (it starts at the
+resume), and a setting the factory gives differently are each named in one line, as
+torch would run them.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,14 +42,14 @@ from tensorx._ps.wire import hyper
 from tensorx._text import printable
 from tensorx.errors import UsageError
 
-__all__ = ["FRESH", "check", "given", "kind"]
+__all__ = ["FRESH", "check", "check_scheduler", "given", "kind", "scheduler_given"]
 
 FRESH = ("resume the parameters alone with a fresh optimizer (resume_optimizer=False; "
          "tensorx ps --no-resume-optimizer)")
 
 
-def kind(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's class, as a checkpoint records it."""
+def kind(optimizer: Any) -> str:
+    """The optimizer's (or LR scheduler's) class, as a checkpoint records it."""
     return type(optimizer).__qualname__
 
 
@@ -47,6 +57,45 @@ def given(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The groups' hyperparameters as the factory built them (taken before an LR scheduler
     or an update changes them), as a checkpoint records them."""
     return hyper.snapshot(optimizer.param_groups)
+
+
+def scheduler_given(scheduler: Any) -> dict[str, Any]:
+    """The scheduler's settings as the factory built it (counters and the lrs it derives
+    from the optimizer left out), as a checkpoint records them."""
+    return copy.deepcopy({k: v for k, v in scheduler.state_dict().items()
+                          if not k.startswith("_") and k not in _COUNTERS})
+
+
+def check_scheduler(scheduler: Any, saved: Any, saved_kind: str | None,
+                    saved_given: Mapping[str, Any] | None,
+                    now_given: Mapping[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+    """The checkpoint's scheduler ``state_dict`` to load into ``scheduler`` (None: nothing
+    to load) and the lines to log; or UsageError. ``scheduler`` is None when the server has
+    none; ``saved`` when the checkpoint's run had none; ``saved_kind`` and ``saved_given``
+    when the checkpoint did not record them."""
+    if saved is None:
+        return None, [] if scheduler is None else [
+            f"the checkpoint was written without an LR scheduler: this server's "
+            f"{kind(scheduler)} starts its schedule here, at the resume (as a scheduler built "
+            "after torch's optimizer.load_state_dict)"]
+    if not isinstance(saved, dict):
+        raise UsageError("the checkpoint's LR scheduler state is not a scheduler state_dict")
+    was = printable(saved_kind, 60) if saved_kind is not None else "an LR scheduler"
+    if scheduler is None:
+        step = printable(repr(saved.get("last_epoch")), 20)
+        return None, [
+            f"the checkpoint's run had {was} (at step {step}) "
+            "and this server has no lr_scheduler: the lr stays where that schedule left it. "
+            "To continue the schedule, start the server with the same lr_scheduler (tensorx "
+            "ps --lr-scheduler)"]
+    if (saved_kind is not None and saved_kind != kind(scheduler)) \
+            or _settings(saved) != _settings(scheduler.state_dict()):
+        raise UsageError(
+            f"the checkpoint's LR scheduler state is {was}'s (settings "
+            f"{printable(', '.join(sorted(_settings(saved))), 80)}) and this server's "
+            f"lr_scheduler is {kind(scheduler)}: one cannot resume the other's schedule. "
+            f"Start with the lr_scheduler the checkpoint was written with, or {FRESH}")
+    return saved, _rescheduled(saved_given, now_given)
 
 
 def check(optimizer: torch.optim.Optimizer, label_of: Mapping[int, str],
@@ -79,6 +128,34 @@ def check(optimizer: torch.optim.Optimizer, label_of: Mapping[int, str],
               for now, hp, g in zip(_values(optimizer), hps, saved_groups, strict=True)]
     notes = _overridden(hps, saved_given, now_given)
     return {"state": saved["state"], "param_groups": groups}, notes
+
+
+_COUNTERS = frozenset({"last_epoch", "base_lrs", "verbose"})
+
+
+def _settings(state: Mapping[str, Any]) -> set[str]:
+    """A scheduler state's settings (what its class keeps, whichever torch wrote it)."""
+    return {k for k in state if isinstance(k, str) and not k.startswith("_")} - _COUNTERS
+
+
+def _rescheduled(started: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
+    """One line per scheduler setting the factory now gives differently from the one the
+    checkpoint's run started with (and resumes with)."""
+    if started is None:
+        return []
+    return [f"resuming with the checkpoint's LR scheduler setting {printable(key, 40)} = "
+            f"{printable(repr(started[key]), hyper.SHOWN)}, not the "
+            f"{printable(repr(value), hyper.SHOWN)} the lr_scheduler factory gives: a "
+            "scheduler's state holds its settings, as with torch's load_state_dict. To "
+            f"train with the new value, {FRESH}"
+            for key, value in now.items() if key in started and not _same(started[key], value)]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # values that do not compare (tensors of other shapes): not judged
+        return True
 
 
 def _values(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -127,6 +127,8 @@ class ShardState:
         logger.info("ps shard %d update: %s", layout.shard, self.update)
         self.lr_scheduler = lr_scheduler(self.optimizer) \
             if lr_scheduler and self.optimizer is not None else None
+        self._scheduled = resume.scheduler_given(self.lr_scheduler) \
+            if self.lr_scheduler is not None else {}
         self.verify = verify
         self._checksum: int | None = None
 
@@ -369,32 +371,48 @@ class ShardState:
             "optimizer_class": resume.kind(self.optimizer) if self.optimizer else None,
             "optimizer_given": self._given,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+            "lr_scheduler_class": resume.kind(self.lr_scheduler) if self.lr_scheduler else None,
+            "lr_scheduler_given": self._scheduled,
         }
 
     def load_state_dict(self, state: dict[str, Any], optimizer: bool = True) -> None:
         """Resume from a checkpoint: its parameters and version, and (``optimizer``) its
-        optimizer state, hyperparameters included, and LR schedule, each judged before
-        anything is replaced (see :mod:`tensorx._ps.state.resume`); UsageError in one line."""
+        optimizer state, hyperparameters included, and LR schedule (its state, as torch's
+        ``scheduler.load_state_dict``), each judged before anything is replaced (see
+        :mod:`tensorx._ps.state.resume`); UsageError in one line."""
         if state.get("fingerprint") != self.layout.fingerprint:
             raise UsageError("checkpoint was taken for a different plan (another model, "
                              "plan options or number of shards): resume it with the "
                              "model and options it was taken with, or start from another "
                              "checkpoint directory")
-        loaded, notes = self._resumable(state) if optimizer else (None, [])
+        loaded, schedule, notes = self._resumable(state) if optimizer else (None, None, [])
         self.changed.forget()
         self.load_params(state["params"])
         if loaded is not None:
             assert self.optimizer is not None
             self.optimizer.load_state_dict(loaded)
             self._given = state.get("optimizer_given") or self._given
-        if optimizer and self.lr_scheduler is not None and state.get("lr_scheduler"):
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if schedule is not None:
+            assert self.lr_scheduler is not None
+            self.lr_scheduler.load_state_dict(schedule)
+            self._scheduled = state.get("lr_scheduler_given") or self._scheduled
         fence(self.device)  # the optimizer's load_state_dict copied to the GPU
         self.version = int(state["version"])
         for note in notes:
             logger.warning("ps shard %d: %s", self.layout.shard, note)
 
-    def _resumable(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+    def _resumable(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None,
+                                                         dict[str, Any] | None, list[str]]:
+        """The checkpoint's optimizer and LR scheduler states as this shard loads them, and
+        the lines to log; UsageError when this optimizer or scheduler cannot resume them."""
+        loaded, notes = self._optimizer_resumable(state)
+        schedule, more = resume.check_scheduler(
+            self.lr_scheduler, state.get("lr_scheduler"), state.get("lr_scheduler_class"),
+            state.get("lr_scheduler_given"), self._scheduled)
+        return loaded, schedule, notes + more
+
+    def _optimizer_resumable(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None,
+                                                                   list[str]]:
         """The checkpoint's optimizer state as this optimizer loads it, and the lines to
         log; UsageError when this optimizer cannot resume it."""
         if bool(state.get("flat")) != self.flat:
