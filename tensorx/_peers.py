@@ -6,6 +6,11 @@ or that it was closed; it asks it for the node's timeout, notification queue and
 It keeps the endpoints with the binding of their connection's handshake (under which the
 lane factories keep what they offered), the nodes met at each address, and the memory of
 revoked exports that peers may still reach, until each has acknowledged.
+
+What a peer can make the node hold this way is bounded in time: a peer that has not
+acknowledged a revocation within the node's timeout (:data:`UNTIMED_ACK_DEADLINE` where it
+has none) is cut off, as one that broke the protocol: its connection ends, which closes its
+lanes (so they reach our memory no more), and then the memory is let go.
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ from tensorx.endpoint import Connection, Endpoint
 from tensorx.memregion import MemoryRegion, RegionDescriptor
 from tensorx.transport.base import LaneFactory
 
-__all__ = ["Peers"]
+__all__ = ["UNTIMED_ACK_DEADLINE", "Peers"]
 
 logger = logging.getLogger("tensorx.node")  # its lines read as the node's
+
+# Seconds a peer has to acknowledge a revocation where the node has no timeout: generous
+# (its ops in flight finish first), yet a peer that never does costs memory for no longer.
+UNTIMED_ACK_DEADLINE = 300.0
 
 
 class Peers:
@@ -51,6 +60,8 @@ class Peers:
         # revoked exports, as (region id, cookie), whose memory peers may still reach:
         # the region and the peers yet to acknowledge that revocation
         self.held: dict[tuple[int, int], tuple[MemoryRegion, set[Endpoint]]] = {}
+        self._overdue: dict[tuple[int, int], asyncio.TimerHandle] = {}  # each one's deadline
+        self._loop: asyncio.AbstractEventLoop | None = None  # the endpoints', once one came
 
     # -- asked by endpoints -------------------------------------------------------------
     @property
@@ -77,6 +88,7 @@ class Peers:
         the side that connected where the peer is the reason: a server is not made to
         warn by what its clients lack)."""
         self.endpoints[ep] = binding
+        self._loop = asyncio.get_running_loop()
         info = ep.info
         skipped = info.get("skipped", {})
         missed = [f"{name} ({printable(gist(str(why)), 80)})" for name, why in skipped.items()
@@ -153,7 +165,7 @@ class Peers:
     def revoke(self, region: MemoryRegion, export: RegionDescriptor) -> None:
         """Tell every connected peer that ``export`` of ``region`` is gone, and hold the
         memory for those that may reach it without us until each has acknowledged this
-        revocation (see ``Node.unexport``)."""
+        revocation (see ``Node.unexport``), or has been cut off for not doing so in time."""
         holders = set()
         for ep in list(self.endpoints):  # a peer found gone as it is told leaves the dict
             ep.tell_unexported(export)
@@ -163,7 +175,26 @@ class Peers:
             return
         for factory in self._factories():
             factory.hold(region)
-        self.held[(export.region_id, export.cookie)] = (region, holders)
+        key = (export.region_id, export.cookie)
+        self.held[key] = (region, holders)
+        assert self._loop is not None  # holders are endpoints, which adopt() saw
+        timeout = self._timeout()
+        deadline = UNTIMED_ACK_DEADLINE if timeout is None else timeout
+        self._overdue[key] = self._loop.call_later(deadline, self._cut_off, key, deadline)
+
+    def _cut_off(self, key: tuple[int, int], deadline: float) -> None:
+        """The peers still holding ``key`` did not acknowledge its revocation within
+        ``deadline`` seconds: end their connections. Each one's end closes its lanes, and
+        then lets go of what it held (:meth:`ended`, :meth:`lost`)."""
+        self._overdue.pop(key, None)
+        if key not in self.held:
+            return
+        for ep in list(self.held[key][1]):
+            logger.warning("peer %s (%s) did not acknowledge the revocation of region %#x "
+                           "within %s s; cutting it off to release the memory",
+                           printable(ep.peer), printable(ep.address), key[0], deadline)
+            ep.cut_off(f"did not acknowledge the revocation of region {key[0]:#x} within "
+                       f"{deadline} s")
 
     def revoke_acked(self, ep: Endpoint, region_id: int, cookie: int) -> None:
         """``ep``'s peer has no op on that export of the region in flight any more."""
@@ -175,6 +206,9 @@ class Peers:
         holders.discard(ep)
         if not holders:
             del self.held[key]
+            overdue = self._overdue.pop(key, None)
+            if overdue is not None:
+                overdue.cancel()
             for factory in self._factories():
                 factory.release(region)
 

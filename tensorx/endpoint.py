@@ -220,6 +220,13 @@ class Endpoint:
         by its peer table for every endpoint; not for users."""
         self._channel.revoke(desc.region_id, desc.cookie)
 
+    def cut_off(self, why: str) -> None:
+        """End the connection as one the peer broke (``why``: the rule it broke): its lanes
+        close, ops in flight fail with BrokenError, and it reconnects where it was made to
+        (else it ends, and the node puts it on ``node.disconnected``). The node's side of a
+        peer that does not acknowledge a revocation; not for users."""
+        self._channel.cut_off(why)
+
     def __repr__(self) -> str:
         return f"<Endpoint to {self.peer} at {self.address} over {self._lane.name}>"
 

@@ -85,7 +85,8 @@ class Node:
     ``listen``: ``"tcp://HOST:PORT"`` (port 0 picks one) or ``None`` for a client-only node.
     ``transport``: ``"auto"`` (UCX when both peers have it, else TCP), ``"tcp"`` or ``"ucx"``.
     ``token``: shared secret (default ``$TENSORX_TOKEN``); peers prove it before anything else.
-    ``timeout``: default seconds for every wait (``None``: forever).
+    ``timeout``: default seconds for every wait (``None``: forever), and what a peer has
+    to acknowledge a revocation (see :meth:`unexport`; five minutes where ``None``).
     ``require``: ``"ucx"`` or ``"rdma"`` (default ``$TENSORX_REQUIRE``): fail instead of
     falling back to a slower transport.
     ``insecure``: allow listening on a non-loopback address without a token (and then use
@@ -387,7 +388,9 @@ class Node:
         Peers whose lane reaches the memory without us (UCX) may have ops on it in flight:
         the memory stays mapped and registered (even once the region is closed) until each
         of them has acknowledged, having completed every op issued before, or is gone. So
-        a late write lands in the old memory, never in memory reused for something else."""
+        a late write lands in the old memory, never in memory reused for something else.
+        A peer that has not acknowledged within the node's ``timeout`` is cut off (its
+        connection ended as broken, a WARNING logged), and then the memory goes."""
         exported = self._exports.remove(region)
         if exported is not None:
             self._peers.revoke(region, exported)

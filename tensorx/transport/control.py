@@ -222,6 +222,10 @@ class ControlChannel:
     def abort(self) -> None:
         self._fail(ClosedError(f"{self.label}: endpoint aborted"))
 
+    def cut_off(self, why: str) -> None:
+        """End the connection as broken by the peer (``why``: how), without a goodbye."""
+        self._fail(BrokenError(f"{self.label}: cut off: {why}"))
+
     async def _join_tasks(self) -> None:
         current = asyncio.current_task()
         tasks = [t for t in (self._serving, self._refusing) if t is not None and t is not current]

@@ -136,7 +136,8 @@ def released(owner: OwnerProcess) -> Callable[[], Awaitable[bool]]:
 
 async def test_a_peer_that_never_acknowledges_keeps_the_memory_held_until_it_leaves() -> None:
     """Item 17, bounded: the owner never frees memory a connected UCX peer has not
-    released; once that peer is gone (its UCX endpoint closed) the memory is let go."""
+    released; once that peer is gone (its UCX endpoint closed) the memory is let go. (One
+    that stays connected is cut off after the owner's timeout: tests/node/test_node_revoke.py.)"""
     async with OwnerProcess("ucx") as owner:
         desc = tx.RegionDescriptor.from_bytes(await owner.call("export_allocated", 4096, 1))
         async with tx.Node(listen=None, transport="ucx") as node:
