@@ -82,10 +82,12 @@ class UcxFactory(LaneFactory):
             RDMA use tensorx's own TCP lane, where the owner checks every op. Allow it only
             on a network and with peers you trust entirely.
         chunk_bytes: transfers are issued to UCP in pieces of at most this size.
-        inline_bytes: calls moving fewer bytes progress the worker inline a little before
-            sleeping (microsecond latency); larger ones leave all progress to ucxx's thread,
-            since two threads progressing one worker contend for its lock and halve the
-            speed of a shared-memory copy.
+        inline_bytes: over a network lane (tcp, RDMA), calls moving fewer bytes progress
+            the worker inline a little before sleeping (microsecond latency); larger ones
+            leave progress to the driver thread, since two threads progressing one worker
+            contend for its lock. Where every lane copies inside the call (cma, posix: one
+            host, error handling off) calls of any size progress inline: their flush is
+            done in a few passes, and waking the driver cost about 150 us per call.
         inline_progress: worker progress passes made inline for small calls.
         progress_spin_us: progress the worker with tensorx's driver thread, which keeps
             polling this many microseconds after the last sign of work before it sleeps
