@@ -1,5 +1,6 @@
 """Parameter servers and workers: in this event loop (:func:`servers`, :func:`workers`,
-:func:`pipelined_cluster`, :func:`train_sync`), ``tensorx ps`` as a process
+:func:`pipelined_cluster`, :func:`train_sync`), on a loop of their own for blocking callers
+(:func:`serving_in_thread`), ``tensorx ps`` as a process
 (:class:`PsProcess`), one thread per rank (:func:`on_ranks`), and the examples run as
 processes (:func:`run_example`)."""
 
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,30 @@ async def servers(num_shards: int, num_workers: int, transport: str = "tcp",
             "tcp://127.0.0.1:0", num_workers=num_workers, shard=s, num_shards=num_shards,
             transport=transport, **kw)) for s in range(num_shards)]
         yield shards
+
+
+@contextlib.contextmanager
+def serving_in_thread(num_shards: int, num_workers: int, **kw: Any) -> Iterator[list[str]]:
+    """``num_shards`` real shards on a background event loop, for callers that block
+    (``RemoteOptimizer``); yields their addresses. ``kw`` goes to every ParameterServer."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
+    shards: list[ParameterServer] = []
+    try:
+        for s in range(num_shards):
+            ps = ParameterServer("tcp://127.0.0.1:0", num_workers=num_workers, shard=s,
+                                 num_shards=num_shards, log_every=None, **kw)
+            shards.append(ps)
+            run(ps.start())
+        yield [ps.address for ps in shards]
+    finally:
+        for ps in shards:
+            run(ps.aclose())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
 
 
 @contextlib.asynccontextmanager

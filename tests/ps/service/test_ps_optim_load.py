@@ -10,10 +10,6 @@ names the entry, and nothing is loaded anywhere.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,9 +18,8 @@ from torch import nn
 
 from tensorx._ps.update.optim import plan_params
 from tensorx.errors import ProtocolError
-from tensorx.ps import ParameterServer
 from tensorx.remote_optimizer import RemoteOptimizer
-from tests.support.clusters import on_ranks, servers, workers
+from tests.support.clusters import on_ranks, servers, serving_in_thread, workers
 from tests.support.data import backward, batches
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -55,31 +50,6 @@ def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.05)
 
 
-@contextlib.contextmanager
-def serving(num_workers: int) -> Iterator[list[str]]:
-    """NUM_SHARDS real shards on a background event loop (RemoteOptimizer blocks);
-    yields their addresses."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
-    shards: list[ParameterServer] = []
-    try:
-        for s in range(NUM_SHARDS):
-            ps = ParameterServer("tcp://127.0.0.1:0", num_workers=num_workers, shard=s,
-                                 num_shards=NUM_SHARDS, transport="tcp", optimizer=adam,
-                                 flat=False, log_every=None)
-            shards.append(ps)
-            run(ps.start())
-        yield [ps.address for ps in shards]
-    finally:
-        for ps in shards:
-            run(ps.aclose())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
-
-
 def train(opt: torch.optim.Optimizer, model: nn.Module, data: list[Any], rank: int) -> None:
     """``data``'s steps for ``rank``; rank -1: the union batch, in one process."""
     for step in data:
@@ -96,7 +66,7 @@ def test_a_load_skips_a_shard_without_optimizer() -> None:
     the empty shard neither refuses the load nor drops the workers."""
     data = batches(6, 2)
     models = [linear(), linear()]
-    with serving(2) as ps:
+    with serving_in_thread(NUM_SHARDS, 2, transport="tcp", optimizer=adam, flat=False) as ps:
         def first(rank: int) -> dict[str, Any]:
             with RemoteOptimizer(models[rank], ps, rank, 2, transport="tcp", timeout=20) as opt:
                 assert {e.shard for e in plan_params(opt.worker.plan)} == {1 - EMPTY}
@@ -109,7 +79,7 @@ def test_a_load_skips_a_shard_without_optimizer() -> None:
     model_state = models[0].state_dict()
 
     resumed = [linear(seed=5), linear(seed=6)]
-    with serving(2) as ps:
+    with serving_in_thread(NUM_SHARDS, 2, transport="tcp", optimizer=adam, flat=False) as ps:
         def second(rank: int) -> None:
             resumed[rank].load_state_dict(model_state)
             with RemoteOptimizer(resumed[rank], ps, rank, 2, transport="tcp", timeout=20) as opt:

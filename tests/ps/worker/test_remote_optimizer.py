@@ -7,11 +7,10 @@ every result is compared with the same torch optimizer in one process on the uni
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import pickle
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from tensorx.errors import ProtocolError, UsageError
 from tensorx.ps import ParameterServer
 from tensorx.remote_optimizer import RemoteOptimizer
 from tensorx.worker import Worker
-from tests.support.clusters import on_ranks
+from tests.support.clusters import on_ranks, serving_in_thread
 from tests.support.lanes import assert_link, link_options, links
 from tests.support.models import small_mlp
 
@@ -58,29 +57,6 @@ def batches(steps: int, workers: int = 2) -> list[list[tuple[torch.Tensor, torch
     gen = torch.Generator().manual_seed(7)
     return [[(torch.randn(4, 8, generator=gen), torch.randint(0, 3, (4,), generator=gen))
              for _ in range(workers)] for _ in range(steps)]
-
-
-@contextlib.contextmanager
-def serving(num_shards: int, num_workers: int, **kw: Any) -> Iterator[list[str]]:
-    """``num_shards`` real shards on a background event loop; yields their addresses."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
-    shards: list[ParameterServer] = []
-    try:
-        for s in range(num_shards):
-            ps = ParameterServer("tcp://127.0.0.1:0", num_workers=num_workers, shard=s,
-                                 num_shards=num_shards, log_every=None, **kw)
-            shards.append(ps)
-            run(ps.start())
-        yield [ps.address for ps in shards]
-    finally:
-        for ps in shards:
-            run(ps.aclose())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
 
 
 Hook = Callable[[torch.optim.Optimizer, int, int], None]  # (optimizer, step, rank)
@@ -130,7 +106,7 @@ def test_worker_schedules_equal_single_process(link: str, schedule: str) -> None
         pytest.skip("one schedule over every link is enough")
     data = batches(8)
     models = [small_mlp(), small_mlp(seed=5)]
-    with serving(2, 2, optimizer=adamw_groups, **link_options(link)) as ps:
+    with serving_in_thread(2, 2, optimizer=adamw_groups, **link_options(link)) as ps:
         def work(rank: int) -> list[dict[str, Any]]:
             with RemoteOptimizer(models[rank], ps, rank, 2, **link_options(link)) as opt:
                 loop(opt, models[rank], data, rank, sched=SCHEDULES[schedule](opt))
@@ -148,7 +124,7 @@ def test_worker_schedules_equal_single_process(link: str, schedule: str) -> None
 
 
 def test_param_groups_mirror_the_server_groups() -> None:
-    with serving(2, 1, optimizer=adamw_groups) as ps:
+    with serving_in_thread(2, 1, optimizer=adamw_groups) as ps:
         model = small_mlp()
         with RemoteOptimizer(model, ps) as opt:
             assert isinstance(opt, torch.optim.Optimizer)
@@ -174,7 +150,7 @@ def test_lr_set_on_one_rank_reaches_the_next_update(caplog: pytest.LogCaptureFix
     data = batches(7)
     models = [small_mlp(), small_mlp()]
     seen: list[list[float]] = [[], []]
-    with serving(1, 2, optimizer=sgd, transport="tcp", share_memory=False) as ps:
+    with serving_in_thread(1, 2, optimizer=sgd, transport="tcp", share_memory=False) as ps:
         def work(rank: int) -> None:
             with RemoteOptimizer(models[rank], ps, rank, 2, transport="tcp",
                                  share_memory=False) as opt:
@@ -197,7 +173,7 @@ def test_state_dict_round_trip_resumes_exactly(link: str, tmp_path: Path) -> Non
     data = batches(10)
     opts = {**link_options(link), "plan_options": {"chunk_bytes": 256}}
     models = [small_mlp(), small_mlp()]
-    with serving(2, 2, optimizer=adam, **link_options(link)) as ps:
+    with serving_in_thread(2, 2, optimizer=adam, **link_options(link)) as ps:
         def first(rank: int) -> dict[str, Any]:
             with RemoteOptimizer(models[rank], ps, rank, 2, **opts) as opt:
                 assert any(not e.whole for e in opt.worker.plan.entries)  # really chunked
@@ -217,7 +193,7 @@ def test_state_dict_round_trip_resumes_exactly(link: str, tmp_path: Path) -> Non
 
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     resumed = [small_mlp(seed=3), small_mlp(seed=4)]
-    with serving(2, 2, optimizer=adam, **link_options(link)) as ps:
+    with serving_in_thread(2, 2, optimizer=adam, **link_options(link)) as ps:
         def second(rank: int) -> None:
             resumed[rank].load_state_dict(ckpt["model"])
             with RemoteOptimizer(resumed[rank], ps, rank, 2, **opts) as opt:
@@ -230,7 +206,7 @@ def test_state_dict_round_trip_resumes_exactly(link: str, tmp_path: Path) -> Non
 
 
 def test_unsupported_calls_are_clear_errors() -> None:
-    with serving(1, 1, optimizer=adamw_groups) as ps:
+    with serving_in_thread(1, 1, optimizer=adamw_groups) as ps:
         model = small_mlp()
         with RemoteOptimizer(model, ps) as opt:
             with pytest.raises(UsageError, match="add_param_group"):
@@ -259,7 +235,7 @@ def test_unsupported_calls_are_clear_errors() -> None:
                 opt.load_state_dict({"param_groups": []})
             with pytest.raises(UsageError, match="pickled"):
                 pickle.dumps(opt)
-    with serving(1, 1, optimizer=sgd, flat=True) as ps, \
+    with serving_in_thread(1, 1, optimizer=sgd, flat=True) as ps, \
             RemoteOptimizer(small_mlp(), ps) as opt:
         with pytest.raises(UsageError, match="flat=True"):
             opt.state_dict()
@@ -401,7 +377,7 @@ async def test_a_bad_hyperparameter_fails_the_step_of_its_rank_alone() -> None:
 
 
 def test_remote_optimizer_refuses_a_value_that_cannot_be_used_before_sending() -> None:
-    with serving(1, 1, optimizer=adam) as ps:
+    with serving_in_thread(1, 1, optimizer=adam) as ps:
         model = small_mlp()
         with RemoteOptimizer(model, ps) as opt:
             for value in (None, math.nan, -math.inf, "fast"):
@@ -467,7 +443,7 @@ def test_a_bad_optimizer_state_is_refused_whole(flat: bool | None) -> None:
     """Each bad state is refused with UsageError naming the tensor and the key (the
     shards check it: RemoteOptimizer sends what it is given, as a raw peer would); the
     shard whose part is good loads nothing either; training goes on."""
-    with serving(2, 1, optimizer=adam, flat=flat) as ps:
+    with serving_in_thread(2, 1, optimizer=adam, flat=flat) as ps:
         model = small_mlp()
         with RemoteOptimizer(model, ps, timeout=20) as opt:
             saved = adam_state(opt)
@@ -489,7 +465,7 @@ def test_one_rank_cannot_load_state_for_everyone() -> None:
     states, get UsageError and nothing is loaded: training equals a run without the load."""
     data = batches(4)
     models = [small_mlp(), small_mlp()]
-    with serving(1, 2, optimizer=adam) as ps:
+    with serving_in_thread(1, 2, optimizer=adam) as ps:
         def work(rank: int) -> None:
             with RemoteOptimizer(models[rank], ps, rank, 2, timeout=20) as opt:
                 loop(opt, models[rank], data[:1], rank)
