@@ -58,6 +58,7 @@ class ShardTimes(Protocol):
     def send(self) -> Timing: ...
     @property
     def ranks(self) -> Mapping[int, SeenRank]: ...
+    def summary(self) -> str: ...  # the shard's periodic log line reads it
 
 
 class TimedShard(Protocol):

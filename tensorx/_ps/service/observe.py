@@ -9,29 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tensorx._prometheus import CountedNode, TimedShard
-    from tensorx._ps.common.stats import ShardTimings
 
 __all__ = ["report", "start_exporter", "stop_exporter"]
 
 logger = logging.getLogger("tensorx.ps")
-
-
-class Reported(Protocol):
-    """What :func:`report` reads of a shard (a ``ParameterServer``)."""
-
-    @property
-    def shard(self) -> int: ...
-    @property
-    def version(self) -> int: ...
-    @property
-    def stats(self) -> Mapping[str, Any]: ...
-    @property
-    def timings(self) -> ShardTimings: ...
 
 
 def start_exporter(port: int | None, addr: str, node: CountedNode, server: TimedShard
@@ -56,7 +42,7 @@ async def stop_exporter(exporter: Any) -> None:
     await asyncio.to_thread(stop_prometheus, exporter)  # bounded: 5 s at most
 
 
-async def report(server: Reported, every: float, workers: Callable[[], int]) -> None:
+async def report(server: TimedShard, every: float, workers: Callable[[], int]) -> None:
     """Every ``every`` seconds in which updates were applied: one INFO line of throughput."""
     last, t0 = 0, time.monotonic()
     while True:
