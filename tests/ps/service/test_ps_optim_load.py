@@ -21,6 +21,7 @@ from tensorx.errors import ProtocolError
 from tensorx.remote_optimizer import RemoteOptimizer
 from tests.support.clusters import on_ranks, servers, serving_in_thread, workers
 from tests.support.data import backward, batches
+from tests.support.lanes import assert_link, link_options, links
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,18 +61,23 @@ def train(opt: torch.optim.Optimizer, model: nn.Module, data: list[Any], rank: i
         opt.step()
 
 
-def test_a_load_skips_a_shard_without_optimizer() -> None:
+@pytest.mark.parametrize("link", links())
+def test_a_load_skips_a_shard_without_optimizer(link: str) -> None:
     """Two ranks save after 3 steps; fresh servers, fresh models: both load the model and
     the optimizer state and train 3 more steps. Equal to one process that never stopped;
-    the empty shard neither refuses the load nor drops the workers."""
+    the empty shard neither refuses the load nor drops the workers. Over the defaults and
+    over each lane with share_memory=False."""
     data = batches(6, 2)
     models = [linear(), linear()]
-    with serving_in_thread(NUM_SHARDS, 2, transport="tcp", optimizer=adam, flat=False) as ps:
+    with serving_in_thread(NUM_SHARDS, 2, optimizer=adam, flat=False,
+                           **link_options(link)) as ps:
         def first(rank: int) -> dict[str, Any]:
-            with RemoteOptimizer(models[rank], ps, rank, 2, transport="tcp", timeout=20) as opt:
+            with RemoteOptimizer(models[rank], ps, rank, 2, timeout=20,
+                                 **link_options(link)) as opt:
                 assert {e.shard for e in plan_params(opt.worker.plan)} == {1 - EMPTY}
                 assert opt.worker.optim[EMPTY]["groups"] == []  # no optimizer there
                 train(opt, models[rank], data[:3], rank)
+                assert_link(opt.worker, link, every=False)  # (the empty shard: no bytes)
                 return opt.state_dict()
 
         saved = on_ranks(first)[0]
@@ -79,10 +85,12 @@ def test_a_load_skips_a_shard_without_optimizer() -> None:
     model_state = models[0].state_dict()
 
     resumed = [linear(seed=5), linear(seed=6)]
-    with serving_in_thread(NUM_SHARDS, 2, transport="tcp", optimizer=adam, flat=False) as ps:
+    with serving_in_thread(NUM_SHARDS, 2, optimizer=adam, flat=False,
+                           **link_options(link)) as ps:
         def second(rank: int) -> None:
             resumed[rank].load_state_dict(model_state)
-            with RemoteOptimizer(resumed[rank], ps, rank, 2, transport="tcp", timeout=20) as opt:
+            with RemoteOptimizer(resumed[rank], ps, rank, 2, timeout=20,
+                                 **link_options(link)) as opt:
                 opt.load_state_dict(saved)
                 loaded = opt.state_dict()
                 for i, entry in saved["state"].items():
