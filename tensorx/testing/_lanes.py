@@ -71,7 +71,8 @@ async def check_lane(make_pair: MakePair, checks: Iterable[str] | None = None) -
     What is checked: whole regions of 0, 1, 4 KiB, 16 MiB + 3 and 256 MiB written and read
     back, odd offsets and lengths, 100 concurrent ops, ``write_many`` (one completion, its
     defaults), a notification never before the data of the writes issued before it (small
-    and large writes, ``write(notify=)``, a refused write's never delivered), notifications
+    and large writes, ``write(notify=)`` also where another lane carries it, a refused
+    write's never delivered), notifications
     both ways, cancelled writes and reads (the endpoint stays usable, the buffer of a
     cancelled or timed-out read is never written later), timeouts (a
     :class:`tensorx.TimeoutError` that is also a builtin one), peer death
@@ -265,6 +266,25 @@ async def _notify_after_large_writes(pair: LanePair) -> None:
         await asyncio.sleep(0)  # one loop turn: the writes are issued, none has completed
         await pair.ep.notify(f"fill:{desc.region_id}:{value}:{piece}".encode())
         await asyncio.gather(*writes)
+        await _answered(pair)
+    assert await pair.owner.call("violations") == []
+
+
+@_check("notify-with-data-after-large-writes")
+async def _notify_with_data_after_large_writes(pair: LanePair) -> None:
+    """A write of 64 MiB in flight, then a write of no bytes with a notification: an
+    endpoint of several lanes sends that one by another lane than the large write, one
+    that carries the notification with its data. It still arrives after the large write
+    has landed. (One large write: the copy leaves a core to the owner, which looks.)"""
+    nbytes, piece = 64 * MiB, 8 * MiB
+    desc = await pair.owner.export(nbytes)
+    for value in range(1, 4):
+        region = MemoryRegion.register(np.full(nbytes, value, np.uint8))
+        large = asyncio.ensure_future(pair.ep.write(region, desc))
+        await asyncio.sleep(0)  # one loop turn: the write is issued, it has not completed
+        await pair.ep.write(region, desc, 0, 0, 0,
+                            notify=f"fill:{desc.region_id}:{value}:{piece}".encode())
+        await large
         await _answered(pair)
     assert await pair.owner.call("violations") == []
 

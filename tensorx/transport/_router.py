@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from tensorx._deadline import Deadline
 from tensorx.transport.base import DataLane, Op
 
 __all__ = ["Router"]
@@ -88,7 +89,28 @@ class Router(DataLane):
         if len(by_lane) != 1:
             return False  # the endpoint writes, flushes every lane and notifies
         lane, mine = next(iter(by_lane.items()))
-        return await lane.write_notify(mine, payload, timeout=timeout)
+        deadline = Deadline(timeout)
+        await self._flush_others(lane, deadline)
+        return await lane.write_notify(mine, payload, timeout=deadline.left())
+
+    async def write_then_notify(self, ops: Sequence[Op], payload: bytes, *,
+                                timeout: float | None) -> bool:
+        by_lane = self._split(ops)  # (once: write_notify then write_many would split twice)
+        if len(by_lane) != 1:
+            await asyncio.gather(*(lane.write_many(mine, timeout=timeout)
+                                   for lane, mine in by_lane.items()))
+            return False
+        lane, mine = next(iter(by_lane.items()))
+        deadline = Deadline(timeout)
+        await self._flush_others(lane, deadline)
+        return await lane.write_then_notify(mine, payload, timeout=deadline.left())
+
+    async def _flush_others(self, lane: DataLane, deadline: Deadline) -> None:
+        """Earlier ops still in flight on the lanes other than ``lane`` land first: a
+        notification ``lane`` carries with its data must not overtake them."""
+        for other in self.lanes:
+            if other is not lane:
+                await other.flush(timeout=deadline.left())
 
     async def flush(self, *, timeout: float | None) -> None:
         for lane in self.lanes:

@@ -56,3 +56,20 @@ async def test_a_lane_that_loses_bytes_fails_the_suite_naming_the_check() -> Non
 async def test_unknown_checks_are_named() -> None:
     with pytest.raises(tx.UsageError, match="no lane check nope"):
         await check_lane(owner_pair("tcp"), ["nope"])
+
+
+async def test_a_notification_the_tcp_lane_carries_waits_for_same_host_writes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same host with TCP as the lane between hosts (UCX off): a write of no bytes goes by
+    TCP, which carries its notification in the write's frame, while a large write is still
+    in flight by CMA. The notification waits for the CMA write (it once overtook it)."""
+    monkeypatch.setenv("TENSORX_UCX_TCP", "0")
+    make = owner_pair("auto")
+
+    @contextlib.asynccontextmanager
+    async def over_cma_and_tcp() -> AsyncIterator[LanePair]:
+        async with make() as pair:
+            assert pair.ep.info["lanes"] == ["cma", "tcp/socket"], pair.ep.info
+            yield pair
+
+    await check_lane(over_cma_and_tcp, ["notify-with-data-after-large-writes"])
