@@ -363,17 +363,34 @@ class Endpoint:
         t = deadline.left()
         carried = False
         if checked:
-            started = time.perf_counter()
-            with self._counted("write", sum(op.nbytes for op in checked)):
-                if notify is not None:
-                    carried = await self._lane.write_notify(checked, bytes(notify), timeout=t)
-                if not carried:
+            started, failed = time.perf_counter(), True
+            try:
+                if notify is None:
                     await self._lane.write_many(checked, timeout=t)
+                else:  # written, and notified too where the lane carries it with the data
+                    carried = await self._lane.write_then_notify(checked, bytes(notify),
+                                                                 timeout=t)
+                failed = False
+            finally:
+                self.stats.record("write", sum(op.nbytes for op in checked), started, failed)
             if carried:
                 assert notify is not None
                 self.stats.record("notify", len(notify), started, False)
         if notify is not None and not carried:  # the lane could not carry it: flush, notify
-            await self.notify(notify, timeout=deadline.left())
+            await self._notify(bytes(notify), deadline)
+
+    async def _notify(self, payload: bytes, deadline: Deadline) -> None:
+        """:meth:`notify` once its checks are done (the payload's, the reconnection)."""
+        self._check_usable()
+        if self._issuing:  # writes started earlier but still being checked
+            await asyncio.gather(*self._issuing)
+        started, failed = time.perf_counter(), True
+        try:
+            await self._lane.flush(timeout=deadline.left())
+            await self._channel.notify(payload, deadline.left())
+            failed = False
+        finally:
+            self.stats.record("notify", len(payload), started, failed)
 
     async def read_rows(self, out: Any, remote: RegionDescriptor | bytes, rows: Any, *,
                         timeout: float | None = DEFAULT) -> None:
@@ -420,12 +437,7 @@ class Endpoint:
         deadline = Deadline(self._timeout(timeout))
         if self._rejoin is not None:
             await self._rejoined(deadline.left())
-        self._check_usable()
-        if self._issuing:  # writes started earlier but still being checked
-            await asyncio.gather(*self._issuing)
-        with self._counted("notify", len(payload)):
-            await self._lane.flush(timeout=deadline.left())
-            await self._channel.notify(bytes(payload), deadline.left())
+        await self._notify(bytes(payload), deadline)
 
     @contextlib.asynccontextmanager
     async def _issuing_write(self) -> AsyncIterator[None]:

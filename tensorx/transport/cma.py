@@ -411,6 +411,27 @@ class CmaLane(DataLane):
         self.ops += 1
         return True
 
+    def _many_at_once(self, ops: Sequence[Op]) -> bool:
+        """:meth:`_at_once` for a batch of writes: every address known, small in all. Each
+        op's range is checked before any byte moves."""
+        if self._halt is not None:
+            return False
+        segments: list[Segment] = []
+        total = 0
+        for op in ops:
+            addr = self._known.get((op.remote.region_id, op.remote.cookie))
+            if addr is None:
+                return False
+            check_bounds(op.remote.nbytes, op.remote_offset, op.nbytes)
+            segments.append((op.local.address + op.local_offset, addr + op.remote_offset,
+                             op.nbytes))
+            total += op.nbytes
+        if total > POOL_ABOVE:
+            return False
+        copy(self._pid, segments, True, self._stopped)
+        self.ops += len(segments)
+        return True
+
     async def _segments(self, ops: Sequence[Op], deadline: Deadline) -> list[Segment]:
         segments: list[Segment] = []
         for op in ops:
@@ -431,7 +452,8 @@ class CmaLane(DataLane):
             await self._run([op], False, timeout)
 
     async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
-        await self._run(ops, True, timeout)
+        if not self._many_at_once(ops):
+            await self._run(ops, True, timeout)
 
     async def _run(self, ops: Sequence[Op], to_remote: bool, timeout: float | None) -> None:
         deadline = Deadline(timeout)  # asking owners for addresses, then copying
