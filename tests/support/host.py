@@ -1,5 +1,5 @@
 """What a test needs of this host: another user to play (root only), a planted shared
-object, the ``/dev/shm`` files memory lies in, and the C row kernel (or a skip)."""
+object, the ``/dev/shm`` files memory lies in, and the C kernels (or a skip)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 
@@ -19,8 +19,9 @@ from tensorx import _shm
 if TYPE_CHECKING:
     import torch
 
-    from tensorx._ps.update import rowkernel
+    from tensorx._ps.update import foldkernel, rowkernel
 
+K = TypeVar("K")
 NOBODY = 65534  # "another user" (uid and gid of nobody)
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play another user")
 
@@ -62,9 +63,20 @@ def kernel_or_skip() -> rowkernel.RowKernel:
     """The C kernel; a test fails if a C compiler is here and it did not build."""
     from tensorx._ps.update import rowkernel
 
-    kernel = rowkernel.load()
+    return built_or_skip(rowkernel.load(), "the sparse SGD kernel")
+
+
+def fold_kernel_or_skip() -> foldkernel.FoldKernel:
+    """The gradient fold kernel; a test fails if a C compiler is here and it did not
+    build (or its probe found it differs from torch)."""
+    from tensorx._ps.update import fold, foldkernel
+
+    return built_or_skip(foldkernel.load(fold._mean_into), "the gradient fold kernel")
+
+
+def built_or_skip(kernel: K | None, what: str) -> K:
     if kernel is None:
         if shutil.which(os.environ.get("CC") or "cc") is None:
-            pytest.skip("no C compiler here: the sparse SGD kernel is not built")
-        raise AssertionError("a C compiler is here but the sparse SGD kernel did not build")
+            pytest.skip(f"no C compiler here: {what} is not built")
+        raise AssertionError(f"a C compiler is here but {what} did not build")
     return kernel

@@ -9,8 +9,9 @@ checks that (:mod:`tensorx._ps.service.nonfinite`) and steps with it: what is ch
 applied. Folding is the averaging an update of several ranks does anyway; the check then
 reads one gradient instead of one per rank.
 
-A fold that is to be checked is checked as it is made, piece by piece (:data:`CHECK_PIECE`
-bytes) while the piece is still in cache: the check then costs no second pass over memory.
+A fold that is to be checked is checked as it is made: by the fold kernel
+(:mod:`.foldkernel`), each value as it is written, else piece by piece (:data:`CHECK_PIECE`
+bytes) while the piece is still in cache. The check then costs no second pass over memory.
 
 Only when the folded gradient is not finite is each rank's slot looked at, and then through
 a private copy of it (:meth:`DenseFold.fold_each_checked`): a rank whose copy holds NaN or
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from tensorx._ps.rows.tables import sum_finite
+from tensorx._ps.update import foldkernel
 from tensorx.memregion import MemoryRegion
 
 __all__ = ["DenseFold"]
@@ -139,8 +141,15 @@ class DenseFold:
 
 
 def _mean_into_checked(acc: torch.Tensor, slots: Sequence[torch.Tensor]) -> bool:
-    """:func:`_mean_into`, piece by piece, each piece summed while it is in cache: whether
-    every value of the mean is finite (see :func:`sum_finite`)."""
+    """:func:`_mean_into`, checked in the same pass: whether every value of the mean is
+    finite. The fold kernel where it takes them (:mod:`.foldkernel`: each value checked as
+    it is written), else piece by piece, each piece summed while it is in cache (see
+    :func:`sum_finite`)."""
+    kernel = foldkernel.load(_mean_into)
+    if kernel is not None:
+        finite = kernel.fold(acc, slots)
+        if finite is not None:
+            return finite
     step = max(1, CHECK_PIECE // acc.element_size())
     if acc.dim() != 1 or acc.numel() <= step or any(s.shape != acc.shape for s in slots):
         _mean_into(acc, slots)

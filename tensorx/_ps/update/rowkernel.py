@@ -30,20 +30,15 @@ library's ``fma``.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
 import os
-import platform
-import shlex
-import subprocess
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from tensorx import _cache
+from tensorx._ps.update import ckernel
 
 __all__ = ["ENV", "RowKernel", "load"]
 
@@ -169,9 +164,6 @@ SGD(tx_row_sgd_f32, float, fused_f32, plain_f32)
 SGD(tx_row_sgd_f64, double, fused_f64, plain_f64)
 """
 
-# -ffp-contract=off: no multiply-add the source does not write (the plain update must
-# round twice, as torch's unfused kernel does)
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 _ERRORS = {-1: "row ids not ascending", -2: "a row id outside the table",
            -3: "too many ranks", -4: "no FMA instructions on this CPU"}
 
@@ -258,28 +250,11 @@ def _load() -> RowKernel | None:
     if os.environ.get(ENV, "1").strip() == "0":
         logger.info("%s=0: sparse SGD steps with torch ops", ENV)
         return None
-    cc = shlex.split(os.environ.get("CC") or "cc")
-    tag = hashlib.sha256("\0".join([SOURCE, *CFLAGS, *cc]).encode()).hexdigest()[:12]
     try:
-        built = _cache.built(f"rowkernel-{platform.machine()}-{tag}", "rowkernel.so",
-                             functools.partial(_compile, cc), "the sparse SGD kernel")
-        return RowKernel(ctypes.CDLL(built.path), built)
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        lib, built = ckernel.build("rowkernel", SOURCE, "the sparse SGD kernel")
+        return RowKernel(lib, built)
+    except ckernel.ERRORS as exc:
         logger.info("the sparse SGD kernel is unavailable (%s); steps use torch ops, "
                     "about 1.5x slower", str(exc).strip().splitlines()[0] if str(exc) else
                     type(exc).__name__)
         return None
-
-
-def _compile(cc: list[str], tmp: Path) -> Path:
-    """The shared library, compiled in the private folder ``tmp`` (once per source,
-    compiler flags and machine: the cache keeps it, see :mod:`tensorx._cache`)."""
-    src = tmp / "rowkernel.c"
-    src.write_text(SOURCE)
-    out = tmp / "rowkernel.so"
-    done = subprocess.run([*cc, *CFLAGS, "-o", str(out), str(src)],
-                          capture_output=True, text=True, timeout=120, check=False)
-    if done.returncode != 0:
-        raise OSError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
-    logger.debug("built the sparse SGD kernel")
-    return out

@@ -24,12 +24,13 @@ from torch import nn
 from tensorx._ps.service import round as rounds
 from tensorx._ps.service.nonfinite import Verdict, checked
 from tensorx._ps.state.shard import ShardLayout, ShardState
-from tensorx._ps.update import fold, parts
+from tensorx._ps.update import fold, foldkernel, parts
 from tensorx.graph_analyzer import GraphAnalyzer
 from tensorx.memregion import MemoryRegion
 from tensorx.ps import ParameterServer
 from tensorx.worker import Worker
 from tests.support.data import backward, batches
+from tests.support.host import fold_kernel_or_skip
 from tests.support.lanes import assert_link, link_options, links
 from tests.support.models import small_mlp
 from tests.support.training import SGD_MOMENTUM, train_single
@@ -165,8 +166,18 @@ async def test_nan_written_into_a_checked_slot_never_reaches_the_parameters(
 
 
 # -- the check, without I/O ----------------------------------------------------------------
+@pytest.fixture(params=["kernel", "torch"])
+def fold_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the shard folds and checks: the C fold kernel, or torch ops in pieces."""
+    if request.param == "kernel":
+        fold_kernel_or_skip()
+    else:
+        monkeypatch.setattr(foldkernel, "_loaded", [None])
+    return str(request.param)
+
+
 @pytest.fixture
-def state() -> Any:
+def state(fold_path: str) -> Any:
     model = small_mlp()
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     shard = ShardState(ShardLayout.from_plan(GraphAnalyzer(model).plan(), 0), 2, sgd)
@@ -197,9 +208,10 @@ def test_the_fold_is_checked_and_a_rank_named_by_its_own_copy(state: Any) -> Non
 @pytest.mark.parametrize("ranks", [[0], [0, 1]])
 def test_the_fold_is_checked_piece_by_piece_and_a_nan_in_its_last_piece_is_found(
         state: Any, monkeypatch: pytest.MonkeyPatch, where: str, ranks: list[int]) -> None:
-    """The check is taken as the fold is made, in pieces (here of 16 bytes: a real one is
-    4 MiB); NaN in the first or the last piece of the last tensor is found, names its rank,
-    and nothing of the step is applied."""
+    """The check is taken as the fold is made (by the kernel value by value; by torch ops
+    in pieces, here of 16 bytes where a real one is 4 MiB); NaN in the first or the last
+    piece of the last tensor is found, names its rank, and nothing of the step is
+    applied."""
     monkeypatch.setattr(fold, "CHECK_PIECE", 16)
     for rank in ranks:
         fill(state, rank, 1.0)
@@ -223,21 +235,28 @@ def test_a_mean_that_overflows_is_not_applied_though_no_rank_is_to_blame(state: 
 
 @pytest.mark.parametrize("put_back", [False, True])
 def test_a_slot_changed_while_it_is_folded_is_judged_by_a_private_copy(
-        state: Any, monkeypatch: pytest.MonkeyPatch, put_back: bool) -> None:
+        state: Any, monkeypatch: pytest.MonkeyPatch, put_back: bool, fold_path: str) -> None:
     """Rank 1 writes NaN into its slot while the shard folds it: the fold is not finite,
     so each slot is copied and checked on its own. A NaN still there names rank 1; one put
     back by then leaves copies that are finite, and their mean is what is applied."""
     fill(state, 0, 1.0)
     slot = fill(state, 1, 3.0)
-    mean_into = fold._mean_into
 
-    def racing(acc: torch.Tensor, slots: Any) -> None:
-        slot.fill_(float("nan"))
-        mean_into(acc, slots)
-        if put_back:
-            slot.fill_(3.0)
+    def racing(real: Callable[..., Any]) -> Callable[..., Any]:
+        def folding(acc: torch.Tensor, slots: Any) -> Any:
+            slot.fill_(float("nan"))
+            got = real(acc, slots)
+            if put_back:
+                slot.fill_(3.0)
+            return got
+        return folding
 
-    monkeypatch.setattr(fold, "_mean_into", racing)
+    if fold_path == "kernel":
+        kernel = foldkernel.load(fold._mean_into)
+        assert kernel is not None
+        monkeypatch.setattr(kernel, "fold", racing(kernel.fold))
+    else:
+        monkeypatch.setattr(fold, "_mean_into", racing(fold._mean_into))
     verdict = checked(state, [0, 1])
     assert verdict == (Verdict([], True) if put_back else Verdict([1], False))
     if put_back:

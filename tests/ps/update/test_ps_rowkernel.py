@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tensorx._ps.rows.tables import no_invariant_checks, sum_rows
-from tensorx._ps.update import rowkernel, rowsgd
+from tensorx._ps.update import ckernel, rowkernel, rowsgd
 from tests.support.host import NOBODY, as_root, kernel_or_skip, plant
 from tests.support.logs import only_warning
 
@@ -136,7 +136,7 @@ def test_built_once_per_cache(tmp_path: pytest.TempPathFactory,
     def no_compiler(*_: object, **__: object) -> None:
         raise AssertionError("compiled again")
 
-    monkeypatch.setattr(rowkernel.subprocess, "run", no_compiler)
+    monkeypatch.setattr(ckernel.subprocess, "run", no_compiler)
     again = rowkernel._load()
     assert again is not None and again.path == first.path
     assert first.path.stat().st_mtime_ns == stamp
