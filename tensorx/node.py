@@ -231,6 +231,7 @@ class Node:
             from tensorx.transport.ucx import UcxFactory  # noqa: PLC0415 (UCX code loads only when UCX is chosen)
 
             self._peers.ucx_expected = self.transport == "auto" and _installed("ucxx")
+            UcxFactory.check_settings(self._ucx_options)
             return UcxFactory(**self._ucx_options)
         except (ImportError, TransportUnavailableError) as exc:
             why = f"UCX unavailable ({exc})"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +32,7 @@ class UcxLater:
     def __init__(self, options: Mapping[str, Any]) -> None:
         from tensorx.transport.ucx import UcxFactory  # noqa: PLC0415 (UCX code loads when UCX starts, not with the node)
 
-        inspect.signature(UcxFactory).bind(**options)  # a bad option fails now, not later
+        UcxFactory.check_settings(options)  # a bad setting fails now, not at the first peer
         self._options = dict(options)
         self._task: asyncio.Task[LaneFactory | None] | None = None
         self._taken = False

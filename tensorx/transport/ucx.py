@@ -21,6 +21,7 @@ each lane receives at construction; the lanes are in ``_ucx_lane.py``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tensorx._deadline import Deadline
+from tensorx._text import printable
 from tensorx.errors import ClosedError, ProtocolError, TransportUnavailableError, UsageError
 from tensorx.memregion import MemoryRegion
 from tensorx.transport import _ucp
@@ -107,8 +109,10 @@ class UcxFactory(LaneFactory):
                  inline_bytes: int = 256 << 10, inline_progress: int = 64,
                  progress_spin_us: float | None = DEFAULT_SPIN_US,
                  allow_tcp: bool | None = None) -> None:
-        if chunk_bytes <= 0 or inline_progress < 0 or inline_bytes < 0:
-            raise UsageError("chunk_bytes must be > 0; inline_bytes, inline_progress >= 0")
+        self.check_settings({"error_handling": error_handling, "tls": tls, "options": options,
+                             "chunk_bytes": chunk_bytes, "inline_bytes": inline_bytes,
+                             "inline_progress": inline_progress,
+                             "progress_spin_us": progress_spin_us, "allow_tcp": allow_tcp})
         if error_handling is None:
             error_handling = os.environ.get("TENSORX_UCX_ERROR_HANDLING", "1") != "0"
         self.error_handling = bool(error_handling)
@@ -142,6 +146,49 @@ class UcxFactory(LaneFactory):
                                      self.gpu_memory)
         self._lanes: set[UcxLane] = set()
         self._closed = False
+
+    @staticmethod
+    def check_settings(settings: Mapping[str, Any]) -> None:
+        """UsageError naming the first of ``settings`` (keyword arguments of
+        :class:`UcxFactory`, as ``Node(ucx_options=)`` gives them) that it does not take
+        (checked where the factory is made, and by a node that starts UCX only at its
+        first UCX peer when the node starts, so that a bad setting never waits for a peer
+        to show)."""
+        known = [n for n in inspect.signature(UcxFactory.__init__).parameters if n != "self"]
+        unknown = sorted(str(k) for k in settings if k not in known)
+        if unknown:
+            raise UsageError(f"ucx_options: unknown setting {printable(unknown[0])[:60]!r} "
+                             f"(the settings are {', '.join(known)})")
+        error_handling, allow_tcp = settings.get("error_handling"), settings.get("allow_tcp")
+        tls, options = settings.get("tls"), settings.get("options")
+        progress_spin_us = settings.get("progress_spin_us")
+
+        def number(name: str, value: Any, low: float, integer: bool = True) -> None:
+            kinds = (int,) if integer else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds) or value < low:
+                want = "an int" if integer else "a number"
+                raise UsageError(f"ucx_options: {name} must be {want} >= {low:g}, got "
+                                 f"{printable(repr(value))[:60]}")
+
+        for name, value in (("error_handling", error_handling), ("allow_tcp", allow_tcp)):
+            if value is not None and not isinstance(value, bool):
+                raise UsageError(f"ucx_options: {name} must be True, False or None, got "
+                                 f"{printable(repr(value))[:60]}")
+        if tls is not None and not isinstance(tls, str):
+            raise UsageError(f"ucx_options: tls must be a string such as 'rc,sm', got "
+                             f"{printable(repr(tls))[:60]}")
+        if options is not None:
+            if not isinstance(options, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, (str, int, float))
+                    and not isinstance(v, bool) for k, v in options.items()):
+                raise UsageError("ucx_options: options must map UCX setting names (strings, "
+                                 "without UCX_) to strings or numbers, got "
+                                 f"{printable(repr(options))[:80]}")
+        number("chunk_bytes", settings.get("chunk_bytes", DEFAULT_CHUNK), 1)
+        number("inline_bytes", settings.get("inline_bytes", 0), 0)
+        number("inline_progress", settings.get("inline_progress", 0), 0)
+        if progress_spin_us is not None:
+            number("progress_spin_us", progress_spin_us, 0, integer=False)
 
     @property
     def driver(self) -> bool:
