@@ -69,9 +69,9 @@ def kernel_or_skip() -> rowkernel.RowKernel:
 def fold_kernel_or_skip() -> foldkernel.FoldKernel:
     """The gradient fold kernel; a test fails if a C compiler is here and it did not
     build (or its probe found it differs from torch)."""
-    from tensorx._ps.update import fold, foldkernel
+    from tensorx._ps.update import fold
 
-    return built_or_skip(foldkernel.load(fold._mean_into), "the gradient fold kernel")
+    return built_or_skip(fold.kernel(), "the gradient fold kernel")
 
 
 def built_or_skip(kernel: K | None, what: str) -> K:

@@ -31,7 +31,7 @@ from tensorx._ps.rows.tables import sum_finite
 from tensorx._ps.update import foldkernel
 from tensorx.memregion import MemoryRegion
 
-__all__ = ["DenseFold"]
+__all__ = ["DenseFold", "kernel"]
 
 Units = Callable[[MemoryRegion], list[torch.Tensor]]
 # A fold is checked in pieces of this many bytes as it is made: a piece is summed while it is
@@ -140,14 +140,20 @@ class DenseFold:
         return views
 
 
+def kernel() -> foldkernel.FoldKernel | None:
+    """The fold kernel the checked fold uses, or None where the torch ops serve (built,
+    loaded and probed against them on first call)."""
+    return foldkernel.load(_mean_into)
+
+
 def _mean_into_checked(acc: torch.Tensor, slots: Sequence[torch.Tensor]) -> bool:
     """:func:`_mean_into`, checked in the same pass: whether every value of the mean is
     finite. The fold kernel where it takes them (:mod:`.foldkernel`: each value checked as
     it is written), else piece by piece, each piece summed while it is in cache (see
     :func:`sum_finite`)."""
-    kernel = foldkernel.load(_mean_into)
-    if kernel is not None:
-        finite = kernel.fold(acc, slots)
+    folds = kernel()
+    if folds is not None:
+        finite = folds.fold(acc, slots)
         if finite is not None:
             return finite
     step = max(1, CHECK_PIECE // acc.element_size())
