@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -249,15 +249,6 @@ class Endpoint:
         same-host peers or why not; why each lane factory left out was (by name)."""
         return {**self._lane.info, **self._notes, "peer": self.peer, "address": self.address,
                 "stats": self.stats.snapshot(), "socket": dict(self._channel.stats)}
-
-    @contextlib.contextmanager
-    def _counted(self, op: str, nbytes: int) -> Iterator[None]:
-        started, failed = time.perf_counter(), True
-        try:
-            yield
-            failed = False
-        finally:
-            self.stats.record(op, nbytes, started, failed)
 
     @property
     def closed(self) -> bool:

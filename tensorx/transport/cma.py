@@ -399,21 +399,10 @@ class CmaLane(DataLane):
             self._known[key] = addr
         return addr
 
-    def _at_once(self, op: Op, to_remote: bool) -> bool:
-        """Do a small op whose address we know right here (nothing to wait for, so
-        nothing in flight for :meth:`flush` to track); False where it is not that."""
-        addr = self._known.get((op.remote.region_id, op.remote.cookie))
-        if addr is None or self._halt is not None or op.nbytes > POOL_ABOVE:
-            return False
-        check_bounds(op.remote.nbytes, op.remote_offset, op.nbytes)
-        copy(self._pid, [(op.local.address + op.local_offset, addr + op.remote_offset,
-                          op.nbytes)], to_remote, self._stopped)
-        self.ops += 1
-        return True
-
-    def _many_at_once(self, ops: Sequence[Op]) -> bool:
-        """:meth:`_at_once` for a batch of writes: every address known, small in all. Each
-        op's range is checked before any byte moves."""
+    def _at_once(self, ops: Sequence[Op], to_remote: bool) -> bool:
+        """Do small ops whose addresses we know right here (nothing to wait for, so
+        nothing in flight for :meth:`flush` to track); False, nothing done, where they are
+        not that. Each op's range is checked before any byte moves."""
         if self._halt is not None:
             return False
         segments: list[Segment] = []
@@ -428,7 +417,7 @@ class CmaLane(DataLane):
             total += op.nbytes
         if total > POOL_ABOVE:
             return False
-        copy(self._pid, segments, True, self._stopped)
+        copy(self._pid, segments, to_remote, self._stopped)
         self.ops += len(segments)
         return True
 
@@ -444,15 +433,15 @@ class CmaLane(DataLane):
 
     # -- the contract ---------------------------------------------------------------------
     async def write(self, op: Op, *, timeout: float | None) -> None:
-        if not self._at_once(op, True):
-            await self.write_many([op], timeout=timeout)
+        if not self._at_once((op,), True):
+            await self._run([op], True, timeout)
 
     async def read(self, op: Op, *, timeout: float | None) -> None:
-        if not self._at_once(op, False):
+        if not self._at_once((op,), False):
             await self._run([op], False, timeout)
 
     async def write_many(self, ops: Sequence[Op], *, timeout: float | None) -> None:
-        if not self._many_at_once(ops):
+        if not self._at_once(ops, True):
             await self._run(ops, True, timeout)
 
     async def _run(self, ops: Sequence[Op], to_remote: bool, timeout: float | None) -> None:
