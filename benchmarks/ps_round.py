@@ -212,6 +212,7 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
     from tensorx._ps.service.nonfinite import checked
     from tensorx._ps.state.shard import ShardLayout, ShardState
     from tensorx._ps.update import fold as folding
+    from tensorx._ps.update.foldkernel import STREAM_BYTES
     from tensorx.graph_analyzer import GraphAnalyzer
     from tensorx.memregion import MemoryRegion
 
@@ -222,7 +223,10 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
         fold = _median_s(lambda: state.fold([0], check=False))
         fold_check = _median_s(lambda: checked(state, [0]))
         check = fold_check - fold
-        how = "the fold kernel, one pass" if folding.kernel() else "torch ops in pieces"
+        how = "torch ops in pieces"
+        if folding.kernel():
+            how = "the fold kernel, one pass" + (
+                ", written past the caches" if state.layout.nbytes >= STREAM_BYTES else "")
         edits = None
         if state.params_region.shared_name is not None:
             mapped = MemoryRegion.attach(state.params_region.shared_name,
@@ -238,8 +242,10 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
             line = (f"- {MODEL_LABELS[model]}, {r['placement']}, {r['system']} "
                     f"({r['median_s'] * 1e3:.1f} ms/round): fold + non-finite check "
                     f"{fold_check * 1e3:.2f} ms ({how}), fold alone {fold * 1e3:.2f} ms "
-                    f"(torch ops), so the check adds {check * 1e3:.2f} ms = "
-                    f"{check / r['median_s']:.1%} of a round")
+                    f"(torch ops), so the check adds "
+                    + (f"{check * 1e3:.2f} ms = {check / r['median_s']:.1%} of a round"
+                       if check > 0 else "nothing (the checked fold is the faster by "
+                       f"{-check * 1e3:.2f} ms)"))
             if r["mapped"] and edits is not None:
                 line += (f"; edit-in-place check {edits * 1e3:.2f} ms = "
                          f"{edits / r['median_s']:.1%}")

@@ -71,10 +71,15 @@ class DenseFold:
         afresh; ``check``: and check each unit as it is folded (:meth:`finite` then says)."""
         self._start(ranks)
         slots = [self._of(r) for r in ranks]
+        todo = list(self._which(units))
+        # more than the cache holds: it is not there when the update reads it, write past it
+        stream = sum(self.acc[u].numel() * self.acc[u].element_size() for u in todo) >= \
+            foldkernel.STREAM_BYTES
         with torch.no_grad():
-            for u in self._which(units):
+            for u in todo:
                 if check:
-                    self._finite[u] = _mean_into_checked(self.acc[u], [s[u] for s in slots])
+                    self._finite[u] = _mean_into_checked(self.acc[u], [s[u] for s in slots],
+                                                         stream=stream)
                 else:
                     self._finite.pop(u, None)
                     _mean_into(self.acc[u], [s[u] for s in slots])
@@ -146,14 +151,15 @@ def kernel() -> foldkernel.FoldKernel | None:
     return foldkernel.load(_mean_into)
 
 
-def _mean_into_checked(acc: torch.Tensor, slots: Sequence[torch.Tensor]) -> bool:
+def _mean_into_checked(acc: torch.Tensor, slots: Sequence[torch.Tensor], *,
+                       stream: bool = False) -> bool:
     """:func:`_mean_into`, checked in the same pass: whether every value of the mean is
     finite. The fold kernel where it takes them (:mod:`.foldkernel`: each value checked as
-    it is written), else piece by piece, each piece summed while it is in cache (see
-    :func:`sum_finite`)."""
+    it is written; ``stream``: ``acc`` written past the caches), else piece by piece, each
+    piece summed while it is in cache (see :func:`sum_finite`)."""
     folds = kernel()
     if folds is not None:
-        finite = folds.fold(acc, slots)
+        finite = folds.fold(acc, slots, stream=stream)
         if finite is not None:
             return finite
     step = max(1, CHECK_PIECE // acc.element_size())

@@ -243,9 +243,9 @@ def test_a_slot_changed_while_it_is_folded_is_judged_by_a_private_copy(
     slot = fill(state, 1, 3.0)
 
     def racing(real: Callable[..., Any]) -> Callable[..., Any]:
-        def folding(acc: torch.Tensor, slots: Any) -> Any:
+        def folding(acc: torch.Tensor, slots: Any, **kw: Any) -> Any:
             slot.fill_(float("nan"))
-            got = real(acc, slots)
+            got = real(acc, slots, **kw)
             if put_back:
                 slot.fill_(3.0)
             return got

@@ -33,29 +33,53 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(ints), b.view(ints))
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_kernel_gives_torchs_bits_and_says_finite(kernel: foldkernel.FoldKernel,
-                                                      dtype: torch.dtype, ranks: int) -> None:
+                                                      dtype: torch.dtype, ranks: int,
+                                                      stream: bool) -> None:
+    """Also where the accumulator starts off the vector alignment (a part of an arena)."""
     slots = slots_of(dtype, ranks)
     want = torch.empty_like(slots[0])
     fold._mean_into(want, slots)
-    got = torch.full_like(slots[0], 7.0)
-    assert kernel.fold(got, slots) is True
-    assert same_bits(want, got)
+    for skip in (0, 1):
+        got = torch.full_like(slots[0], 7.0)
+        assert kernel.fold(got[skip:], [s[skip:] for s in slots], stream=stream) is True
+        assert same_bits(want[skip:], got[skip:])
+        assert bool((got[:skip] == 7.0).all())
 
 
+def test_a_fold_larger_than_the_cache_is_streamed_past_it(
+        kernel: foldkernel.FoldKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the accumulator is written past the caches from STREAM_BYTES up (the
+    same bits either way)."""
+    used: list[bool] = []
+    for stream in (False, True):
+        fn = kernel._fns[torch.float32, stream]
+        monkeypatch.setitem(kernel._fns, (torch.float32, stream),
+                            lambda *a, fn=fn, stream=stream: used.append(stream) or fn(*a))
+    monkeypatch.setattr(foldkernel, "STREAM_BYTES", 4096)
+    small, large = slots_of(torch.float32, 2, n=1023), slots_of(torch.float32, 2, n=1024)
+    assert kernel.fold(torch.empty(1023), small) is True
+    assert kernel.fold(torch.empty(1024), large) is True
+    assert used == [False, True]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
 @pytest.mark.parametrize("special", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("where", [0, -1])
+@pytest.mark.parametrize("where", [0, 5000, -1])
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_value_that_is_not_finite_is_found_wherever_it_is(
         kernel: foldkernel.FoldKernel, dtype: torch.dtype, ranks: int, where: int,
-        special: float) -> None:
-    slots = slots_of(dtype, ranks)
+        special: float, stream: bool) -> None:
+    """First (in the head before the first aligned vector: the accumulator starts one value
+    off alignment), in the middle (the vector loop), last (the tail after it)."""
+    slots = [s[1:] for s in slots_of(dtype, ranks)]
     slots[-1][where] = special
-    got = torch.empty_like(slots[0])
-    assert kernel.fold(got, slots) is False
+    got = torch.empty(slots[0].numel() + 1, dtype=dtype)[1:]
+    assert kernel.fold(got, slots, stream=stream) is False
     assert not bool(torch.isfinite(got[where]))
 
 
@@ -65,8 +89,9 @@ def test_a_mean_that_overflows_is_not_finite_but_large_values_are(
     of them would overflow); a mean whose sum overflows is not."""
     big = torch.full((1000,), 3e38)
     acc = torch.empty(1000)
-    assert kernel.fold(acc, [big]) is True
-    assert kernel.fold(acc, [big, big]) is False
+    for stream in (False, True):
+        assert kernel.fold(acc, [big], stream=stream) is True
+        assert kernel.fold(acc, [big, big], stream=stream) is False
 
 
 @pytest.mark.parametrize("slots", [
