@@ -183,17 +183,15 @@ class PipelinedRounds:
             if rnd.skip or not todo or (not settled and (
                     not rnd.early or rnd.outstanding() < rounds.EARLY_BYTES)):
                 break
-            if settled and not rnd.checked:  # nothing can undo the rest: check it all first
-                verdict = await self._in_thread(self._check_parts, rnd.ranks, todo)
-                rnd.checked = True
-                if not verdict.finite:
-                    await self._nonfinite(verdict.bad)
-                    continue
+            # nothing can undo the rest: check it all first (in the same trip to the thread)
+            check = settled and not rnd.checked
             try:
-                verdict = await self._in_thread(self._apply_parts, rnd.ranks, todo, not settled)
+                verdict = await self._in_thread(self._apply_parts, rnd.ranks, todo,
+                                                not settled, check)
             except OptimizerError as exc:
                 await self._round_failed(exc)
                 return
+            rnd.checked = rnd.checked or check
             if not verdict.finite:
                 await self._nonfinite(verdict.bad)
                 continue
@@ -215,14 +213,20 @@ class PipelinedRounds:
         assert state is not None
         return checked(state, ranks, parts)
 
-    def _apply_parts(self, ranks: list[int], parts: list[int], backup: bool) -> Verdict:
+    def _apply_parts(self, ranks: list[int], parts: list[int], backup: bool,
+                     check: bool = False) -> Verdict:
         """Apply ``parts`` (in the apply thread), each after its fold, its check and its
-        backup when ``backup`` (else as :meth:`_check_parts` folded them); not finite: the
-        ranks whose gradient is not (the parts before were applied)."""
+        backup when ``backup`` (else as :meth:`_check_parts` folded them; ``check``: folded
+        and checked all first, here, and none applied unless all are finite); not finite:
+        the ranks whose gradient is not (the parts before were applied, unless ``check``)."""
         state, rnd, backups = self._plans.state, self._round, self._backups
         assert state is not None
         assert rnd is not None
         assert backups is not None
+        if check:
+            verdict = self._check_parts(ranks, parts)
+            if not verdict.finite:
+                return verdict
         with torch.no_grad():
             for k in parts:
                 if backup:
