@@ -237,27 +237,39 @@ def rpc_main(cfg: dict[str, Any], steps: int) -> list[float]:
 # -- the floor: each stage's compute alone ------------------------------------------------
 def compute_floor(case: dict[str, Any], first: int, steps: int) -> list[float]:
     """The schedule model: GPipe's makespan over two stages with every micro-batch's
-    forward and backward timed alone (one thread, this process) and no communication, for
-    each step the systems time, ``first`` to ``first + steps - 1``, with its shapes (T2's
-    sequence lengths differ from step to step: each step is held to its own model)."""
+    forward and backward timed (one thread, this process) and no communication, for each
+    step the systems time, ``first`` to ``first + steps - 1``, with its shapes (T2's
+    sequence lengths differ from step to step: each step is held to its own model). The
+    compute runs in GPipe's order, each stage's forwards of every micro-batch, then their
+    backwards, so every micro-batch's graph is alive until its backward as in the
+    schedule (timed one micro-batch at a time, forward then backward, varying lengths ran
+    faster than any pipeline can: their memory was reused at once)."""
     torch.set_num_threads(1)
     spans = []
     mods = [module_for(case, rank) for rank in range(2)]
     for step in [first, *range(first, first + steps)]:  # the first once unmeasured (warm-up)
         f: list[list[float]] = [[], []]
         b: list[list[float]] = [[], []]
-        for x in micro_batches(case, step):
-            h = x
-            for rank, mod in enumerate(mods):
-                h = h.detach().requires_grad_(rank > 0)
+        inputs: list[list[torch.Tensor]] = [[], []]
+        outputs: list[list[torch.Tensor]] = [[], []]
+        h = micro_batches(case, step)
+        for rank, mod in enumerate(mods):
+            for x in h:
+                x = x.detach().requires_grad_(rank > 0)
                 t0 = time.perf_counter()
-                out = mod(h)
-                t1 = time.perf_counter()
-                (loss_fn(out, out) if rank == 1 else out).backward(
-                    None if rank == 1 else torch.ones_like(out))
-                f[rank].append(t1 - t0)
-                b[rank].append(time.perf_counter() - t1)
-                h = out
+                out = mod(x)
+                f[rank].append(time.perf_counter() - t0)
+                inputs[rank].append(x)
+                outputs[rank].append(out)
+            h = outputs[rank]
+        for rank in reversed(range(2)):
+            for j, out in enumerate(outputs[rank]):
+                t0 = time.perf_counter()
+                if rank == 1:
+                    loss_fn(out, out).backward()
+                else:
+                    out.backward(inputs[1][j].grad)  # the gradient stage 1 sends back
+                b[rank].append(time.perf_counter() - t0)
         spans.append(gpipe_makespan(f, b))
     return spans[1:]
 
