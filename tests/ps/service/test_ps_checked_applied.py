@@ -166,13 +166,16 @@ async def test_nan_written_into_a_checked_slot_never_reaches_the_parameters(
 
 
 # -- the check, without I/O ----------------------------------------------------------------
-@pytest.fixture(params=["kernel", "torch"])
+@pytest.fixture(params=["kernel", "kernel-streamed", "torch"])
 def fold_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """How the shard folds and checks: the C fold kernel, or torch ops in pieces."""
-    if request.param == "kernel":
+    """How the shard folds and checks: the C fold kernel (its accumulator written through
+    the caches, or past them as a fold larger than the cache is), or torch ops in pieces."""
+    if request.param.startswith("kernel"):
         fold_kernel_or_skip()
-    else:
-        monkeypatch.setattr(foldkernel, "_loaded", [None])
+        if request.param == "kernel-streamed":
+            monkeypatch.setattr(foldkernel, "STREAM_BYTES", 0)  # every fold is "large"
+        return "kernel"
+    monkeypatch.setattr(foldkernel, "_loaded", [None])
     return str(request.param)
 
 
