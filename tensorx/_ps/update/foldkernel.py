@@ -12,9 +12,10 @@ and halved, each operation rounded to the dtype (float32 and float64). More rank
 dtypes or tensors that are not contiguous take the torch ops (with three ranks or more the
 kernel was no faster than torch's vectorized ops in cached pieces). A probe at load
 compares the kernel with the torch ops on random values, specials included, for 1 and 2
-ranks; any difference and the torch ops serve. Built as :mod:`tensorx._ps.update.ckernel`
-says; ``TENSORX_FOLD_KERNEL=0`` or a build that fails leaves the torch ops, logged once at
-INFO.
+ranks, with the accumulator written through the caches and past them (non-temporal stores,
+what a fold larger than the last-level cache uses: :data:`STREAM_BYTES`); any difference and
+the torch ops serve. Built as :mod:`tensorx._ps.update.ckernel` says;
+``TENSORX_FOLD_KERNEL=0`` or a build that fails leaves the torch ops, logged once at INFO.
 """
 
 from __future__ import annotations
