@@ -212,7 +212,7 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
     from tensorx._ps.service.nonfinite import checked
     from tensorx._ps.state.shard import ShardLayout, ShardState
     from tensorx._ps.update import fold as folding
-    from tensorx._ps.update.foldkernel import STREAM_BYTES
+    from tensorx._ps.update.foldkernel import streamed
     from tensorx.graph_analyzer import GraphAnalyzer
     from tensorx.memregion import MemoryRegion
 
@@ -226,7 +226,7 @@ def guard_costs(model: str, rows: list[dict[str, Any]]) -> list[str]:
         how = "torch ops in pieces"
         if folding.kernel():
             how = "the fold kernel, one pass" + (
-                ", written past the caches" if state.layout.nbytes >= STREAM_BYTES else "")
+                ", written past the caches" if streamed(state.layout.nbytes) else "")
         edits = None
         if state.params_region.shared_name is not None:
             mapped = MemoryRegion.attach(state.params_region.shared_name,

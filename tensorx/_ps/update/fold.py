@@ -73,8 +73,8 @@ class DenseFold:
         slots = [self._of(r) for r in ranks]
         todo = list(self._which(units))
         # more than the cache holds: it is not there when the update reads it, write past it
-        stream = sum(self.acc[u].numel() * self.acc[u].element_size() for u in todo) >= \
-            foldkernel.STREAM_BYTES
+        stream = foldkernel.streamed(sum(self.acc[u].numel() * self.acc[u].element_size()
+                                         for u in todo))
         with torch.no_grad():
             for u in todo:
                 if check:

@@ -31,7 +31,7 @@ import torch
 from tensorx import _cache
 from tensorx._ps.update import ckernel
 
-__all__ = ["ENV", "FoldKernel", "load"]
+__all__ = ["ENV", "STREAM_BYTES", "FoldKernel", "load", "streamed"]
 
 logger = logging.getLogger("tensorx.ps")
 
@@ -51,6 +51,11 @@ def _last_level_cache() -> int:
 # a fold at least this large is written past the caches: it would not stay in them until the
 # update reads it (on a 2-core EPYC, 102 MB folded in 4.9-5.0 ms so, 6.8-6.9 ms through them)
 STREAM_BYTES = _last_level_cache()
+
+
+def streamed(nbytes: int) -> bool:
+    """Is a fold of ``nbytes`` written past the caches (:data:`STREAM_BYTES` or more)?"""
+    return nbytes >= STREAM_BYTES
 
 SOURCE = r"""
 #include <stddef.h>
@@ -184,7 +189,7 @@ class FoldKernel:
         ``stream``: write ``acc`` past the caches (default: when it is larger than
         :data:`STREAM_BYTES`, so that it would not stay cached until it is read)."""
         if stream is None:
-            stream = acc.numel() * acc.element_size() >= STREAM_BYTES
+            stream = streamed(acc.numel() * acc.element_size())
         fn = self._fns.get((acc.dtype, stream))
         if fn is None or acc.device.type != "cpu" or not acc.is_contiguous() or \
                 not 0 < len(slots) <= MAX_RANKS:
